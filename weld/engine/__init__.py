@@ -1,0 +1,1 @@
+"""The engine: scheduling (pure Python), the model runner (device), and the public LLM API."""

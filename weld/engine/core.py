@@ -1,0 +1,239 @@
+"""EngineCore: requests in, outputs out. `step()` = schedule, run, postprocess.
+
+It owns the scheduler (pure Python), the model runner (the device) and the tokenizer, and
+turns sampled ids into text, logprobs and finish reasons. Stop strings are checked here, on
+the host, after each step; text past a stop string is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import numpy as np
+
+from weld.engine.block_manager import BlockManager
+from weld.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from weld.engine.runner import ModelRunner, StepResult
+from weld.engine.sampling_params import SamplingParams
+from weld.engine.scheduler import Scheduler, ScheduledSeq
+from weld.engine.sequence import Sequence
+from weld.tokenizer import IncrementalDetokenizer, Tokenizer
+from weld.utils.errors import InvalidInputError
+
+
+@dataclasses.dataclass
+class _Completion:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    text: str = ""
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    stop_checked_upto: int = 0  # text offset before which no stop string can still start
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[_Completion]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.is_finished for c in self.completions)
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, scheduler: Scheduler, *,
+                 max_model_len: int, eos_token_ids: tuple[int, ...]):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = runner.cfg.vocab_size
+        self.requests: dict[str, _Request] = {}
+        self._seq_owner: dict[int, _Request] = {}
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.scheduler.block_manager
+
+    # ----- requests -----
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        if request_id in self.requests:
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise InvalidInputError("the prompt is empty: give at least one token")
+        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidInputError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidInputError(
+                f"the prompt has {len(ids)} tokens, but the model's context (max_model_len) is "
+                f"{self.max_model_len}: it must leave room for at least one new token")
+        need = self.block_manager.pages_for(self.max_model_len if params.max_tokens is None
+                                            else min(self.max_model_len, len(ids) + params.max_tokens))
+        if need > self.block_manager.num_pages:
+            raise InvalidInputError(
+                f"this request may need {need} KV pages but the cache has {self.block_manager.num_pages}; "
+                f"lower max_tokens or give the KV cache more memory")
+        base_seed = params.seed if params.seed is not None else random.getrandbits(63)
+        completions = []
+        for index in range(params.n):
+            seed = base_seed if index == 0 else hash((base_seed, index)) & ((1 << 63) - 1)
+            seq = Sequence(request_id, ids, params, index=index, seed=seed)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids,
+                                           skip_special_tokens=params.skip_special_tokens)
+            completions.append(_Completion(seq, detok, logprobs=[] if params.logprobs is not None else None))
+        request = _Request(request_id, prompt, ids, params, completions,
+                           prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        self.requests[request_id] = request
+        for c in completions:
+            self._seq_owner[c.seq.seq_id] = request
+            if params.max_tokens == 0 and params.prompt_logprobs is None:
+                self.scheduler.finish(c.seq, "length")
+            else:
+                self.scheduler.add(c.seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stops a request wherever it is and frees its pages."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for c in request.completions:
+            if not c.seq.is_finished:
+                self.scheduler.finish(c.seq, "abort")
+        return self._pop_if_finished(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ----- the step -----
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one model call; returns the current output of every request it touched."""
+        outputs = [self._pop_if_finished(r) for r in list(self.requests.values()) if r.finished]
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return [o for o in outputs if o is not None]
+        owners = [self._seq_owner[e.seq.seq_id] for e in plan.entries]
+        want_lp = any(r.params.logprobs is not None for r in owners)
+        want_prompt_lp = plan.kind == "prefill" and any(
+            r.prompt_logprobs is not None and e.seq.index == 0 and e.seq.num_output_tokens == 0
+            for r, e in zip(owners, plan.entries))
+        result = self.runner.execute(plan, want_logprobs=want_lp, want_prompt_logprobs=want_prompt_lp)
+        touched: dict[str, _Request] = {}
+        for i, (entry, request) in enumerate(zip(plan.entries, owners)):
+            touched[request.request_id] = request
+            if want_prompt_lp and request.prompt_logprobs is not None and entry.seq.index == 0:
+                self._record_prompt_logprobs(request, entry, result, i)
+            entry.seq.num_computed_tokens = entry.start + entry.num_tokens
+            if entry.sample and entry.seq.params.max_tokens == 0:
+                self.scheduler.finish(entry.seq, "length")  # ran only for its prompt logprobs
+            elif entry.sample:
+                self._append_token(request, entry.seq, result, i)
+        for request in touched.values():
+            out = self._pop_if_finished(request) if request.finished else self._snapshot(request)
+            outputs.append(out)
+        return [o for o in outputs if o is not None]
+
+    def _record_prompt_logprobs(self, request: _Request, entry: ScheduledSeq, result: StepResult, i: int):
+        num_prompt = len(request.prompt_token_ids)
+        k = request.params.prompt_logprobs
+        for j in range(entry.num_tokens):
+            target_pos = entry.start + j + 1
+            if target_pos >= num_prompt or target_pos < len(request.prompt_logprobs):
+                continue
+            token = request.prompt_token_ids[target_pos]
+            request.prompt_logprobs.append(self._position_logprobs(
+                token, result.prompt_logprobs[i, j], result.prompt_ranks[i, j],
+                result.prompt_top_ids[i, j], result.prompt_top_logprobs[i, j], k))
+
+    def _position_logprobs(self, token: int, lp: float, rank: int, top_ids, top_lps, k: int) -> PositionLogprobs:
+        entry: PositionLogprobs = {int(token): Logprob(float(lp), int(rank), self.tokenizer.decode([int(token)], skip_special_tokens=False))}
+        for r, (tid, tlp) in enumerate(zip(top_ids[:k], top_lps[:k]), start=1):
+            if int(tid) not in entry:
+                entry[int(tid)] = Logprob(float(tlp), r, self.tokenizer.decode([int(tid)], skip_special_tokens=False))
+        return entry
+
+    def _append_token(self, request: _Request, seq: Sequence, result: StepResult, i: int) -> None:
+        params = seq.params
+        token = int(result.token_ids[i])
+        seq.output_token_ids.append(token)
+        completion = request.completions[seq.index]
+        if result.logprobs is not None:
+            completion.cumulative_logprob += float(result.logprobs[i])
+            if completion.logprobs is not None:
+                completion.logprobs.append(self._position_logprobs(
+                    token, result.logprobs[i], result.ranks[i], result.top_ids[i],
+                    result.top_logprobs[i], params.logprobs))
+        completion.text += completion.detok.add([token])
+        n_out = seq.num_output_tokens
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                self._finish_text(completion)
+                self.scheduler.finish(seq, "stop", None)
+                return
+            if token in params.stop_token_ids:
+                self._finish_text(completion)
+                self.scheduler.finish(seq, "stop", token)
+                return
+            if params.stop and self._check_stop_strings(completion):
+                return
+        if (params.max_tokens is not None and n_out >= params.max_tokens) or seq.num_tokens >= self.max_model_len:
+            self._finish_text(completion)
+            self.scheduler.finish(seq, "length")
+
+    def _finish_text(self, completion: _Completion) -> None:
+        """Takes any text the detokenizer held back (an incomplete character) at the end."""
+        completion.text += completion.detok.flush()
+
+    def _check_stop_strings(self, completion: _Completion) -> bool:
+        params = completion.seq.params
+        text = completion.text
+        start = completion.stop_checked_upto
+        hits = [(text.find(s, start), s) for s in params.stop]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        longest = max(len(s) for s in params.stop)
+        completion.stop_checked_upto = max(0, len(text) - longest + 1)
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        completion.text = text[:pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
+        self.scheduler.finish(completion.seq, "stop", stop)
+        return True
+
+    # ----- outputs -----
+
+    def _snapshot(self, request: _Request) -> RequestOutput:
+        outs = [CompletionOutput(
+            index=c.seq.index, text=c.text, token_ids=list(c.seq.output_token_ids),
+            cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+            logprobs=list(c.logprobs) if c.logprobs is not None else None,
+            finish_reason=c.seq.finish_reason, stop_reason=c.seq.stop_reason)
+            for c in request.completions]
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
+                             list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
+                             outs, finished=request.finished)
+
+    def _pop_if_finished(self, request: _Request) -> RequestOutput | None:
+        if not request.finished:
+            return None
+        self.requests.pop(request.request_id, None)
+        for c in request.completions:
+            self._seq_owner.pop(c.seq.seq_id, None)
+        return self._snapshot(request)
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {"num_pages": bm.num_pages, "num_free_pages": bm.num_free_pages,
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "num_preemptions": self.scheduler.num_preemptions, "num_compiles": self.runner.num_compiles}

@@ -1,0 +1,171 @@
+"""`LLM`: offline generation in the shape vLLM users already write.
+
+    from weld import LLM, SamplingParams
+    llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
+    outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterable, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+
+from weld.engine.block_manager import BlockManager
+from weld.engine.core import EngineCore
+from weld.engine.outputs import RequestOutput
+from weld.engine.runner import ModelRunner
+from weld.engine.sampling_params import SamplingParams
+from weld.engine.scheduler import Scheduler
+from weld.tokenizer import Tokenizer
+from weld.utils.errors import InvalidInputError
+from weld.utils.progress import Progress, status
+from weld.weights import LoadedModel, load_model, resolve_model
+
+PromptType = str | dict[str, Any]
+_DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+           "float16": jnp.float16, "f16": jnp.float16, "half": jnp.float16}
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    """'auto' is float32 on CPU (XLA:CPU computes bf16 slower than f32) and bfloat16 elsewhere."""
+    if dtype is None or dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise InvalidInputError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+        return _DTYPES[dtype]
+    return jnp.dtype(dtype).type
+
+
+def load_tokenizer(loaded: LoadedModel) -> Tokenizer:
+    if loaded.gguf_metadata is not None:
+        return Tokenizer.from_gguf_metadata(loaded.gguf_metadata)
+    return Tokenizer.from_hf_dir(loaded.source.path)
+
+
+class LLM:
+    """A model plus an engine, for offline batched generation.
+
+    model: a GGUF file, a HF directory (config.json + safetensors), a hub id, or None for the
+    bundled default. The KV cache gets `kv_cache_memory_gb` GiB (or exactly `num_pages` pages).
+    """
+
+    def __init__(self, model: str | None = None, dtype: Any = "auto", *, max_model_len: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 16,
+                 num_pages: int | None = None, kv_cache_memory_gb: float = 1.0, progress: bool | None = None):
+        self.dtype = resolve_dtype(dtype)
+        source = resolve_model(model)
+        self.model = load_model(source, dtype=self.dtype, progress=progress)
+        self.cfg = self.model.cfg
+        self.tokenizer = load_tokenizer(self.model)
+        self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
+        if num_pages is None:
+            page_bytes = page_size * self.cfg.kv_spec.bytes_per_token(self.dtype)
+            num_pages = max(int(kv_cache_memory_gb * (1 << 30)) // page_bytes, -(-self.max_model_len // page_size))
+        runner = ModelRunner(self.model.family, self.cfg, self.model.weights, num_pages=num_pages,
+                             page_size=page_size, kv_dtype=self.dtype)
+        scheduler = Scheduler(BlockManager(num_pages, page_size), max_num_seqs, max_num_batched_tokens)
+        eos = tuple(dict.fromkeys(tuple(self.tokenizer.eos_token_ids) + tuple(self.cfg.eos_token_ids)))
+        self.engine = EngineCore(runner, self.tokenizer, scheduler, max_model_len=self.max_model_len,
+                                 eos_token_ids=eos)
+        self._counter = itertools.count()
+        self._progress = progress
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def warmup(self) -> None:
+        """Compiles the batch-1 prefill and decode programs now (with a status line on stderr)."""
+        with status("Compiling", enabled=self._progress):
+            self.generate({"prompt_token_ids": [0] * 8}, SamplingParams(max_tokens=2, temperature=0))
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise InvalidInputError(
+            f"a prompt is a string or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Generates for all prompts as one continuously batched run; outputs keep the prompts' order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidInputError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        encoded = [self._prompt_ids(p) for p in prompts]  # validate everything before adding anything
+        ids = []
+        try:
+            for (text, token_ids), p in zip(encoded, params):
+                request_id = str(next(self._counter))
+                self.engine.add_request(request_id, token_ids, p, prompt=text)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        with Progress(len(request_ids), "Generating", unit="req",
+                      enabled=use_tqdm if use_tqdm is not None else (self._progress and len(request_ids) > 1)) as bar:
+            try:
+                while wanted - finished.keys():
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in wanted:
+                            finished[out.request_id] = out
+                            bar.update(1)
+            except BaseException:
+                for request_id in wanted - finished.keys():
+                    self.engine.abort(request_id)
+                raise
+        return [finished[r] for r in request_ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None, *, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Generates replies to one conversation (a list of messages) or to several."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams) -> Iterable[str]:
+        """Yields the new text of a single completion as it is generated (for the CLI)."""
+        text, token_ids = self._prompt_ids(prompt)
+        request_id = str(next(self._counter))
+        self.engine.add_request(request_id, token_ids, sampling_params, prompt=text)
+        sent = 0
+        try:
+            while True:
+                outs = [o for o in self.engine.step() if o.request_id == request_id]
+                for out in outs:
+                    new = out.outputs[0].text
+                    if len(new) > sent:
+                        yield new[sent:]
+                        sent = len(new)
+                    if out.finished:
+                        self.last_output = out
+                        return
+        finally:
+            self.engine.abort(request_id)

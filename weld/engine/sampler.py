@@ -1,0 +1,97 @@
+"""Sampling on device with per-row parameters.
+
+Every row of a batch has its own temperature, top-k, top-p, min-p and random key, so a
+request's tokens do not depend on its batch neighbours: the key of a row is derived from the
+request's seed and the position of the token being sampled.
+
+Logprobs are the model's raw log-softmax (before temperature and filters), as vLLM reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingArrays:
+    """Per-row sampling parameters, each [b]."""
+
+    temperature: jax.Array  # f32; 0 = greedy
+    top_k: jax.Array  # i32; <= 0 = off
+    top_p: jax.Array  # f32; 1 = off
+    min_p: jax.Array  # f32; 0 = off
+    seed_hi: jax.Array  # u32, high and low words of the request's seed
+    seed_lo: jax.Array  # u32
+    position: jax.Array  # i32, position of the token being sampled
+
+
+def row_keys(seed_hi: jax.Array, seed_lo: jax.Array, position: jax.Array) -> jax.Array:
+    """One PRNG key per row from (seed, position): [b] keys."""
+    def one(hi, lo, pos):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), hi), lo)
+        return jax.random.fold_in(key, pos)
+
+    return jax.vmap(one)(seed_hi, seed_lo, position)
+
+
+def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Masks (to -inf-ish) tokens outside each row's top-k, nucleus top-p and min-p sets.
+
+    logits [b, v] are already divided by temperature. top-p keeps the smallest set of most
+    likely tokens whose probability mass reaches top_p (after top-k), as HF and vLLM do.
+    """
+    v = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)  # [b, v]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # [b, 1]
+    sorted_desc = jnp.where(jnp.arange(v)[None, :] < k[:, None], sorted_desc, _NEG)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
+    keep_sorted = mass_before < top_p[:, None]
+    # The smallest kept value is the nucleus threshold (the top token is always kept).
+    p_threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    keep = (logits >= kth) & (logits >= p_threshold)
+    # min-p keeps tokens with p >= min_p * p_max. The ratio p / p_max = exp(l - l_max) does not
+    # depend on normalisation, so min-p commutes with the other filters.
+    max_logit = sorted_desc[:, :1]
+    keep &= (min_p[:, None] <= 0) | (logits >= max_logit + jnp.log(jnp.maximum(min_p[:, None], 1e-30)))
+    return jnp.where(keep, logits, _NEG)
+
+
+def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+    """Token ids [b] drawn from logits [b, v] under each row's parameters (greedy where temperature is 0)."""
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    temperature = jnp.maximum(params.temperature, 1e-5)[:, None]
+    scaled = logits / temperature
+    needs_filter = jnp.any((params.top_k > 0) | (params.top_p < 1.0) | (params.min_p > 0.0))
+    scaled = jax.lax.cond(needs_filter,
+                          lambda x: filter_logits(x, params.top_k, params.top_p, params.min_p),
+                          lambda x: x, scaled)
+    keys = row_keys(params.seed_hi, params.seed_lo, params.position)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (logits.shape[-1],), jnp.float32))(keys)
+    sampled_ids = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(params.temperature < 1e-5, greedy_ids, sampled_ids)
+
+
+def token_logprobs(logits: jax.Array, token_ids: jax.Array, num_top: int):
+    """Raw logprobs for chosen tokens and the top alternatives.
+
+    logits [..., v], token_ids [...]. Returns (chosen logprob [...], chosen rank [...],
+    top ids [..., num_top], top logprobs [..., num_top]); rank 1 = the most likely token.
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, token_ids[..., None], axis=-1)[..., 0]
+    rank = jnp.sum(logprobs > chosen[..., None], axis=-1).astype(jnp.int32) + 1
+    if num_top:
+        top_lp, top_ids = jax.lax.top_k(logprobs, num_top)
+    else:
+        top_lp = jnp.zeros(token_ids.shape + (0,), jnp.float32)
+        top_ids = jnp.zeros(token_ids.shape + (0,), jnp.int32)
+    return chosen, rank, top_ids.astype(jnp.int32), top_lp
+

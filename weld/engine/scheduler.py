@@ -1,0 +1,119 @@
+"""Which sequences run in the next model call, and how many of their tokens. Pure Python.
+
+Policy (nano-vllm / vLLM v0 style): waiting prompts are prefilled first, in chunks of at most
+`max_num_batched_tokens` tokens per step; otherwise every running sequence decodes one token.
+When pages run out for a decode, the newest running sequence is preempted by recompute: its
+pages are freed and it goes back to the front of the waiting queue, keeping its tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from weld.engine.block_manager import BlockManager
+from weld.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # position of the first token fed this step
+    num_tokens: int  # tokens fed this step
+    sample: bool  # whether the last fed token's logits produce the next token
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    kind: str  # "prefill" | "decode"
+    entries: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
+                             f"({max_num_batched_tokens}) must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput | None:
+        prefill = self._schedule_prefill()
+        if prefill:
+            return SchedulerOutput("prefill", prefill)
+        decode = self._schedule_decode()
+        return SchedulerOutput("decode", decode) if decode else None
+
+    def _schedule_prefill(self) -> list[ScheduledSeq]:
+        entries: list[ScheduledSeq] = []
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) + len(entries) < self.max_num_seqs:
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            chunk = min(remaining, budget)
+            if not bm.can_allocate(seq, seq.num_computed_tokens + chunk):
+                if not entries and not self.running and bm.num_free_pages == bm.num_pages - len(seq.block_table):
+                    raise RuntimeError(
+                        f"a sequence of {seq.num_tokens} tokens needs {bm.pages_for(seq.num_tokens)} pages "
+                        f"but the KV cache has only {bm.num_pages}")
+                break
+            bm.allocate(seq, seq.num_computed_tokens + chunk)
+            finishes_prompt = chunk == remaining
+            entries.append(ScheduledSeq(seq, seq.num_computed_tokens, chunk, sample=finishes_prompt))
+            budget -= chunk
+            if not finishes_prompt:
+                break  # the rest of this prompt goes in the next step
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return entries
+
+    def _schedule_decode(self) -> list[ScheduledSeq]:
+        bm = self.block_manager
+        scheduled: list[Sequence] = []
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted to make room for an older sequence
+            while not bm.can_allocate(seq, seq.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                bm.allocate(seq, seq.num_tokens)
+                scheduled.append(seq)
+        return [ScheduledSeq(s, s.num_tokens - 1, 1, sample=True) for s in scheduled]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Marks `seq` finished (or aborted) and frees its pages, wherever it is."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason

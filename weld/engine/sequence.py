@@ -1,0 +1,68 @@
+"""A sequence: one prompt and one of its completions, as the scheduler sees it. Pure Python."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from weld.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """Token ids (prompt then output), the pages holding their K/V, and how far they are computed.
+
+    `num_computed_tokens` tokens already have K/V in the pages of `block_table`; the rest are
+    to be fed to the model. A preempted sequence drops its pages and starts again from 0
+    (recompute), keeping the tokens it had generated.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 index: int = 0, seed: int = 0):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n completions
+        self.params = params
+        self.seed = seed  # the sampling key is derived from (seed, position)
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, pages={len(self.block_table)}, {self.status.value})")
