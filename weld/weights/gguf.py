@@ -1,0 +1,201 @@
+"""GGUF checkpoints (llama.cpp's format): metadata, dequantization and the weight tree.
+
+The file is memory-mapped by `gguf.GGUFReader`; tensors are dequantized to float32 one at a
+time, cast to the requested dtype and put on the device, so host memory holds one tensor at
+a time beyond the mapped file.
+
+Two things differ from a HF checkpoint besides the names:
+- llama.cpp's converter permutes the rows of Q and K (and their biases) of "llama"/"mistral"
+  models into its interleaved rotary layout; weld uses HF's rotate-half layout, so
+  `unpermute_rows` undoes it on load (qwen2/qwen3 GGUFs are not permuted);
+- llama3-style GGUFs carry `rope_freqs.weight`, per-frequency divisors of inv_freq, which
+  become `Config.rope_freq_factors` instead of a weight.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import gguf
+import numpy as np
+
+from weld.models import family_for_gguf
+from weld.models.common.spec import set_path
+from weld.utils.errors import ModelNotFoundError, UnsupportedModelError
+from weld.utils.progress import Progress
+from weld.weights import keymaps
+from weld.weights.tree import CheckpointError, parse_dtype, plan_tensors, to_device
+
+Q = gguf.GGMLQuantizationType
+# Types weld loads; each is checked against an independent reference in tests/weights.
+SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+                             Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+
+
+class _PastEndOfFile(Exception):
+    def __init__(self, needed: int):
+        self.needed = needed
+
+
+class _Reader(gguf.GGUFReader):
+    """GGUFReader that parses from a plain ndarray view of its memmap and refuses reads past EOF.
+
+    Why: every `np.memmap` slice runs memmap's Python `__array_finalize__`, which made parsing
+    SmolLM2's 98k-entry vocabulary take ~6 s; a plain view takes ~1.5 s. And a truncated file
+    would otherwise surface as an odd reshape error instead of "truncated".
+    """
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count, dtype = int(count), np.dtype(dtype)
+        end = offset + dtype.itemsize * count
+        if end > plain.shape[0]:
+            raise _PastEndOfFile(end)
+        arr = plain[offset:end].view(dtype)
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
+class GGUFFile:
+    """An open GGUF file: `metadata` (plain Python values) and its tensors by name."""
+
+    def __init__(self, path: str | pathlib.Path):
+        self.path = pathlib.Path(path)
+        self._reader = _open_reader(self.path)
+        self.metadata: dict[str, Any] = {
+            name: _field_value(field) for name, field in self._reader.fields.items()
+            if not name.startswith("GGUF.")}  # GGUF.version etc. describe the container, not the model
+        self.tensors = {t.name: t for t in self._reader.tensors}
+
+    @property
+    def architecture(self) -> str | None:
+        return self.metadata.get("general.architecture")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The logical numpy shape: GGUF lists dims innermost first, so [in, out] becomes (out, in)."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
+
+    def type_name(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """The tensor as float32 numpy, shape `self.shape(name)`; may be a view of the mapped file."""
+        t = self.tensors[name]
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise UnsupportedModelError(f"{self.path}: tensor {name} has type {t.tensor_type.name}, which weld "
+                                        f"does not load (supported: {_supported_names()})")
+        return gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+
+
+def read_metadata(path: str | pathlib.Path) -> dict[str, Any]:
+    """The GGUF's key/value metadata: strings decoded, arrays as lists (e.g. tokenizer.ggml.tokens)."""
+    return GGUFFile(path).metadata
+
+
+def _open_reader(path: pathlib.Path) -> _Reader:
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path}: no such GGUF file")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise CheckpointError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    try:
+        reader = _Reader(path, "r")
+    except _PastEndOfFile as e:
+        raise CheckpointError(f"{path} is truncated or damaged: it has {size} bytes but its header "
+                              f"describes at least {e.needed}; download it again") from None
+    except Exception as e:  # gguf raises ValueError/KeyError/IndexError for damaged headers
+        raise CheckpointError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
+    # Belt and braces, should gguf's reader stop calling `_get` for tensor data.
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if end > size:
+        raise CheckpointError(f"{path} is truncated: it has {size} bytes but its tensors need {end}; "
+                              "download it again")
+    return reader
+
+
+def _text(part: np.ndarray) -> str:
+    # surrogateescape keeps invalid UTF-8 (rare in vocabularies) recoverable byte for byte.
+    return part.tobytes().decode("utf-8", errors="surrogateescape")
+
+
+def _field_value(field: Any) -> Any:
+    """A GGUFReader field as a plain Python value."""
+    kind = field.types[0]
+    if kind == gguf.GGUFValueType.ARRAY:
+        if len(field.types) == 1 or not field.data:  # an empty array records no element type
+            return []
+        item = field.types[1]
+        if item == gguf.GGUFValueType.STRING:
+            return [_text(field.parts[i]) for i in field.data]
+        if item == gguf.GGUFValueType.ARRAY:  # nested arrays: rare, let gguf flatten them
+            return field.contents()
+        # one 1-element part per item: one concatenate is much faster than per-item tolist()
+        return np.concatenate([field.parts[i] for i in field.data]).tolist()
+    if kind == gguf.GGUFValueType.STRING:
+        return _text(field.parts[-1])
+    return field.parts[-1].tolist()[0]
+
+
+def _supported_names() -> str:
+    return ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+
+
+def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp converter's Q/K permutation (HF rotate-half -> interleaved), per head.
+
+    Rows of one head [e] are viewed as [2, e/2] (the two rotary halves) and interleaved to
+    [e/2, 2]. w: [n_heads * e, ...] (a weight or a bias).
+    """
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of `permute_rows`: interleaved [e/2, 2] rows per head back to HF's [2, e/2]."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool | None = None):
+    """Loads a GGUF model. Returns (family module, Config, weight tree of jax arrays, metadata)."""
+    dtype = parse_dtype(dtype)
+    f = GGUFFile(path)
+    arch = f.architecture
+    try:
+        family = family_for_gguf(arch)
+    except ValueError as e:
+        raise UnsupportedModelError(f"{f.path}: {e}") from None
+    fam = keymaps.family_name(family)
+    rope_freqs = None
+    if keymaps.GGUF_ROPE_FREQS in f.tensors:
+        rope_freqs = tuple(float(x) for x in f.dequantize(keymaps.GGUF_ROPE_FREQS).ravel())
+    try:
+        cfg = family.Config.from_gguf(f.metadata, frozenset(f.tensors), rope_freqs)
+    except ValueError as e:
+        raise UnsupportedModelError(f"{f.path}: {e}") from None
+    specs = family.weight_specs(cfg)
+    plan = plan_tensors(str(f.path), {name: f.shape(name) for name in f.tensors},
+                        keymaps.GGUF_KEYS[fam], keymaps.GGUF_IGNORE[fam], specs)
+    unsupported = sorted(f"{name} ({f.type_name(name)})" for name in plan.values()
+                         if f.tensors[name].tensor_type not in SUPPORTED_TYPES)
+    if unsupported:  # fail before loading anything
+        raise UnsupportedModelError(f"{f.path}: unsupported tensor types: {', '.join(unsupported[:6])}"
+                                    f"{' ...' if len(unsupported) > 6 else ''} (weld loads {_supported_names()})")
+    permuted = arch in keymaps.GGUF_PERMUTED_ARCHITECTURES
+
+    weights = family.weight_specs(cfg)  # same structure; each leaf is replaced below
+    with Progress(sum(f.tensors[n].n_bytes for n in plan.values()), f"loading {f.path.name}", unit="B",
+                  enabled=progress) as bar:
+        for path, name in sorted(plan.items(), key=lambda item: f.tensors[item[1]].data_offset):
+            t = f.tensors[name]
+            array = f.dequantize(name)  # float32 [out, in]
+            mapped = t.tensor_type == Q.F32  # only F32 dequantizes to a view of the file
+            heads = keymaps.GGUF_PERMUTED_LEAVES.get(path[-1])
+            if permuted and heads is not None:
+                array, mapped = unpermute_rows(array, getattr(cfg, heads)), False
+            set_path(weights, path, to_device(array, dtype, mapped))
+            del array
+            bar.update(t.n_bytes)
+    return family, cfg, weights, f.metadata
