@@ -57,3 +57,48 @@ def tiny_model_dir(tmp_path_factory):
         return cache[model_type]
 
     return get
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+    "def add(a, b):\n    return a + b\n\nNumbers: 0 1 2 3 4 5 6 7 8 9 10 42 1000. "
+    "Once upon a time there was a small model that wrote tests. "
+) * 20
+
+
+def make_tiny_tokenizer(directory: pathlib.Path, vocab_size: int = 384) -> int:
+    """Trains a byte-level BPE on a small corpus and saves tokenizer.json + tokenizer_config.json.
+
+    Returns the vocabulary size (the tiny model's embedding must match it).
+    """
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "add_bos_token": False, "chat_template": CHAT_TEMPLATE}))
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A complete tiny random llama model directory (weights + tokenizer + chat template).
+
+    Returns (directory, HF torch model). Its EOS is <|im_end|> (id 2).
+    """
+    d = tmp_path_factory.mktemp("tiny-llama-full")
+    vocab = make_tiny_tokenizer(d)
+    model = make_tiny_hf_model("llama", d, seed=3, vocab_size=vocab, bos_token_id=None, eos_token_id=2,
+                               pad_token_id=0, max_position_embeddings=256)
+    return d, model

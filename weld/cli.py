@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from weld.utils.errors import WeldError
+from weld.utils.errors import InvalidInputError, WeldError
 
 DESCRIPTION = """weld: an LLM inference engine for JAX.
 
@@ -76,7 +76,7 @@ def _make_llm(args: argparse.Namespace):
     from weld.engine.llm import LLM
 
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              kv_cache_memory_gb=args.kv_cache_memory_gb, progress=True)
+              kv_cache_memory_gb=args.kv_cache_memory_gb, progress=None)
     llm.warmup()
     return llm
 
@@ -90,6 +90,8 @@ def _sampling(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        raise InvalidInputError("the prompt is empty")
     params = _sampling(args)  # validate flags before the slow model load
     llm = _make_llm(args)
     for delta in llm.stream(prompt, params):

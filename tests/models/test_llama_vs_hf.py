@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,11 +22,16 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
+@functools.lru_cache(maxsize=None)
+def jitted_forward(forward):
+    return jax.jit(forward, static_argnums=(1,))
+
+
 def run(loaded, cache, ids, positions, block_tables):
     tokens = jnp.asarray(ids, jnp.int32)
     pos = jnp.asarray(positions, jnp.int32)
-    logits, _, cache = loaded.family.forward(loaded.weights, loaded.cfg, tokens, pos, cache,
-                                             AttentionBatch(jnp.asarray(block_tables, jnp.int32)))
+    logits, _, cache = jitted_forward(loaded.family.forward)(
+        loaded.weights, loaded.cfg, tokens, pos, cache, AttentionBatch(jnp.asarray(block_tables, jnp.int32)))
     return np.asarray(logits), cache
 
 

@@ -123,6 +123,8 @@ class EngineCore:
         outputs = [self._pop_if_finished(r) for r in list(self.requests.values()) if r.finished]
         plan = self.scheduler.schedule()
         if plan is None:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(f"scheduler is stuck: {self.stats()} waiting={list(self.scheduler.waiting)}")
             return [o for o in outputs if o is not None]
         owners = [self._seq_owner[e.seq.seq_id] for e in plan.entries]
         want_lp = any(r.params.logprobs is not None for r in owners)

@@ -41,6 +41,18 @@ def resolve_dtype(dtype: Any) -> Any:
     return jnp.dtype(dtype).type
 
 
+def enable_compilation_cache() -> None:
+    """Keeps compiled programs on disk (~/.cache/weld/xla, or $WELD_CACHE_DIR; "0" disables), so
+    only the first run on a machine pays for compiling a model's programs."""
+    import os
+
+    directory = os.environ.get("WELD_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "weld", "xla"))
+    if directory in ("", "0") or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def load_tokenizer(loaded: LoadedModel) -> Tokenizer:
     if loaded.gguf_metadata is not None:
         return Tokenizer.from_gguf_metadata(loaded.gguf_metadata)
@@ -57,6 +69,7 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: Any = "auto", *, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, kv_cache_memory_gb: float = 1.0, progress: bool | None = None):
+        enable_compilation_cache()
         self.dtype = resolve_dtype(dtype)
         source = resolve_model(model)
         self.model = load_model(source, dtype=self.dtype, progress=progress)
@@ -67,7 +80,7 @@ class LLM:
             page_bytes = page_size * self.cfg.kv_spec.bytes_per_token(self.dtype)
             num_pages = max(int(kv_cache_memory_gb * (1 << 30)) // page_bytes, -(-self.max_model_len // page_size))
         runner = ModelRunner(self.model.family, self.cfg, self.model.weights, num_pages=num_pages,
-                             page_size=page_size, kv_dtype=self.dtype)
+                             page_size=page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len)
         scheduler = Scheduler(BlockManager(num_pages, page_size), max_num_seqs, max_num_batched_tokens)
         eos = tuple(dict.fromkeys(tuple(self.tokenizer.eos_token_ids) + tuple(self.cfg.eos_token_ids)))
         self.engine = EngineCore(runner, self.tokenizer, scheduler, max_model_len=self.max_model_len,

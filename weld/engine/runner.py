@@ -1,8 +1,9 @@
 """The model runner: turns a scheduler plan into device arrays of bucketed shapes and runs one
 jitted program (forward over the paged cache, then sampling and logprobs on device).
 
-Shapes are rounded up to a small set of buckets (powers of two for batch rows, tokens per row
-and pages per row), so a warmed-up engine stops compiling. `num_compiles` counts the distinct
+Shapes are rounded up to a small set of buckets (powers of two for batch rows and tokens per
+row); block tables always have the width of the longest sequence (attention loops only over
+the pages in use), so sequences growing never recompile. `num_compiles` counts the distinct
 programs this runner has asked for.
 """
 
@@ -66,11 +67,12 @@ class ModelRunner:
     """Owns the weights, the KV page pools and the jitted step program."""
 
     def __init__(self, family: ModuleType, cfg: Any, weights: Any, *, num_pages: int, page_size: int,
-                 kv_dtype: Any):
+                 kv_dtype: Any, max_model_len: int):
         self.family = family
         self.cfg = cfg
         self.weights = weights
         self.page_size = page_size
+        self.max_pages_per_seq = bucket(-(-max_model_len // page_size), 8)
         self.cache = PagedKVCache.create(cfg.kv_spec, num_pages, page_size, kv_dtype)
         self._programs: set[tuple] = set()
         self._step = jax.jit(functools.partial(_step, family.forward),
@@ -88,7 +90,7 @@ class ModelRunner:
         n = len(entries)
         b = bucket(n)
         t = 1 if plan.kind == "decode" else bucket(max(e.num_tokens for e in entries), 16)
-        pages = bucket(max(len(e.seq.block_table) for e in entries), 4)
+        pages = self.max_pages_per_seq
 
         tokens = np.zeros((b, t), np.int32)
         positions = np.full((b, t), -1, np.int32)
@@ -127,7 +129,7 @@ class ModelRunner:
             min_p=jnp.asarray(min_p), seed_hi=jnp.asarray(seed_hi), seed_lo=jnp.asarray(seed_lo),
             position=jnp.asarray(sample_pos))
         num_top = MAX_LOGPROBS if want_logprobs or want_prompt_logprobs else 0
-        self._programs.add((b, t, pages, num_top, want_prompt_logprobs))
+        self._programs.add((b, t, num_top, want_prompt_logprobs))
         self.cache, ids, chosen, prompt = self._step(
             self.weights, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
             jnp.asarray(block_tables), jnp.asarray(last_index), sampling, jnp.asarray(targets),

@@ -57,7 +57,10 @@ class Scheduler:
         if prefill:
             return SchedulerOutput("prefill", prefill)
         decode = self._schedule_decode()
-        return SchedulerOutput("decode", decode) if decode else None
+        if decode:
+            return SchedulerOutput("decode", decode)
+        prefill = self._schedule_prefill()  # preemption may have freed the pages a prompt needs
+        return SchedulerOutput("prefill", prefill) if prefill else None
 
     def _schedule_prefill(self) -> list[ScheduledSeq]:
         entries: list[ScheduledSeq] = []
@@ -104,7 +107,14 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        # Only the head of the queue may hold pages while waiting (a prompt part-way through
+        # its chunked prefill). Queueing the victim behind it keeps that true, so the head can
+        # always get the pages it needs once running sequences finish: no deadlock.
+        head = self.waiting[0] if self.waiting else None
+        if head is not None and head.block_table:
+            self.waiting.insert(1, seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:

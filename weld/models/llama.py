@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from weld.models.common.attention import paged_attention, write_kv
+from weld.models.common.attention import paged_attention
 from weld.models.common.cache import AttentionBatch, PagedKVCache, PagedKVSpec
 from weld.models.common.layers import RopeScaling, apply_rope, linear, rms_norm, rope_inv_freq, swiglu
 from weld.models.common.spec import WeightSpec
@@ -331,11 +331,10 @@ def forward(weights: dict, cfg: Config, tokens: jax.Array, positions: jax.Array,
             k = rms_norm(k, lw["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, positions, inv_freq, mscale)
         k = apply_rope(k, positions, inv_freq, mscale)
-        k_pages, v_pages = write_kv(cache.k[i], cache.v[i], k, v, positions, batch.block_tables)
+        attn, k_pages, v_pages = paged_attention(q, k, v, cache.k[i], cache.v[i], positions,
+                                                 batch.block_tables, sliding_window=cfg.window_for(i))
         new_k.append(k_pages)
         new_v.append(v_pages)
-        attn = paged_attention(q, k_pages, v_pages, positions, batch.block_tables,
-                               sliding_window=cfg.window_for(i))
         x = x + linear(attn.reshape(b, t, h * e), lw["wo"], lw.get("bo"))
         y = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
         x = x + swiglu(y, lw["w_gate"], lw["w_up"], lw["w_down"])

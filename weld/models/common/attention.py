@@ -17,46 +17,63 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
     num_pages, page_size = k_pages.shape[:2]
     safe = jnp.maximum(positions, 0)
     page = jnp.take_along_axis(block_tables, safe // page_size, axis=1)  # [b, t]
-    slot = page * page_size + safe % page_size
-    slot = jnp.where(positions >= 0, slot, num_pages * page_size).reshape(-1)
-    flat_shape = (num_pages * page_size,) + k_pages.shape[2:]
-    k_flat = k_pages.reshape(flat_shape).at[slot].set(
-        k.reshape((-1,) + k.shape[2:]).astype(k_pages.dtype), mode="drop")
-    v_flat = v_pages.reshape(flat_shape).at[slot].set(
-        v.reshape((-1,) + v.shape[2:]).astype(v_pages.dtype), mode="drop")
-    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+    page = jnp.where(positions >= 0, page, num_pages).reshape(-1)  # padding: out of bounds
+    row = (safe % page_size).reshape(-1)
+    # Index the 4-d pools directly: a reshape of a donated pool makes XLA:CPU copy it.
+    k_pages = k_pages.at[page, row].set(k.reshape((-1,) + k.shape[2:]).astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[page, row].set(v.reshape((-1,) + v.shape[2:]).astype(v_pages.dtype), mode="drop")
+    return k_pages, v_pages
 
 
-def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
-                    block_tables: jax.Array, *, sliding_window: int | None = None,
-                    scale: float | None = None) -> jax.Array:
-    """Causal attention of queries q [b, t, h, e] at positions [b, t] over each row's pages.
+def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                    positions: jax.Array, block_tables: jax.Array, *, sliding_window: int | None = None,
+                    scale: float | None = None, pages_per_tile: int = 8) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Writes this call's K/V into the pools, then attends causally over each row's pages.
 
-    Returns [b, t, h, e]. Row i sees the pages block_tables[i] (a window of
-    max_pages * page_size positions); query at position p attends to kv positions <= p
-    (and > p - sliding_window when a window is set).
+    q [b, t, h, e]; k, v [b, t, kv, e]; positions [b, t] (-1 = padding, which writes nothing).
+    Query at position p of row i attends to that row's kv positions <= p (and
+    > p - sliding_window when a window is set).
+    Keys stream in tiles of `pages_per_tile` pages under an online softmax, and the loop runs
+    only as far as the largest position in the batch: the program's shape does not depend on
+    sequence lengths (no recompiles as they grow), and short sequences read only a few pages.
+
+    Returns (out [b, t, h, e], k_pages, v_pages). The pools ride through the loop's carry and
+    the write happens inside the loop body (repeated each tile: it is idempotent and tiny).
+    Every other arrangement tried (write before the loop, after it, a loop closing over the
+    pools) made XLA:CPU copy each layer's whole pool on every step to keep the old one alive.
     """
     b, t, h, e = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     g = h // kv_heads
-    window = block_tables.shape[1] * page_size
-    # Gather each row's pages in order: [b, s, k, e], s = position.
-    slots = (block_tables[:, :, None] * page_size + jnp.arange(page_size)[None, None, :]).reshape(b, window)
-    keys = k_pages.reshape(num_pages * page_size, kv_heads, e)[slots]
-    values = v_pages.reshape(num_pages * page_size, kv_heads, e)[slots]
-
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % pages_per_tile)))
+    tile = pages_per_tile * page_size
     if scale is None:
         scale = e ** -0.5
-    qg = q.reshape(b, t, kv_heads, g, e)
-    scores = jnp.einsum("btkge,bske->bkgts", qg, keys.astype(q.dtype),
-                        preferred_element_type=jnp.float32) * scale
-    kv_pos = jnp.arange(window)[None, None, :]  # [1, 1, s]
-    q_pos = positions[:, :, None]  # [b, t, 1]
-    mask = kv_pos <= q_pos
-    if sliding_window is not None:
-        mask &= kv_pos > q_pos - sliding_window
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bske->btkge", probs.astype(values.dtype), values,
-                     preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, e).astype(q.dtype)
+    qg = (q.astype(jnp.float32) * scale).reshape(b, t, kv_heads, g, e)
+    q_pos = positions[:, None, None, :, None]  # [b, 1, 1, t, 1]
+    num_tiles = jnp.max(positions) // tile + 1  # tiles holding a position some query sees
+
+    def tile_step(i, carry):
+        k_pool, v_pool, m, l, acc = carry  # running max / denominator [b,k,g,t], numerator [b,k,g,t,e]
+        k_pool, v_pool = write_kv(k_pool, v_pool, k, v, positions, block_tables)
+        pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_tile, pages_per_tile, axis=1)
+        keys = k_pool[pages].reshape(b, tile, kv_heads, e).astype(jnp.float32)  # [b, s, k, e]
+        values = v_pool[pages].reshape(b, tile, kv_heads, e).astype(jnp.float32)
+        kv_pos = i * tile + jnp.arange(tile)  # [s]
+        visible = kv_pos <= q_pos
+        if sliding_window is not None:
+            visible &= kv_pos > q_pos - sliding_window
+        s = jnp.where(visible, jnp.einsum("btkge,bske->bkgts", qg, keys), _MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + jnp.sum(p, axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("bkgts,bske->bkgte", p, values)
+        return k_pool, v_pool, m_new, l, acc
+
+    init = (k_pages, v_pages, jnp.full((b, kv_heads, g, t), _MASKED, jnp.float32),
+            jnp.zeros((b, kv_heads, g, t), jnp.float32), jnp.zeros((b, kv_heads, g, t, e), jnp.float32))
+    k_pages, v_pages, _, l, acc = jax.lax.fori_loop(0, num_tiles, tile_step, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # padding rows (nothing visible) give 0
+    out = jnp.einsum("bkgte->btkge", out).reshape(b, t, h, e).astype(q.dtype)
+    return out, k_pages, v_pages

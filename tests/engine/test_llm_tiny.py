@@ -1,0 +1,162 @@
+"""LLM end to end on a tiny random llama (weights + tokenizer on disk), checked against HF."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from weld import LLM, SamplingParams
+from weld.utils.errors import InvalidInputError
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time there was", "Paris"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    directory, _ = tiny_llama_dir
+    return LLM(model=str(directory), dtype="float32", max_model_len=128, kv_cache_memory_gb=0.01)
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def assert_no_leaks(llm):
+    bm = llm.engine.block_manager
+    assert bm.num_free_pages == bm.num_pages
+    assert not llm.engine.requests
+
+
+def test_greedy_matches_hf_and_batching(llm, tiny_llama_dir):
+    _, hf_model = tiny_llama_dir
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    batched = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, batched):
+        ids = llm.tokenizer.encode(prompt)
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, ids, 12), prompt
+        alone = llm.generate(prompt, params)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+        assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+        assert out.outputs[0].finish_reason == "length"
+    assert_no_leaks(llm)
+
+
+def test_prompt_logprobs_match_hf(llm, tiny_llama_dir):
+    _, hf_model = tiny_llama_dir
+    prompt = "Once upon a time there was a small model"
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2, logprobs=3))[0]
+    ids = out.prompt_token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        assert ids[pos] in entry
+        np.testing.assert_allclose(entry[ids[pos]].logprob, ref[pos - 1, ids[pos]], atol=1e-4)
+        assert entry[ids[pos]].rank == int((ref[pos - 1] > ref[pos - 1, ids[pos]]).sum()) + 1
+        top = sorted(((lp.rank, tid) for tid, lp in entry.items() if tid != ids[pos] or lp.rank <= 2))
+        best = np.argsort(-ref[pos - 1])[:2].tolist()
+        assert [tid for r, tid in top if r <= 2][:2] == best
+    gen = out.outputs[0]
+    lp = gen.logprobs[0][gen.token_ids[0]]
+    np.testing.assert_allclose(lp.logprob, ref[-1].max(), atol=1e-4)  # greedy picks the argmax
+    assert lp.rank == 1 and len(gen.logprobs[0]) == 3
+    np.testing.assert_allclose(gen.cumulative_logprob, lp.logprob, atol=1e-6)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    a = llm.generate("The quick brown fox", params)[0].outputs[0].token_ids
+    b = llm.generate(["Paris", "The quick brown fox", "def add(a, b):"], params)[1].outputs[0].token_ids
+    c = llm.generate("The quick brown fox", params.clone(seed=99))[0].outputs[0].token_ids
+    assert a == b
+    assert a != c
+
+
+def test_n_completions_differ_and_share_prompt(llm):
+    out = llm.generate("Once upon", SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert_no_leaks(llm)
+
+
+def test_stop_strings_and_stop_tokens(llm):
+    base = llm.generate("The quick brown fox", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    text = base.outputs[0].text
+    assert len(text) > 4
+    stop = text[2:4]
+    cut = llm.generate("The quick brown fox", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                             stop=[stop]))[0].outputs[0]
+    assert cut.text == text[:text.index(stop)] and cut.finish_reason == "stop" and cut.stop_reason == stop
+    kept = llm.generate("The quick brown fox", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                              stop=stop, include_stop_str_in_output=True))[0]
+    assert kept.outputs[0].text == text[:text.index(stop) + len(stop)]
+    third = base.outputs[0].token_ids[2]
+    by_id = llm.generate("The quick brown fox", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                               stop_token_ids=[third]))[0].outputs[0]
+    first = base.outputs[0].token_ids.index(third)
+    assert by_id.token_ids == base.outputs[0].token_ids[:first + 1] and by_id.stop_reason == third
+    assert_no_leaks(llm)
+
+
+def test_chunked_prefill_and_preemption_keep_outputs(tiny_llama_dir):
+    directory, _ = tiny_llama_dir
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    reference = LLM(model=str(directory), max_model_len=128, kv_cache_memory_gb=0.01).generate(PROMPTS, params)
+    # 8 pages of 4 tokens cannot hold four growing sequences at once: the newest get preempted.
+    small = LLM(model=str(directory), max_model_len=128, page_size=4, num_pages=12, max_num_batched_tokens=5)
+    outs = small.generate(PROMPTS, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
+    assert_no_leaks(small)
+
+
+def test_chat_uses_template(llm):
+    messages = [{"role": "user", "content": "Paris"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0))[0]
+    rendered = "<|im_start|>user\nParis<|im_end|>\n<|im_start|>assistant\n"
+    assert out.prompt == rendered
+    assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda llm: llm.generate("", SamplingParams()),
+    lambda llm: llm.generate({"prompt_token_ids": []}, SamplingParams()),
+    lambda llm: llm.generate({"prompt_token_ids": [1, 10 ** 6]}, SamplingParams()),
+    lambda llm: llm.generate({"prompt_token_ids": [5] * 128}, SamplingParams()),
+    lambda llm: llm.generate(["ok", 3], SamplingParams()),
+    lambda llm: SamplingParams(temperature=-1),
+    lambda llm: SamplingParams(top_p=0),
+    lambda llm: SamplingParams(max_tokens=-1),
+    lambda llm: SamplingParams(logprobs=21),
+])
+def test_bad_input_is_a_clear_error_and_leaks_nothing(llm, bad):
+    with pytest.raises(InvalidInputError) as err:
+        bad(llm)
+    assert str(err.value) and "\n" not in str(err.value)
+    assert_no_leaks(llm)
+    assert llm.generate("Paris", SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+
+
+def test_max_tokens_zero_returns_prompt_logprobs_only(llm):
+    out = llm.generate("The quick brown fox", SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert_no_leaks(llm)
+
+
+def test_growing_sequences_do_not_recompile(llm):
+    """Block tables have a fixed width and attention loops over the pages in use, so longer
+    sequences (more pages) reuse the same programs; only new batch/token buckets compile."""
+    params = SamplingParams(max_tokens=4, temperature=0.7, top_k=20, seed=1, ignore_eos=True)
+    llm.generate(PROMPTS, params)
+    before = llm.engine.runner.num_compiles
+    longer = SamplingParams(max_tokens=60, temperature=0.7, top_k=20, seed=1, ignore_eos=True)  # ~17 pages of 4
+    outs = llm.generate([p + " again" for p in PROMPTS], longer)
+    assert all(len(o.outputs[0].token_ids) == 60 for o in outs)
+    assert llm.engine.runner.num_compiles == before

@@ -1,0 +1,61 @@
+"""The device sampler's filters against a plain numpy statement of top-k / top-p / min-p."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from weld.engine.sampler import SamplingArrays, filter_logits, sample
+
+
+def reference_keep(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    order = np.argsort(-logits)
+    keep = np.zeros_like(logits, bool)
+    k = top_k if top_k > 0 else len(logits)
+    kept = order[:k]
+    p = np.exp(logits[kept] - logits[kept].max())
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    kept = kept[before < top_p]
+    keep[kept] = True
+    probs = np.exp(logits - logits.max())
+    keep &= probs >= min_p  # p / p_max >= min_p
+    return keep
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.7, 0.0), (0, 1.0, 0.2),
+                                               (8, 0.5, 0.05), (1, 1.0, 0.0)])
+def test_filters_match_reference(top_k, top_p, min_p):
+    rng = np.random.default_rng(top_k + int(top_p * 10))
+    logits = rng.standard_normal((3, 40)).astype(np.float32) * 2
+    out = np.asarray(filter_logits(jnp.asarray(logits), jnp.full(3, top_k, jnp.int32), jnp.full(3, top_p),
+                                   jnp.full(3, min_p)))
+    for row in range(3):
+        expect = reference_keep(logits[row], top_k, top_p, min_p)
+        np.testing.assert_array_equal(out[row] > -1e29, expect)
+
+
+def arrays(b, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0):
+    return SamplingArrays(jnp.full(b, temperature, jnp.float32), jnp.full(b, top_k, jnp.int32),
+                          jnp.full(b, top_p, jnp.float32), jnp.full(b, min_p, jnp.float32),
+                          jnp.zeros(b, jnp.uint32), jnp.full(b, seed, jnp.uint32), jnp.full(b, position, jnp.int32))
+
+
+def test_greedy_and_seeded_sampling():
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((4, 50)), jnp.float32)
+    np.testing.assert_array_equal(sample(logits, arrays(4, temperature=0.0)), np.argmax(logits, -1))
+    a = sample(logits, arrays(4, seed=5, position=3))
+    b = sample(logits, arrays(4, seed=5, position=3))
+    draws = {tuple(np.asarray(sample(logits, arrays(4, seed=s)))) for s in range(8)}
+    np.testing.assert_array_equal(a, b)
+    assert len(draws) > 1
+    # top_k=1 is greedy whatever the seed.
+    np.testing.assert_array_equal(sample(logits, arrays(4, top_k=1, seed=9)), np.argmax(logits, -1))
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = jnp.asarray(np.log(probs)[None].repeat(2000, 0), jnp.float32)
+    params = SamplingArrays(jnp.ones(2000), jnp.zeros(2000, jnp.int32), jnp.ones(2000), jnp.zeros(2000),
+                            jnp.zeros(2000, jnp.uint32), jnp.arange(2000, dtype=jnp.uint32), jnp.zeros(2000, jnp.int32))
+    counts = np.bincount(np.asarray(sample(logits, params)), minlength=4) / 2000
+    np.testing.assert_allclose(counts, probs, atol=0.04)

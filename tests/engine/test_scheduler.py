@@ -1,0 +1,92 @@
+"""Block manager and scheduler as plain Python (no model, no jax)."""
+
+import pytest
+
+from weld.engine.block_manager import BlockManager
+from weld.engine.sampling_params import SamplingParams
+from weld.engine.scheduler import Scheduler
+from weld.engine.sequence import Sequence, SequenceStatus
+
+
+def seq(n: int, rid: str = "r") -> Sequence:
+    return Sequence(rid, list(range(n)), SamplingParams(max_tokens=100))
+
+
+def test_block_manager_allocates_and_frees():
+    bm = BlockManager(num_pages=4, page_size=4)
+    s = seq(6)
+    assert bm.pages_needed(s, 6) == 2 and bm.can_allocate(s, 6)
+    bm.allocate(s, 6)
+    assert len(s.block_table) == 2 and bm.num_free_pages == 2
+    bm.allocate(s, 8)  # still fits in two pages
+    assert len(s.block_table) == 2
+    assert not bm.can_allocate(s, 17)
+    with pytest.raises(RuntimeError):
+        bm.allocate(s, 17)
+    bm.free(s)
+    assert bm.num_free_pages == 4 and s.block_table == []
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 1000, new_tokens: int = 3):
+    """Drives the scheduler like the engine does, appending a dummy token on each sample."""
+    plans = []
+    for _ in range(max_steps):
+        plan = sched.schedule()
+        if plan is None:
+            return plans
+        plans.append(plan)
+        for e in plan.entries:
+            e.seq.num_computed_tokens = e.start + e.num_tokens
+            if e.sample:
+                e.seq.output_token_ids.append(7)
+                if e.seq.num_output_tokens >= new_tokens:
+                    sched.finish(e.seq, "length")
+    raise AssertionError("did not finish")
+
+
+def test_prefill_is_chunked_by_token_budget():
+    bm = BlockManager(num_pages=64, page_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=10)
+    a, b = seq(23, "a"), seq(5, "b")
+    sched.add(a)
+    sched.add(b)
+    plans = run_to_completion(sched)
+    prefills = [p for p in plans if p.kind == "prefill"]
+    assert all(p.num_tokens <= 10 for p in plans)
+    chunks = [(e.seq.request_id, e.start, e.num_tokens, e.sample) for p in prefills for e in p.entries]
+    assert chunks[:3] == [("a", 0, 10, False), ("a", 10, 10, False), ("a", 20, 3, True)]
+    assert ("b", 0, 5, True) in chunks
+    assert a.is_finished and b.is_finished and bm.num_free_pages == 64
+
+
+def test_preemption_recomputes_newest_and_frees_all():
+    bm = BlockManager(num_pages=5, page_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = [seq(7, str(i)) for i in range(2)]
+    for s in seqs:
+        sched.add(s)
+    plans = run_to_completion(sched, new_tokens=6)
+    assert sched.num_preemptions >= 1
+    assert all(s.is_finished and s.num_output_tokens == 6 for s in seqs)
+    # A preempted sequence is prefilled again from position 0, its generated tokens included.
+    recomputed = [e for p in plans if p.kind == "prefill" for e in p.entries if e.seq.num_output_tokens > 0]
+    assert recomputed and all(e.start == 0 for e in recomputed)
+    assert bm.num_free_pages == 5
+
+
+def test_finish_while_waiting_frees_pages():
+    bm = BlockManager(num_pages=8, page_size=4)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=4)
+    s = seq(10)
+    sched.add(s)
+    sched.schedule()  # first chunk: s holds a page but is still waiting
+    assert s.status is SequenceStatus.WAITING and s.block_table
+    sched.finish(s, "abort")
+    assert bm.num_free_pages == 8 and not sched.has_unfinished()
+
+
+def test_sequence_too_long_for_cache_is_an_error():
+    sched = Scheduler(BlockManager(num_pages=2, page_size=4), max_num_seqs=1, max_num_batched_tokens=64)
+    sched.add(seq(20))
+    with pytest.raises(RuntimeError, match="pages"):
+        sched.schedule()
