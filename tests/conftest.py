@@ -12,6 +12,13 @@ import pathlib
 
 import pytest
 
+try:  # torch is the test-only oracle; one thread keeps it from fighting jax for the 2 cores
+    import torch
+
+    torch.set_num_threads(1)
+except ImportError:  # pragma: no cover
+    pass
+
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
 
