@@ -141,7 +141,12 @@ class EngineCore:
             if entry.sample and entry.seq.params.max_tokens == 0:
                 self.scheduler.finish(entry.seq, "length")  # ran only for its prompt logprobs
             elif entry.sample:
-                self._append_token(request, entry.seq, result, i)
+                for k in range(result.token_ids.shape[1]):
+                    if result.token_ids[i, k] < 0 or entry.seq.is_finished:
+                        break
+                    if k:  # each token sampled after the first was fed back, so its KV is written
+                        entry.seq.num_computed_tokens += 1
+                    self._append_token(request, entry.seq, result, i, k)
         for request in touched.values():
             out = self._pop_if_finished(request) if request.finished else self._snapshot(request)
             outputs.append(out)
@@ -166,17 +171,17 @@ class EngineCore:
                 entry[int(tid)] = Logprob(float(tlp), r, self.tokenizer.decode([int(tid)], skip_special_tokens=False))
         return entry
 
-    def _append_token(self, request: _Request, seq: Sequence, result: StepResult, i: int) -> None:
+    def _append_token(self, request: _Request, seq: Sequence, result: StepResult, i: int, k: int) -> None:
         params = seq.params
-        token = int(result.token_ids[i])
+        token = int(result.token_ids[i, k])
         seq.output_token_ids.append(token)
         completion = request.completions[seq.index]
         if result.logprobs is not None:
-            completion.cumulative_logprob += float(result.logprobs[i])
+            completion.cumulative_logprob += float(result.logprobs[i, k])
             if completion.logprobs is not None:
                 completion.logprobs.append(self._position_logprobs(
-                    token, result.logprobs[i], result.ranks[i], result.top_ids[i],
-                    result.top_logprobs[i], params.logprobs))
+                    token, result.logprobs[i, k], result.ranks[i, k], result.top_ids[i, k],
+                    result.top_logprobs[i, k], params.logprobs))
         completion.text += completion.detok.add([token])
         n_out = seq.num_output_tokens
         if n_out >= params.min_tokens:

@@ -64,11 +64,13 @@ class LLM:
 
     model: a GGUF file, a HF directory (config.json + safetensors), a hub id, or None for the
     bundled default. The KV cache gets `kv_cache_memory_gb` GiB (or exactly `num_pages` pages).
+    Decoding runs `steps_per_call` steps per device call (the welded decode loop).
     """
 
     def __init__(self, model: str | None = None, dtype: Any = "auto", *, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 16,
-                 num_pages: int | None = None, kv_cache_memory_gb: float = 1.0, progress: bool | None = None):
+                 num_pages: int | None = None, kv_cache_memory_gb: float = 1.0, steps_per_call: int = 8,
+                 progress: bool | None = None):
         enable_compilation_cache()
         self.dtype = resolve_dtype(dtype)
         source = resolve_model(model)
@@ -79,10 +81,14 @@ class LLM:
         if num_pages is None:
             page_bytes = page_size * self.cfg.kv_spec.bytes_per_token(self.dtype)
             num_pages = max(int(kv_cache_memory_gb * (1 << 30)) // page_bytes, -(-self.max_model_len // page_size))
-        runner = ModelRunner(self.model.family, self.cfg, self.model.weights, num_pages=num_pages,
-                             page_size=page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len)
-        scheduler = Scheduler(BlockManager(num_pages, page_size), max_num_seqs, max_num_batched_tokens)
+        if steps_per_call < 1:
+            raise InvalidInputError(f"steps_per_call must be >= 1, got {steps_per_call}")
         eos = tuple(dict.fromkeys(tuple(self.tokenizer.eos_token_ids) + tuple(self.cfg.eos_token_ids)))
+        runner = ModelRunner(self.model.family, self.cfg, self.model.weights, num_pages=num_pages,
+                             page_size=page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len,
+                             steps_per_call=steps_per_call, eos_token_ids=eos)
+        scheduler = Scheduler(BlockManager(num_pages, page_size), max_num_seqs, max_num_batched_tokens,
+                              max_model_len=self.max_model_len, steps_per_call=steps_per_call)
         self.engine = EngineCore(runner, self.tokenizer, scheduler, max_model_len=self.max_model_len,
                                  eos_token_ids=eos)
         self._counter = itertools.count()

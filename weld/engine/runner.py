@@ -1,5 +1,7 @@
 """The model runner: turns a scheduler plan into device arrays of bucketed shapes and runs one
-jitted program (forward over the paged cache, then sampling and logprobs on device).
+jitted program: a prefill (forward over the paged cache, then sampling and logprobs on device),
+or a fused decode of up to `steps` tokens per row in one call (a device loop of forward and
+sampling, with a per-row finished mask for EOS, stop token ids and each row's step budget).
 
 Shapes are rounded up to a small set of buckets (powers of two for batch rows and tokens per
 row); block tables always have the width of the longest sequence (attention loops only over
@@ -32,13 +34,13 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 @dataclasses.dataclass
 class StepResult:
-    """Host copies of what one call produced, row i for plan entry i."""
+    """Host copies of what one call produced, row i for plan entry i, k for the k-th new token."""
 
-    token_ids: np.ndarray  # [n] sampled ids (meaningful where entry.sample)
-    logprobs: np.ndarray | None  # [n] raw logprob of the sampled id
-    ranks: np.ndarray | None  # [n]
-    top_ids: np.ndarray | None  # [n, MAX_LOGPROBS]
-    top_logprobs: np.ndarray | None  # [n, MAX_LOGPROBS]
+    token_ids: np.ndarray  # [n, k] sampled ids; -1 once a row has finished (decode)
+    logprobs: np.ndarray | None  # [n, k] raw logprob of the sampled id
+    ranks: np.ndarray | None  # [n, k]
+    top_ids: np.ndarray | None  # [n, k, MAX_LOGPROBS]
+    top_logprobs: np.ndarray | None  # [n, k, MAX_LOGPROBS]
     # Prompt logprobs: for entry i and fed token j, the logprob of the token after it.
     prompt_logprobs: np.ndarray | None = None  # [n, t]
     prompt_ranks: np.ndarray | None = None  # [n, t]
@@ -60,14 +62,75 @@ def _step(forward, weights, cache, tokens, positions, block_tables, last_index, 
         prompt = None
     ids = sample(last_logits, sampling)
     chosen = token_logprobs(last_logits, ids, num_top) if num_top else None
-    return cache, ids, chosen, prompt
+    if chosen is not None:
+        chosen = tuple(x[:, None] for x in chosen)  # one new token per row: [b, 1, ...]
+    return cache, ids[:, None], chosen, prompt
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StopArrays:
+    """What ends a row inside a fused decode call, besides its step budget."""
+
+    max_steps: jax.Array  # i32 [b]: tokens the row may still produce in this call (0 = padding row)
+    num_output: jax.Array  # i32 [b]: tokens the row had produced before this call
+    min_tokens: jax.Array  # i32 [b]: EOS and stop ids do not count before this many tokens
+    ignore_eos: jax.Array  # bool [b]
+    stop_ids: jax.Array  # i32 [b, s]: the row's stop token ids, padded with -1
+    eos_ids: jax.Array  # i32 [e]: the model's end-of-sequence ids
+
+
+def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, stop, *, cfg,
+            steps: int, num_top: int):
+    """Up to `steps` decode steps in one device call.
+
+    tokens, positions [b]: each row's last token (not yet in the cache) and its position.
+    Each step feeds one token per live row, samples the next (key from the row's seed and the
+    new position, so results do not depend on how steps are grouped into calls), and marks the
+    row finished on EOS, a stop id or its step budget; a finished row feeds padding (writes
+    nothing) for the rest of the call, and the loop ends early when every row has finished.
+    Returns the cache and the new ids [b, steps] (-1 after a row finished), with logprobs.
+    """
+    b = tokens.shape[0]
+    batch = AttentionBatch(block_tables=block_tables)
+    done = stop.max_steps <= 0
+    out_ids = jnp.full((b, steps), -1, jnp.int32)
+    out_lp = (jnp.zeros((b, steps), jnp.float32), jnp.zeros((b, steps), jnp.int32),
+              jnp.zeros((b, steps, num_top), jnp.int32), jnp.zeros((b, steps, num_top), jnp.float32))
+
+    def cond(carry):
+        i, done = carry[0], carry[4]
+        return (i < steps) & ~jnp.all(done)
+
+    def body(carry):
+        i, cache, tok, pos, done, num_out, out_ids, out_lp = carry
+        live = ~done
+        feed_pos = jnp.where(live, pos, -1)
+        logits, _, cache = forward(weights, cfg, tok[:, None], feed_pos[:, None], cache, batch,
+                                   jnp.zeros((b, 1), jnp.int32))
+        logits = logits[:, 0]  # [b, v]
+        new = sample(logits, dataclasses.replace(sampling, position=pos + 1))
+        num_out = num_out + live
+        ended = (jnp.isin(new, stop.eos_ids) & ~stop.ignore_eos) | jnp.any(new[:, None] == stop.stop_ids, axis=-1)
+        ended = (ended & (num_out >= stop.min_tokens)) | (i + 1 >= stop.max_steps)
+        out_ids = out_ids.at[:, i].set(jnp.where(live, new, -1))
+        if num_top:
+            chosen = token_logprobs(logits, new, num_top)
+            out_lp = tuple(buf.at[:, i].set(x) for buf, x in zip(out_lp, chosen))
+        tok = jnp.where(live, new, tok)
+        pos = jnp.where(live, pos + 1, pos)
+        return i + 1, cache, tok, pos, done | (live & ended), num_out, out_ids, out_lp
+
+    carry = (jnp.int32(0), cache, tokens, positions, done, stop.num_output, out_ids, out_lp)
+    _, cache, _, _, _, _, out_ids, out_lp = jax.lax.while_loop(cond, body, carry)
+    return cache, out_ids, (out_lp if num_top else None), None
 
 
 class ModelRunner:
     """Owns the weights, the KV page pools and the jitted step program."""
 
     def __init__(self, family: ModuleType, cfg: Any, weights: Any, *, num_pages: int, page_size: int,
-                 kv_dtype: Any, max_model_len: int):
+                 kv_dtype: Any, max_model_len: int, steps_per_call: int = 8, eos_token_ids: tuple[int, ...] = ()):
         self.family = family
         self.cfg = cfg
         self.weights = weights
@@ -75,9 +138,13 @@ class ModelRunner:
         self.max_pages_per_seq = bucket(-(-max_model_len // page_size), 8)
         self.cache = PagedKVCache.create(cfg.kv_spec, num_pages, page_size, kv_dtype)
         self._programs: set[tuple] = set()
+        self.steps_per_call = steps_per_call
+        self.eos_token_ids = np.asarray(sorted(set(eos_token_ids)) or [-1], np.int32)
         self._step = jax.jit(functools.partial(_step, family.forward),
                              static_argnames=("cfg", "num_top", "with_prompt_logprobs"),
                              donate_argnames=("cache",))
+        self._decode = jax.jit(functools.partial(_decode, family.forward),
+                               static_argnames=("cfg", "steps", "num_top"), donate_argnames=("cache",))
 
     @property
     def num_compiles(self) -> int:
@@ -89,51 +156,17 @@ class ModelRunner:
         entries = plan.entries
         n = len(entries)
         b = bucket(n)
-        t = 1 if plan.kind == "decode" else bucket(max(e.num_tokens for e in entries), 16)
-        pages = self.max_pages_per_seq
-
-        tokens = np.zeros((b, t), np.int32)
-        positions = np.full((b, t), -1, np.int32)
-        block_tables = np.zeros((b, pages), np.int32)
-        last_index = np.zeros((b,), np.int32)
-        targets = np.zeros((b, t), np.int32)
-        temperature = np.zeros((b,), np.float32)
-        top_k = np.zeros((b,), np.int32)
-        top_p = np.ones((b,), np.float32)
-        min_p = np.zeros((b,), np.float32)
-        seed_hi = np.zeros((b,), np.uint32)
-        seed_lo = np.zeros((b,), np.uint32)
-        sample_pos = np.zeros((b,), np.int32)
-        for i, e in enumerate(entries):
-            seq, p = e.seq, e.seq.params
-            ids = _tokens_of(e)
-            tokens[i, :e.num_tokens] = ids
-            positions[i, :e.num_tokens] = np.arange(e.start, e.start + e.num_tokens)
-            block_tables[i, :len(seq.block_table)] = seq.block_table
-            last_index[i] = e.num_tokens - 1
-            if want_prompt_logprobs:
-                # The target of fed token j is the token after it, where that is known.
-                nxt = [seq.token_at(pos + 1) if pos + 1 < seq.num_tokens else 0
-                       for pos in range(e.start, e.start + e.num_tokens)]
-                targets[i, :e.num_tokens] = nxt
-            temperature[i] = 0.0 if p.greedy else p.temperature
-            top_k[i] = p.top_k if p.top_k > 0 else 0
-            top_p[i] = p.top_p
-            min_p[i] = p.min_p
-            seed_hi[i] = (seq.seed >> 32) & 0xFFFFFFFF
-            seed_lo[i] = seq.seed & 0xFFFFFFFF
-            sample_pos[i] = e.start + e.num_tokens
-
-        sampling = SamplingArrays(
-            temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p),
-            min_p=jnp.asarray(min_p), seed_hi=jnp.asarray(seed_hi), seed_lo=jnp.asarray(seed_lo),
-            position=jnp.asarray(sample_pos))
         num_top = MAX_LOGPROBS if want_logprobs or want_prompt_logprobs else 0
-        self._programs.add((b, t, num_top, want_prompt_logprobs))
-        self.cache, ids, chosen, prompt = self._step(
-            self.weights, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
-            jnp.asarray(block_tables), jnp.asarray(last_index), sampling, jnp.asarray(targets),
-            cfg=self.cfg, num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
+        block_tables = np.zeros((b, self.max_pages_per_seq), np.int32)
+        for i, e in enumerate(entries):
+            block_tables[i, :len(e.seq.block_table)] = e.seq.block_table
+        sampling = _sampling_arrays(entries, b)
+        if plan.kind == "decode":
+            cache, ids, chosen, prompt = self._run_decode(entries, b, block_tables, sampling, num_top)
+        else:
+            cache, ids, chosen, prompt = self._run_prefill(entries, b, block_tables, sampling, num_top,
+                                                           want_prompt_logprobs)
+        self.cache = cache
         ids, chosen, prompt = jax.device_get((ids, chosen, prompt))
         result = StepResult(token_ids=ids[:n], logprobs=None, ranks=None, top_ids=None, top_logprobs=None)
         if chosen is not None:
@@ -142,6 +175,73 @@ class ModelRunner:
             (result.prompt_logprobs, result.prompt_ranks, result.prompt_top_ids,
              result.prompt_top_logprobs) = (x[:n] for x in prompt)
         return result
+
+    def _run_prefill(self, entries, b, block_tables, sampling, num_top, want_prompt_logprobs):
+        t = bucket(max(e.num_tokens for e in entries), 16)
+        tokens = np.zeros((b, t), np.int32)
+        positions = np.full((b, t), -1, np.int32)
+        last_index = np.zeros((b,), np.int32)
+        targets = np.zeros((b, t), np.int32)
+        for i, e in enumerate(entries):
+            seq = e.seq
+            tokens[i, :e.num_tokens] = _tokens_of(e)
+            positions[i, :e.num_tokens] = np.arange(e.start, e.start + e.num_tokens)
+            last_index[i] = e.num_tokens - 1
+            if want_prompt_logprobs:
+                # The target of fed token j is the token after it, where that is known.
+                targets[i, :e.num_tokens] = [seq.token_at(pos + 1) if pos + 1 < seq.num_tokens else 0
+                                             for pos in range(e.start, e.start + e.num_tokens)]
+        self._programs.add(("prefill", b, t, num_top, want_prompt_logprobs))
+        return self._step(self.weights, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
+                          jnp.asarray(block_tables), jnp.asarray(last_index), sampling, jnp.asarray(targets),
+                          cfg=self.cfg, num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
+
+    def _run_decode(self, entries, b, block_tables, sampling, num_top):
+        tokens = np.zeros((b,), np.int32)
+        positions = np.zeros((b,), np.int32)
+        max_steps = np.zeros((b,), np.int32)
+        num_output = np.zeros((b,), np.int32)
+        min_tokens = np.zeros((b,), np.int32)
+        ignore_eos = np.zeros((b,), bool)
+        s = bucket(max(len(e.seq.params.stop_token_ids) for e in entries))
+        stop_ids = np.full((b, s), -1, np.int32)
+        for i, e in enumerate(entries):
+            seq, p = e.seq, e.seq.params
+            tokens[i] = seq.token_at(e.start)
+            positions[i] = e.start
+            max_steps[i] = e.max_steps
+            num_output[i] = seq.num_output_tokens
+            min_tokens[i] = p.min_tokens
+            ignore_eos[i] = p.ignore_eos
+            stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
+        stop = StopArrays(jnp.asarray(max_steps), jnp.asarray(num_output), jnp.asarray(min_tokens),
+                          jnp.asarray(ignore_eos), jnp.asarray(stop_ids), jnp.asarray(self.eos_token_ids))
+        steps = self.steps_per_call
+        self._programs.add(("decode", b, s, steps, num_top))
+        return self._decode(self.weights, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
+                            jnp.asarray(block_tables), sampling, stop, cfg=self.cfg, steps=steps, num_top=num_top)
+
+
+def _sampling_arrays(entries: list[ScheduledSeq], b: int) -> SamplingArrays:
+    """Per-row sampling parameters; `position` is that of the first token sampled this call."""
+    temperature = np.zeros((b,), np.float32)
+    top_k = np.zeros((b,), np.int32)
+    top_p = np.ones((b,), np.float32)
+    min_p = np.zeros((b,), np.float32)
+    seed_hi = np.zeros((b,), np.uint32)
+    seed_lo = np.zeros((b,), np.uint32)
+    position = np.zeros((b,), np.int32)
+    for i, e in enumerate(entries):
+        seq, p = e.seq, e.seq.params
+        temperature[i] = 0.0 if p.greedy else p.temperature
+        top_k[i] = max(p.top_k, 0)
+        top_p[i] = p.top_p
+        min_p[i] = p.min_p
+        seed_hi[i] = (seq.seed >> 32) & 0xFFFFFFFF
+        seed_lo[i] = seq.seed & 0xFFFFFFFF
+        position[i] = e.start + e.num_tokens
+    return SamplingArrays(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(min_p),
+                          jnp.asarray(seed_hi), jnp.asarray(seed_lo), jnp.asarray(position))
 
 
 def _tokens_of(entry: ScheduledSeq) -> list[int]:

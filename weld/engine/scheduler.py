@@ -1,9 +1,11 @@
 """Which sequences run in the next model call, and how many of their tokens. Pure Python.
 
 Policy (nano-vllm / vLLM v0 style): waiting prompts are prefilled first, in chunks of at most
-`max_num_batched_tokens` tokens per step; otherwise every running sequence decodes one token.
-When pages run out for a decode, the newest running sequence is preempted by recompute: its
-pages are freed and it goes back to the front of the waiting queue, keeping its tokens.
+`max_num_batched_tokens` tokens per step; otherwise every running sequence decodes, up to
+`steps_per_call` tokens in one fused device call (pages for them are allocated up front, as
+far as the sequence's token limit allows). When pages run out for even one decode step, the
+newest running sequence is preempted by recompute: its pages are freed and it goes back to
+the waiting queue, keeping its tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class ScheduledSeq:
     start: int  # position of the first token fed this step
     num_tokens: int  # tokens fed this step
     sample: bool  # whether the last fed token's logits produce the next token
+    max_steps: int = 1  # decode: how many tokens this row may produce in the call
 
 
 @dataclasses.dataclass
@@ -34,13 +37,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int | None = None, steps_per_call: int = 1):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be >= 1")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.steps_per_call = steps_per_call
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -87,21 +93,32 @@ class Scheduler:
             self.running.append(seq)
         return entries
 
+    def _token_limit(self, seq: Sequence) -> int:
+        """The length at which `seq` must stop (max_tokens or the context, whichever is first)."""
+        limit = self.max_model_len or (1 << 62)
+        if seq.params.max_tokens is not None:
+            limit = min(limit, seq.num_prompt_tokens + seq.params.max_tokens)
+        return limit
+
     def _schedule_decode(self) -> list[ScheduledSeq]:
         bm = self.block_manager
-        scheduled: list[Sequence] = []
+        scheduled: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
             if seq not in self.running:
                 continue  # preempted to make room for an older sequence
+            # Feeding the last token and k - 1 sampled ones writes k positions from num_tokens - 1.
+            steps = max(1, min(self.steps_per_call, self._token_limit(seq) - seq.num_tokens + 1))
+            if not bm.can_allocate(seq, seq.num_tokens + steps - 1):
+                steps = 1
             while not bm.can_allocate(seq, seq.num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq in self.running:
-                bm.allocate(seq, seq.num_tokens)
-                scheduled.append(seq)
-        return [ScheduledSeq(s, s.num_tokens - 1, 1, sample=True) for s in scheduled]
+                bm.allocate(seq, seq.num_tokens + steps - 1)
+                scheduled.append((seq, steps))
+        return [ScheduledSeq(s, s.num_tokens - 1, 1, sample=True, max_steps=k) for s, k in scheduled]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
