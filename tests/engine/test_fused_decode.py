@@ -67,3 +67,19 @@ def test_fused_decode_with_preemption(tiny_llama_dir):
     outs = small.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
     assert small.engine.block_manager.num_free_pages == 12
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_min_tokens_bans_stop_ids_until_reached(llms, which):
+    llm = llms[which]
+    base = llm.generate("The quick brown fox", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    first = base.outputs[0].token_ids[0]
+    free = llm.generate("The quick brown fox", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                              stop_token_ids=[first]))[0].outputs[0]
+    assert free.token_ids == [first]  # without min_tokens it stops at once
+    held = llm.generate("The quick brown fox", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                              stop_token_ids=[first], min_tokens=4))[0].outputs[0]
+    assert len(held.token_ids) >= 5 or held.finish_reason == "length"
+    assert first not in held.token_ids[:4]
+    if held.finish_reason == "stop":
+        assert held.token_ids[-1] == first and held.stop_reason == first

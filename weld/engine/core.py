@@ -184,7 +184,7 @@ class EngineCore:
                     result.top_logprobs[i, k], params.logprobs))
         completion.text += completion.detok.add([token])
         n_out = seq.num_output_tokens
-        if n_out >= params.min_tokens:
+        if n_out > params.min_tokens:  # min_tokens came before this token (the sampler banned stops until then)
             if not params.ignore_eos and token in self.eos_token_ids:
                 self._finish_text(completion)
                 self.scheduler.finish(seq, "stop", None)

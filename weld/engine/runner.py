@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from weld.engine.sampler import SamplingArrays, sample, token_logprobs
+from weld.engine.sampler import SamplingArrays, ban_tokens, sample, token_logprobs
 from weld.engine.sampling_params import MAX_LOGPROBS
 from weld.engine.scheduler import ScheduledSeq, SchedulerOutput
 from weld.models.common.cache import AttentionBatch, PagedKVCache
@@ -48,7 +48,26 @@ class StepResult:
     prompt_top_logprobs: np.ndarray | None = None  # [n, t, MAX_LOGPROBS]
 
 
-def _step(forward, weights, cache, tokens, positions, block_tables, last_index, sampling,
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StopArrays:
+    """What ends a row inside a fused decode call, besides its step budget."""
+
+    max_steps: jax.Array  # i32 [b]: tokens the row may still produce in this call (0 = padding row)
+    num_output: jax.Array  # i32 [b]: tokens the row had produced before this call
+    min_tokens: jax.Array  # i32 [b]: EOS and stop ids cannot be sampled before this many tokens
+    ignore_eos: jax.Array  # bool [b]
+    stop_ids: jax.Array  # i32 [b, s]: the row's stop token ids, padded with -1
+    eos_ids: jax.Array  # i32 [e]: the model's end-of-sequence ids
+
+    def banned_ids(self) -> jax.Array:
+        """[b, e + s]: the ids min_tokens keeps from being sampled (EOS unless ignore_eos, stop ids)."""
+        b = self.stop_ids.shape[0]
+        eos = jnp.where(self.ignore_eos[:, None], -1, jnp.broadcast_to(self.eos_ids, (b,) + self.eos_ids.shape))
+        return jnp.concatenate([eos, self.stop_ids], axis=1)
+
+
+def _step(forward, weights, cache, tokens, positions, block_tables, last_index, sampling, stop,
           prompt_targets, *, cfg, num_top: int, with_prompt_logprobs: bool):
     """forward + sample for one padded batch. Shapes: tokens/positions [b, t], last_index [b]."""
     batch = AttentionBatch(block_tables=block_tables)
@@ -60,24 +79,11 @@ def _step(forward, weights, cache, tokens, positions, block_tables, last_index, 
         logits, _, cache = forward(weights, cfg, tokens, positions, cache, batch, last_index[:, None])
         last_logits = logits[:, 0]
         prompt = None
-    ids = sample(last_logits, sampling)
+    ids = sample(ban_tokens(last_logits, stop.banned_ids(), stop.num_output < stop.min_tokens), sampling)
     chosen = token_logprobs(last_logits, ids, num_top) if num_top else None
     if chosen is not None:
         chosen = tuple(x[:, None] for x in chosen)  # one new token per row: [b, 1, ...]
     return cache, ids[:, None], chosen, prompt
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class StopArrays:
-    """What ends a row inside a fused decode call, besides its step budget."""
-
-    max_steps: jax.Array  # i32 [b]: tokens the row may still produce in this call (0 = padding row)
-    num_output: jax.Array  # i32 [b]: tokens the row had produced before this call
-    min_tokens: jax.Array  # i32 [b]: EOS and stop ids do not count before this many tokens
-    ignore_eos: jax.Array  # bool [b]
-    stop_ids: jax.Array  # i32 [b, s]: the row's stop token ids, padded with -1
-    eos_ids: jax.Array  # i32 [e]: the model's end-of-sequence ids
 
 
 def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, stop, *, cfg,
@@ -93,6 +99,7 @@ def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, 
     """
     b = tokens.shape[0]
     batch = AttentionBatch(block_tables=block_tables)
+    banned = stop.banned_ids()
     done = stop.max_steps <= 0
     out_ids = jnp.full((b, steps), -1, jnp.int32)
     out_lp = (jnp.zeros((b, steps), jnp.float32), jnp.zeros((b, steps), jnp.int32),
@@ -109,10 +116,11 @@ def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, 
         logits, _, cache = forward(weights, cfg, tok[:, None], feed_pos[:, None], cache, batch,
                                    jnp.zeros((b, 1), jnp.int32))
         logits = logits[:, 0]  # [b, v]
-        new = sample(logits, dataclasses.replace(sampling, position=pos + 1))
-        num_out = num_out + live
+        allowed = ban_tokens(logits, banned, num_out < stop.min_tokens)
+        new = sample(allowed, dataclasses.replace(sampling, position=pos + 1))
         ended = (jnp.isin(new, stop.eos_ids) & ~stop.ignore_eos) | jnp.any(new[:, None] == stop.stop_ids, axis=-1)
         ended = (ended & (num_out >= stop.min_tokens)) | (i + 1 >= stop.max_steps)
+        num_out = num_out + live
         out_ids = out_ids.at[:, i].set(jnp.where(live, new, -1))
         if num_top:
             chosen = token_logprobs(logits, new, num_top)
@@ -161,10 +169,11 @@ class ModelRunner:
         for i, e in enumerate(entries):
             block_tables[i, :len(e.seq.block_table)] = e.seq.block_table
         sampling = _sampling_arrays(entries, b)
+        stop = self._stop_arrays(entries, b)
         if plan.kind == "decode":
-            cache, ids, chosen, prompt = self._run_decode(entries, b, block_tables, sampling, num_top)
+            cache, ids, chosen, prompt = self._run_decode(entries, b, block_tables, sampling, stop, num_top)
         else:
-            cache, ids, chosen, prompt = self._run_prefill(entries, b, block_tables, sampling, num_top,
+            cache, ids, chosen, prompt = self._run_prefill(entries, b, block_tables, sampling, stop, num_top,
                                                            want_prompt_logprobs)
         self.cache = cache
         ids, chosen, prompt = jax.device_get((ids, chosen, prompt))
@@ -176,7 +185,7 @@ class ModelRunner:
              result.prompt_top_logprobs) = (x[:n] for x in prompt)
         return result
 
-    def _run_prefill(self, entries, b, block_tables, sampling, num_top, want_prompt_logprobs):
+    def _run_prefill(self, entries, b, block_tables, sampling, stop, num_top, want_prompt_logprobs):
         t = bucket(max(e.num_tokens for e in entries), 16)
         tokens = np.zeros((b, t), np.int32)
         positions = np.full((b, t), -1, np.int32)
@@ -191,14 +200,12 @@ class ModelRunner:
                 # The target of fed token j is the token after it, where that is known.
                 targets[i, :e.num_tokens] = [seq.token_at(pos + 1) if pos + 1 < seq.num_tokens else 0
                                              for pos in range(e.start, e.start + e.num_tokens)]
-        self._programs.add(("prefill", b, t, num_top, want_prompt_logprobs))
+        self._programs.add(("prefill", b, t, stop.stop_ids.shape[1], num_top, want_prompt_logprobs))
         return self._step(self.weights, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
-                          jnp.asarray(block_tables), jnp.asarray(last_index), sampling, jnp.asarray(targets),
+                          jnp.asarray(block_tables), jnp.asarray(last_index), sampling, stop, jnp.asarray(targets),
                           cfg=self.cfg, num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
 
-    def _run_decode(self, entries, b, block_tables, sampling, num_top):
-        tokens = np.zeros((b,), np.int32)
-        positions = np.zeros((b,), np.int32)
+    def _stop_arrays(self, entries: list[ScheduledSeq], b: int) -> StopArrays:
         max_steps = np.zeros((b,), np.int32)
         num_output = np.zeros((b,), np.int32)
         min_tokens = np.zeros((b,), np.int32)
@@ -206,18 +213,23 @@ class ModelRunner:
         s = bucket(max(len(e.seq.params.stop_token_ids) for e in entries))
         stop_ids = np.full((b, s), -1, np.int32)
         for i, e in enumerate(entries):
-            seq, p = e.seq, e.seq.params
-            tokens[i] = seq.token_at(e.start)
-            positions[i] = e.start
-            max_steps[i] = e.max_steps
-            num_output[i] = seq.num_output_tokens
+            p = e.seq.params
+            max_steps[i] = e.max_steps if e.sample else 0
+            num_output[i] = e.seq.num_output_tokens
             min_tokens[i] = p.min_tokens
             ignore_eos[i] = p.ignore_eos
             stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
-        stop = StopArrays(jnp.asarray(max_steps), jnp.asarray(num_output), jnp.asarray(min_tokens),
+        return StopArrays(jnp.asarray(max_steps), jnp.asarray(num_output), jnp.asarray(min_tokens),
                           jnp.asarray(ignore_eos), jnp.asarray(stop_ids), jnp.asarray(self.eos_token_ids))
+
+    def _run_decode(self, entries, b, block_tables, sampling, stop, num_top):
+        tokens = np.zeros((b,), np.int32)
+        positions = np.zeros((b,), np.int32)
+        for i, e in enumerate(entries):
+            tokens[i] = e.seq.token_at(e.start)
+            positions[i] = e.start
         steps = self.steps_per_call
-        self._programs.add(("decode", b, s, steps, num_top))
+        self._programs.add(("decode", b, stop.stop_ids.shape[1], steps, num_top))
         return self._decode(self.weights, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
                             jnp.asarray(block_tables), sampling, stop, cfg=self.cfg, steps=steps, num_top=num_top)
 

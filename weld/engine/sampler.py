@@ -64,6 +64,17 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: 
     return jnp.where(keep, logits, _NEG)
 
 
+def ban_tokens(logits: jax.Array, banned_ids: jax.Array, ban: jax.Array) -> jax.Array:
+    """Sets logits [b, v] of banned_ids [b, m] (padded with -1) to -inf-ish in rows where ban [b].
+
+    Used for min_tokens: EOS and stop ids cannot be sampled before a row has that many tokens.
+    """
+    v = logits.shape[-1]
+    ids = jnp.where((banned_ids >= 0) & ban[:, None], banned_ids, v)  # v: out of bounds, dropped
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, ids].set(_NEG, mode="drop")
+
+
 def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     """Token ids [b] drawn from logits [b, v] under each row's parameters (greedy where temperature is 0)."""
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
