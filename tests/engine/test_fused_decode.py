@@ -83,3 +83,22 @@ def test_min_tokens_bans_stop_ids_until_reached(llms, which):
     assert first not in held.token_ids[:4]
     if held.finish_reason == "stop":
         assert held.token_ids[-1] == first and held.stop_reason == first
+
+
+def test_logit_bias_and_penalties(llms):
+    one, fused = llms
+    base = fused.generate("Paris", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].outputs[0]
+    forced = fused.generate("Paris", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                    logit_bias={17: 100}))[0].outputs[0]
+    assert forced.token_ids == [17] * 6
+    banned = fused.generate("Paris", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                    logit_bias={base.token_ids[0]: -100}))[0].outputs[0]
+    assert banned.token_ids[0] != base.token_ids[0]
+    # A strong frequency penalty forbids repeats; the fused loop's running counts must agree
+    # with the counts the host rebuilds for every single-step call.
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=2, ignore_eos=True, frequency_penalty=2.0,
+                            presence_penalty=0.5, repetition_penalty=1.3)
+    a, b = (llm.generate(PROMPTS, params) for llm in llms)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    with pytest.raises(Exception, match="logit_bias"):
+        fused.generate("Paris", SamplingParams(logit_bias={10 ** 7: 1.0}))

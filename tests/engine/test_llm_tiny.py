@@ -134,6 +134,11 @@ def test_chat_uses_template(llm):
     lambda llm: SamplingParams(top_p=0),
     lambda llm: SamplingParams(max_tokens=-1),
     lambda llm: SamplingParams(logprobs=21),
+    lambda llm: SamplingParams(presence_penalty=3),
+    lambda llm: SamplingParams(repetition_penalty=0),
+    lambda llm: SamplingParams(logit_bias={"x": 1}),
+    lambda llm: SamplingParams(logit_bias={5: 1000}),
+    lambda llm: SamplingParams(min_tokens=5, max_tokens=2),
 ])
 def test_bad_input_is_a_clear_error_and_leaks_nothing(llm, bad):
     with pytest.raises(InvalidInputError) as err:

@@ -59,3 +59,22 @@ def test_sampling_frequencies_follow_the_distribution():
                             jnp.zeros(2000, jnp.uint32), jnp.arange(2000, dtype=jnp.uint32), jnp.zeros(2000, jnp.int32))
     counts = np.bincount(np.asarray(sample(logits, params)), minlength=4) / 2000
     np.testing.assert_allclose(counts, probs, atol=0.04)
+
+
+def test_penalties_and_bias_change_the_right_logits():
+    from weld.engine.sampler import PenaltyArrays, apply_penalties
+
+    logits = jnp.asarray([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    pen = PenaltyArrays(presence=jnp.asarray([0.5]), frequency=jnp.asarray([0.25]), repetition=jnp.asarray([2.0]),
+                        counts=jnp.asarray([[0, 2, 0, 1, 0]], jnp.int32),
+                        prompt_mask=jnp.asarray([[True, False, False, False, False]]),
+                        bias_ids=jnp.asarray([[4, -1]], jnp.int32), bias_values=jnp.asarray([[3.0, 9.0]]))
+    out = np.asarray(apply_penalties(logits, pen))[0]
+    expect = np.array([
+        2.0 / 2,                      # in the prompt only: repetition (positive logit divided)
+        -1.0 * 2 - 0.25 * 2 - 0.5,    # generated twice: repetition (negative multiplied), frequency, presence
+        0.5,                          # untouched
+        3.0 / 2 - 0.25 - 0.5,         # generated once
+        1.0 + 3.0,                    # logit_bias (the -1 padding entry adds nothing)
+    ])
+    np.testing.assert_allclose(out, expect, rtol=1e-6)

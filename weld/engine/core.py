@@ -75,6 +75,9 @@ class EngineCore:
         bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidInputError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        bad_bias = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad_bias:
+            raise InvalidInputError(f"logit_bias token id {bad_bias[0]} is outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise InvalidInputError(
                 f"the prompt has {len(ids)} tokens, but the model's context (max_model_len) is "

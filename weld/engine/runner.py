@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from weld.engine.sampler import SamplingArrays, ban_tokens, sample, token_logprobs
+from weld.engine.sampler import PenaltyArrays, SamplingArrays, apply_penalties, ban_tokens, sample, token_logprobs
 from weld.engine.sampling_params import MAX_LOGPROBS
 from weld.engine.scheduler import ScheduledSeq, SchedulerOutput
 from weld.models.common.cache import AttentionBatch, PagedKVCache
@@ -67,7 +67,7 @@ class StopArrays:
         return jnp.concatenate([eos, self.stop_ids], axis=1)
 
 
-def _step(forward, weights, cache, tokens, positions, block_tables, last_index, sampling, stop,
+def _step(forward, weights, cache, tokens, positions, block_tables, last_index, sampling, stop, penalties,
           prompt_targets, *, cfg, num_top: int, with_prompt_logprobs: bool):
     """forward + sample for one padded batch. Shapes: tokens/positions [b, t], last_index [b]."""
     batch = AttentionBatch(block_tables=block_tables)
@@ -79,14 +79,15 @@ def _step(forward, weights, cache, tokens, positions, block_tables, last_index, 
         logits, _, cache = forward(weights, cfg, tokens, positions, cache, batch, last_index[:, None])
         last_logits = logits[:, 0]
         prompt = None
-    ids = sample(ban_tokens(last_logits, stop.banned_ids(), stop.num_output < stop.min_tokens), sampling)
+    scores = last_logits if penalties is None else apply_penalties(last_logits, penalties)
+    ids = sample(ban_tokens(scores, stop.banned_ids(), stop.num_output < stop.min_tokens), sampling)
     chosen = token_logprobs(last_logits, ids, num_top) if num_top else None
     if chosen is not None:
         chosen = tuple(x[:, None] for x in chosen)  # one new token per row: [b, 1, ...]
     return cache, ids[:, None], chosen, prompt
 
 
-def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, stop, *, cfg,
+def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, stop, penalties, *, cfg,
             steps: int, num_top: int):
     """Up to `steps` decode steps in one device call.
 
@@ -110,13 +111,14 @@ def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, 
         return (i < steps) & ~jnp.all(done)
 
     def body(carry):
-        i, cache, tok, pos, done, num_out, out_ids, out_lp = carry
+        i, cache, tok, pos, done, num_out, out_ids, out_lp, pen = carry
         live = ~done
         feed_pos = jnp.where(live, pos, -1)
         logits, _, cache = forward(weights, cfg, tok[:, None], feed_pos[:, None], cache, batch,
                                    jnp.zeros((b, 1), jnp.int32))
         logits = logits[:, 0]  # [b, v]
-        allowed = ban_tokens(logits, banned, num_out < stop.min_tokens)
+        scores = logits if pen is None else apply_penalties(logits, pen)
+        allowed = ban_tokens(scores, banned, num_out < stop.min_tokens)
         new = sample(allowed, dataclasses.replace(sampling, position=pos + 1))
         ended = (jnp.isin(new, stop.eos_ids) & ~stop.ignore_eos) | jnp.any(new[:, None] == stop.stop_ids, axis=-1)
         ended = (ended & (num_out >= stop.min_tokens)) | (i + 1 >= stop.max_steps)
@@ -125,12 +127,14 @@ def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, 
         if num_top:
             chosen = token_logprobs(logits, new, num_top)
             out_lp = tuple(buf.at[:, i].set(x) for buf, x in zip(out_lp, chosen))
+        if pen is not None:
+            pen = dataclasses.replace(pen, counts=pen.counts.at[jnp.arange(b), new].add(live.astype(jnp.int32)))
         tok = jnp.where(live, new, tok)
         pos = jnp.where(live, pos + 1, pos)
-        return i + 1, cache, tok, pos, done | (live & ended), num_out, out_ids, out_lp
+        return i + 1, cache, tok, pos, done | (live & ended), num_out, out_ids, out_lp, pen
 
-    carry = (jnp.int32(0), cache, tokens, positions, done, stop.num_output, out_ids, out_lp)
-    _, cache, _, _, _, _, out_ids, out_lp = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(0), cache, tokens, positions, done, stop.num_output, out_ids, out_lp, penalties)
+    _, cache, _, _, _, _, out_ids, out_lp, _ = jax.lax.while_loop(cond, body, carry)
     return cache, out_ids, (out_lp if num_top else None), None
 
 
@@ -170,11 +174,13 @@ class ModelRunner:
             block_tables[i, :len(e.seq.block_table)] = e.seq.block_table
         sampling = _sampling_arrays(entries, b)
         stop = self._stop_arrays(entries, b)
+        penalties = _penalty_arrays(entries, b, self.cfg.vocab_size)
         if plan.kind == "decode":
-            cache, ids, chosen, prompt = self._run_decode(entries, b, block_tables, sampling, stop, num_top)
+            cache, ids, chosen, prompt = self._run_decode(entries, b, block_tables, sampling, stop, penalties,
+                                                          num_top)
         else:
-            cache, ids, chosen, prompt = self._run_prefill(entries, b, block_tables, sampling, stop, num_top,
-                                                           want_prompt_logprobs)
+            cache, ids, chosen, prompt = self._run_prefill(entries, b, block_tables, sampling, stop, penalties,
+                                                           num_top, want_prompt_logprobs)
         self.cache = cache
         ids, chosen, prompt = jax.device_get((ids, chosen, prompt))
         result = StepResult(token_ids=ids[:n], logprobs=None, ranks=None, top_ids=None, top_logprobs=None)
@@ -185,7 +191,7 @@ class ModelRunner:
              result.prompt_top_logprobs) = (x[:n] for x in prompt)
         return result
 
-    def _run_prefill(self, entries, b, block_tables, sampling, stop, num_top, want_prompt_logprobs):
+    def _run_prefill(self, entries, b, block_tables, sampling, stop, penalties, num_top, want_prompt_logprobs):
         t = bucket(max(e.num_tokens for e in entries), 16)
         tokens = np.zeros((b, t), np.int32)
         positions = np.full((b, t), -1, np.int32)
@@ -200,9 +206,11 @@ class ModelRunner:
                 # The target of fed token j is the token after it, where that is known.
                 targets[i, :e.num_tokens] = [seq.token_at(pos + 1) if pos + 1 < seq.num_tokens else 0
                                              for pos in range(e.start, e.start + e.num_tokens)]
-        self._programs.add(("prefill", b, t, stop.stop_ids.shape[1], num_top, want_prompt_logprobs))
+        self._programs.add(("prefill", b, t, stop.stop_ids.shape[1], _penalty_key(penalties), num_top,
+                            want_prompt_logprobs))
         return self._step(self.weights, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
-                          jnp.asarray(block_tables), jnp.asarray(last_index), sampling, stop, jnp.asarray(targets),
+                          jnp.asarray(block_tables), jnp.asarray(last_index), sampling, stop, penalties,
+                          jnp.asarray(targets),
                           cfg=self.cfg, num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
 
     def _stop_arrays(self, entries: list[ScheduledSeq], b: int) -> StopArrays:
@@ -222,16 +230,47 @@ class ModelRunner:
         return StopArrays(jnp.asarray(max_steps), jnp.asarray(num_output), jnp.asarray(min_tokens),
                           jnp.asarray(ignore_eos), jnp.asarray(stop_ids), jnp.asarray(self.eos_token_ids))
 
-    def _run_decode(self, entries, b, block_tables, sampling, stop, num_top):
+    def _run_decode(self, entries, b, block_tables, sampling, stop, penalties, num_top):
         tokens = np.zeros((b,), np.int32)
         positions = np.zeros((b,), np.int32)
         for i, e in enumerate(entries):
             tokens[i] = e.seq.token_at(e.start)
             positions[i] = e.start
         steps = self.steps_per_call
-        self._programs.add(("decode", b, stop.stop_ids.shape[1], steps, num_top))
+        self._programs.add(("decode", b, stop.stop_ids.shape[1], _penalty_key(penalties), steps, num_top))
         return self._decode(self.weights, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
-                            jnp.asarray(block_tables), sampling, stop, cfg=self.cfg, steps=steps, num_top=num_top)
+                            jnp.asarray(block_tables), sampling, stop, penalties, cfg=self.cfg, steps=steps,
+                            num_top=num_top)
+
+
+def _penalty_arrays(entries: list[ScheduledSeq], b: int, vocab_size: int) -> PenaltyArrays | None:
+    """Penalty inputs, or None when no row uses any (then the programs skip them entirely)."""
+    if not any(e.seq.params.penalized for e in entries):
+        return None
+    presence = np.zeros((b,), np.float32)
+    frequency = np.zeros((b,), np.float32)
+    repetition = np.ones((b,), np.float32)
+    counts = np.zeros((b, vocab_size), np.int32)
+    prompt_mask = np.zeros((b, vocab_size), bool)
+    m = bucket(max(len(e.seq.params.logit_bias or {}) for e in entries))
+    bias_ids = np.full((b, m), -1, np.int32)
+    bias_values = np.zeros((b, m), np.float32)
+    for i, e in enumerate(entries):
+        p, seq = e.seq.params, e.seq
+        if not p.penalized:
+            continue
+        presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        if seq.output_token_ids:
+            counts[i] = np.bincount(np.asarray(seq.output_token_ids), minlength=vocab_size)[:vocab_size]
+        prompt_mask[i, np.asarray(seq.prompt_token_ids)] = True
+        for j, (token, value) in enumerate((p.logit_bias or {}).items()):
+            bias_ids[i, j], bias_values[i, j] = token, value
+    return PenaltyArrays(jnp.asarray(presence), jnp.asarray(frequency), jnp.asarray(repetition), jnp.asarray(counts),
+                         jnp.asarray(prompt_mask), jnp.asarray(bias_ids), jnp.asarray(bias_values))
+
+
+def _penalty_key(penalties: PenaltyArrays | None) -> int:
+    return -1 if penalties is None else penalties.bias_ids.shape[1]
 
 
 def _sampling_arrays(entries: list[ScheduledSeq], b: int) -> SamplingArrays:

@@ -64,6 +64,37 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: 
     return jnp.where(keep, logits, _NEG)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PenaltyArrays:
+    """Per-row penalties and biases; counts / prompt_mask cover the whole vocabulary."""
+
+    presence: jax.Array  # f32 [b]
+    frequency: jax.Array  # f32 [b]
+    repetition: jax.Array  # f32 [b]; 1 = off
+    counts: jax.Array  # i32 [b, v]: how often each token was generated so far
+    prompt_mask: jax.Array  # bool [b, v]: tokens in the prompt
+    bias_ids: jax.Array  # i32 [b, m], padded with -1
+    bias_values: jax.Array  # f32 [b, m]
+
+
+def apply_penalties(logits: jax.Array, pen: PenaltyArrays) -> jax.Array:
+    """logit_bias, then the repetition penalty, then frequency and presence penalties (vLLM's order).
+
+    repetition (CTRL / HF): a seen token's logit l becomes l / r if l > 0 else l * r.
+    frequency / presence (OpenAI): l - frequency * count - presence * (count > 0).
+    """
+    v = logits.shape[-1]
+    rows = jnp.arange(logits.shape[0])[:, None]
+    ids = jnp.where(pen.bias_ids >= 0, pen.bias_ids, v)  # padding goes out of bounds and is dropped
+    logits = logits.at[rows, ids].add(pen.bias_values, mode="drop")
+    generated = pen.counts > 0
+    seen = generated | pen.prompt_mask
+    r = pen.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    return logits - pen.frequency[:, None] * pen.counts - pen.presence[:, None] * generated
+
+
 def ban_tokens(logits: jax.Array, banned_ids: jax.Array, ban: jax.Array) -> jax.Array:
     """Sets logits [b, v] of banned_ids [b, m] (padded with -1) to -inf-ish in rows where ban [b].
 
