@@ -165,3 +165,23 @@ def test_growing_sequences_do_not_recompile(llm):
     outs = llm.generate([p + " again" for p in PROMPTS], longer)
     assert all(len(o.outputs[0].token_ids) == 60 for o in outs)
     assert llm.engine.runner.num_compiles == before
+
+
+def test_prefix_cache_hits_and_keeps_outputs(tiny_llama_dir):
+    directory, _ = tiny_llama_dir
+    shared = "Once upon a time there was a small model that wrote tests. The quick brown fox jumps over"
+    prompts = [shared + " the lazy dog", shared + " Paris", shared + " def add(a, b):"]
+    params = SamplingParams(max_tokens=10, temperature=0.7, seed=4, ignore_eos=True)
+    cold = LLM(model=str(directory), max_model_len=128, page_size=4, kv_cache_memory_gb=0.01,
+               enable_prefix_caching=False).generate(prompts, params)
+    llm = LLM(model=str(directory), max_model_len=128, page_size=4, kv_cache_memory_gb=0.01)
+    first = llm.generate(prompts[:1], params)
+    hits_before = llm.engine.stats()["prefix_cache_hits"]
+    rest = llm.generate(prompts[1:], params)
+    again = llm.generate(prompts[:1], params)
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hits"] > hits_before + 2 * 8  # the shared prefix spans many 4-token pages
+    got = [o.outputs[0].token_ids for o in first + rest]
+    assert got == [o.outputs[0].token_ids for o in cold]
+    assert again[0].outputs[0].token_ids == cold[0].outputs[0].token_ids
+    assert_no_leaks(llm)

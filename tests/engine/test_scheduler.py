@@ -60,7 +60,7 @@ def test_prefill_is_chunked_by_token_budget():
 
 
 def test_preemption_recomputes_newest_and_frees_all():
-    bm = BlockManager(num_pages=5, page_size=4)
+    bm = BlockManager(num_pages=5, page_size=4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
     seqs = [seq(7, str(i)) for i in range(2)]
     for s in seqs:
@@ -90,3 +90,89 @@ def test_sequence_too_long_for_cache_is_an_error():
     sched.add(seq(20))
     with pytest.raises(RuntimeError, match="pages"):
         sched.schedule()
+
+
+def test_prefix_cache_reuses_full_pages_confirmed_by_tokens():
+    bm = BlockManager(num_pages=16, page_size=4)
+    a = seq(11, "a")  # tokens 0..10: two full pages (0..3, 4..7) once computed
+    bm.allocate(a, 11)
+    a.num_computed_tokens = 11
+    bm.free(a)  # finished: its full pages stay cached while free
+    assert bm.num_free_pages == 16
+    b = Sequence("b", list(range(9)) + [99, 98], SamplingParams())
+    assert bm.match_prefix(b) == 8 and b.num_computed_tokens == 8
+    assert b.block_table == [0, 1] or len(set(b.block_table)) == 2
+    assert bm.num_free_pages == 14 and bm.prefix_hits == 8
+    c = Sequence("c", [0, 1, 2, 3, 7, 7, 7, 7, 1], SamplingParams())
+    assert bm.match_prefix(c) == 4  # first page equal, second differs
+    assert c.block_table[0] == b.block_table[0]  # shared, ref-counted
+    bm.free(b)
+    assert bm.num_free_pages == 15  # the shared page is still held by c
+    bm.free(c)
+    assert bm.num_free_pages == 16
+
+
+def test_prefix_cache_leaves_the_last_token_to_compute():
+    bm = BlockManager(num_pages=8, page_size=4)
+    a = seq(8, "a")
+    bm.allocate(a, 8)
+    a.num_computed_tokens = 8
+    bm.free(a)
+    same = seq(8, "b")
+    assert bm.match_prefix(same) == 4  # not 8: the last page holds the token whose logits we need
+
+
+def test_evicted_pages_do_not_hit():
+    bm = BlockManager(num_pages=2, page_size=4)
+    a = seq(5, "a")
+    bm.allocate(a, 5)
+    a.num_computed_tokens = 5
+    bm.free(a)
+    other = Sequence("x", [50, 51, 52, 53, 54, 55, 56, 57], SamplingParams())
+    bm.allocate(other, 8)  # takes both pages, evicting a's cached page
+    bm.free(other)
+    again = seq(5, "b")
+    assert bm.match_prefix(again) == 0
+
+
+def test_random_requests_with_aborts_leak_no_pages():
+    """500 requests with shared prefixes, random lengths, 20% aborted at random moments."""
+    import random
+
+    rng = random.Random(0)
+    bm = BlockManager(num_pages=40, page_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=64, steps_per_call=3)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 20))] for _ in range(5)]
+    pending = []
+    for i in range(500):
+        prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
+        s = Sequence(str(i), prompt, SamplingParams(max_tokens=rng.randrange(1, 12)))
+        pending.append((s, rng.random() < 0.2))
+    live: list[tuple[Sequence, bool]] = []
+    for _ in range(20000):
+        while pending and rng.random() < 0.3:
+            s, abort = pending.pop()
+            sched.add(s)
+            live.append((s, abort))
+        plan = sched.schedule()
+        if plan is None and not pending:
+            break
+        for e in (plan.entries if plan else []):
+            e.seq.num_computed_tokens = e.start + e.num_tokens
+            if e.sample:
+                for k in range(e.max_steps):
+                    if k:
+                        e.seq.num_computed_tokens += 1
+                    e.seq.output_token_ids.append(rng.randrange(50))
+                    if e.seq.num_output_tokens >= e.seq.params.max_tokens:
+                        sched.finish(e.seq, "length")
+                        break
+                if not e.seq.is_finished:
+                    bm.cache_full_pages(e.seq)
+        for s, abort in live:
+            if abort and not s.is_finished and rng.random() < 0.1:
+                sched.finish(s, "abort")
+    assert not pending and not sched.has_unfinished()
+    assert all(s.is_finished for s, _ in live) and len(live) == 500
+    assert bm.num_free_pages == bm.num_pages
+    assert bm.prefix_hits > 0

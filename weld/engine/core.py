@@ -150,6 +150,8 @@ class EngineCore:
                     if k:  # each token sampled after the first was fed back, so its KV is written
                         entry.seq.num_computed_tokens += 1
                     self._append_token(request, entry.seq, result, i, k)
+            if not entry.seq.is_finished:
+                self.block_manager.cache_full_pages(entry.seq)
         for request in touched.values():
             out = self._pop_if_finished(request) if request.finished else self._snapshot(request)
             outputs.append(out)
@@ -245,5 +247,6 @@ class EngineCore:
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager
         return {"num_pages": bm.num_pages, "num_free_pages": bm.num_free_pages,
+                "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions, "num_compiles": self.runner.num_compiles}

@@ -70,7 +70,7 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: Any = "auto", *, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, kv_cache_memory_gb: float = 1.0, steps_per_call: int = 8,
-                 progress: bool | None = None):
+                 enable_prefix_caching: bool = True, progress: bool | None = None):
         enable_compilation_cache()
         self.dtype = resolve_dtype(dtype)
         source = resolve_model(model)
@@ -87,7 +87,8 @@ class LLM:
         runner = ModelRunner(self.model.family, self.cfg, self.model.weights, num_pages=num_pages,
                              page_size=page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len,
                              steps_per_call=steps_per_call, eos_token_ids=eos)
-        scheduler = Scheduler(BlockManager(num_pages, page_size), max_num_seqs, max_num_batched_tokens,
+        scheduler = Scheduler(BlockManager(num_pages, page_size, enable_prefix_caching), max_num_seqs,
+                              max_num_batched_tokens,
                               max_model_len=self.max_model_len, steps_per_call=steps_per_call)
         self.engine = EngineCore(runner, self.tokenizer, scheduler, max_model_len=self.max_model_len,
                                  eos_token_ids=eos)

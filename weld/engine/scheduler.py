@@ -74,6 +74,7 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) + len(entries) < self.max_num_seqs:
             seq = self.waiting[0]
+            bm.match_prefix(seq)  # a fresh (or recomputed) sequence skips its cached prefix
             remaining = seq.num_tokens - seq.num_computed_tokens
             chunk = min(remaining, budget)
             if not bm.can_allocate(seq, seq.num_computed_tokens + chunk):

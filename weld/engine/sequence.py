@@ -36,6 +36,8 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        self.num_hashed_pages = 0  # leading pages registered in the prefix cache
+        self.last_page_hash: int | None = None  # hash of the last of them (the chain continues from it)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
