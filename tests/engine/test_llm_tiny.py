@@ -185,3 +185,12 @@ def test_prefix_cache_hits_and_keeps_outputs(tiny_llama_dir):
     assert got == [o.outputs[0].token_ids for o in cold]
     assert again[0].outputs[0].token_ids == cold[0].outputs[0].token_ids
     assert_no_leaks(llm)
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache(llm):
+    prompt = "Once upon a time there was a small model that wrote tests again and again"
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    first, second = (llm.generate(prompt, params)[0] for _ in range(2))
+    assert len(second.prompt_logprobs) == len(second.prompt_token_ids)
+    assert [p and list(p.values())[0].logprob for p in first.prompt_logprobs] == \
+        [p and list(p.values())[0].logprob for p in second.prompt_logprobs]

@@ -84,9 +84,10 @@ class BlockManager:
         """Reuses cached pages for `seq`'s longest full-page prefix; returns the tokens covered.
 
         At least the last token is left to compute (its logits are needed), so a page holding
-        it is never shared.
+        it is never shared. A request for prompt logprobs computes its whole prompt (as in vLLM).
         """
-        if not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens:
+        if (not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens
+                or seq.params.prompt_logprobs is not None):
             return 0
         tokens = seq.token_ids()
         usable = (len(tokens) - 1) // self.page_size
