@@ -194,3 +194,14 @@ def test_prompt_logprobs_bypass_the_prefix_cache(llm):
     assert len(second.prompt_logprobs) == len(second.prompt_token_ids)
     assert [p and list(p.values())[0].logprob for p in first.prompt_logprobs] == \
         [p and list(p.values())[0].logprob for p in second.prompt_logprobs]
+
+
+def test_n_completions_share_prompt_pages(tiny_llama_dir):
+    directory, _ = tiny_llama_dir
+    llm = LLM(model=str(directory), max_model_len=128, page_size=4, kv_cache_memory_gb=0.01)
+    prompt = "Once upon a time there was a small model that wrote tests."
+    out = llm.generate(prompt, SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True))[0]
+    full_pages = (len(out.prompt_token_ids) - 1) // 4
+    assert llm.engine.stats()["prefix_cache_hits"] == 2 * full_pages * 4  # both siblings reused the prompt
+    assert len(out.outputs) == 3
+    assert_no_leaks(llm)

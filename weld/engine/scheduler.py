@@ -74,6 +74,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) + len(entries) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.index > 0 and any(e.seq.request_id == seq.request_id for e in entries):
+                break  # next step, n > 1 siblings reuse the prompt pages this step computes
             bm.match_prefix(seq)  # a fresh (or recomputed) sequence skips its cached prefix
             remaining = seq.num_tokens - seq.num_computed_tokens
             chunk = min(remaining, budget)
