@@ -51,9 +51,8 @@ def test_prefill_is_chunked_by_token_budget():
     sched.add(a)
     sched.add(b)
     plans = run_to_completion(sched)
-    prefills = [p for p in plans if p.kind == "prefill"]
     assert all(p.num_tokens <= 10 for p in plans)
-    chunks = [(e.seq.request_id, e.start, e.num_tokens, e.sample) for p in prefills for e in p.entries]
+    chunks = [(e.seq.request_id, e.start, e.num_tokens, e.sample) for p in plans for e in p.entries[:p.num_prefill]]
     assert chunks[:3] == [("a", 0, 10, False), ("a", 10, 10, False), ("a", 20, 3, True)]
     assert ("b", 0, 5, True) in chunks
     assert a.is_finished and b.is_finished and bm.num_free_pages == 64
@@ -69,9 +68,42 @@ def test_preemption_recomputes_newest_and_frees_all():
     assert sched.num_preemptions >= 1
     assert all(s.is_finished and s.num_output_tokens == 6 for s in seqs)
     # A preempted sequence is prefilled again from position 0, its generated tokens included.
-    recomputed = [e for p in plans if p.kind == "prefill" for e in p.entries if e.seq.num_output_tokens > 0]
+    recomputed = [e for p in plans for e in p.entries[:p.num_prefill] if e.seq.num_output_tokens > 0]
     assert recomputed and all(e.start == 0 for e in recomputed)
     assert bm.num_free_pages == 5
+
+
+def test_running_sequences_decode_while_a_long_prompt_is_chunked():
+    bm = BlockManager(num_pages=64, page_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8, steps_per_call=4)
+    a, b = seq(3, "a"), seq(5, "b")
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()  # both prompts fit the budget: a pure prefill
+    assert first.kind == "prefill" and [e.seq for e in first.entries] == [a, b]
+    for e in first.entries:
+        e.seq.num_computed_tokens = e.start + e.num_tokens
+        e.seq.output_token_ids.append(7)
+    long = seq(20, "long")
+    sched.add(long)
+    plans = []
+    while sched.waiting:
+        plan = sched.schedule()
+        plans.append(plan)
+        assert plan.kind == "mixed" and plan.num_tokens <= 8
+        chunk, decodes = plan.entries[:plan.num_prefill], plan.entries[plan.num_prefill:]
+        # Each running sequence feeds its one last token; the prompt gets what is left.
+        assert [(e.seq, e.num_tokens, e.max_steps) for e in decodes] == [(a, 1, 1), (b, 1, 1)]
+        assert [e.seq for e in chunk] == [long] and chunk[0].num_tokens <= 6
+        for e in plan.entries:
+            e.seq.num_computed_tokens = e.start + e.num_tokens
+            if e.sample:
+                e.seq.output_token_ids.append(7)
+    assert [p.entries[0].num_tokens for p in plans] == [6, 6, 6, 2]
+    assert a.num_output_tokens == 1 + len(plans)
+    # Nothing waits any more: back to fused decode, several steps per call.
+    plan = sched.schedule()
+    assert plan.kind == "decode" and {e.max_steps for e in plan.entries} == {4}
 
 
 def test_finish_while_waiting_frees_pages():

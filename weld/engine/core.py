@@ -131,14 +131,15 @@ class EngineCore:
             return [o for o in outputs if o is not None]
         owners = [self._seq_owner[e.seq.seq_id] for e in plan.entries]
         want_lp = any(r.params.logprobs is not None for r in owners)
-        want_prompt_lp = plan.kind == "prefill" and any(
+        want_prompt_lp = any(
             r.prompt_logprobs is not None and e.seq.index == 0 and e.seq.num_output_tokens == 0
-            for r, e in zip(owners, plan.entries))
+            for r, e in zip(owners[:plan.num_prefill], plan.entries[:plan.num_prefill]))
         result = self.runner.execute(plan, want_logprobs=want_lp, want_prompt_logprobs=want_prompt_lp)
         touched: dict[str, _Request] = {}
         for i, (entry, request) in enumerate(zip(plan.entries, owners)):
             touched[request.request_id] = request
-            if want_prompt_lp and request.prompt_logprobs is not None and entry.seq.index == 0:
+            if (want_prompt_lp and i < plan.num_prefill and request.prompt_logprobs is not None
+                    and entry.seq.index == 0):
                 self._record_prompt_logprobs(request, entry, result, i)
             entry.seq.num_computed_tokens = entry.start + entry.num_tokens
             if entry.sample and entry.seq.params.max_tokens == 0:

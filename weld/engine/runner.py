@@ -1,5 +1,6 @@
 """The model runner: turns a scheduler plan into device arrays of bucketed shapes and runs one
-jitted program: a prefill (forward over the paged cache, then sampling and logprobs on device),
+jitted program: a prefill (forward over the paged cache, then sampling and logprobs on device;
+in a mixed step the running sequences' decode rows ride along as a second group of rows),
 or a fused decode of up to `steps` tokens per row in one call (a device loop of forward and
 sampling, with a per-row finished mask for EOS, stop token ids and each row's step budget).
 
@@ -69,16 +70,21 @@ class StopArrays:
 
 def _step(forward, weights, cache, tokens, positions, block_tables, last_index, sampling, stop, penalties,
           prompt_targets, *, cfg, num_top: int, with_prompt_logprobs: bool):
-    """forward + sample for one padded batch. Shapes: tokens/positions [b, t], last_index [b]."""
-    batch = AttentionBatch(block_tables=block_tables)
-    if with_prompt_logprobs:
-        logits, _, cache = forward(weights, cfg, tokens, positions, cache, batch)  # [b, t, v]
-        last_logits = jnp.take_along_axis(logits, last_index[:, None, None], axis=1)[:, 0]
-        prompt = token_logprobs(logits, prompt_targets, num_top)
-    else:
-        logits, _, cache = forward(weights, cfg, tokens, positions, cache, batch, last_index[:, None])
-        last_logits = logits[:, 0]
-        prompt = None
+    """forward + sample for one padded batch of row groups.
+
+    tokens, positions, block_tables, last_index: tuples with one entry per group; group 0 holds
+    prompt chunks [bp, tp], an optional group 1 holds decode rows [bd, 1]. The per-row arrays
+    (sampling, stop, penalties) cover the groups' rows in order ([bp + bd]). Prompt logprobs
+    (prompt_targets [bp, tp]) are computed for group 0.
+    """
+    full = tuple(with_prompt_logprobs and g == 0 for g in range(len(tokens)))
+    indices = tuple(None if f else li[:, None] for f, li in zip(full, last_index))
+    logits, _, cache = forward(weights, cfg, tokens, positions, cache, AttentionBatch(block_tables=block_tables),
+                               indices)
+    last_logits = jnp.concatenate([
+        jnp.take_along_axis(lg, li[:, None, None], axis=1)[:, 0] if f else lg[:, 0]
+        for lg, li, f in zip(logits, last_index, full)])  # [bp + bd, v]
+    prompt = token_logprobs(logits[0], prompt_targets, num_top) if with_prompt_logprobs else None
     scores = last_logits if penalties is None else apply_penalties(last_logits, penalties)
     ids = sample(ban_tokens(scores, stop.banned_ids(), stop.num_output < stop.min_tokens), sampling)
     chosen = token_logprobs(last_logits, ids, num_top) if num_top else None
@@ -167,37 +173,45 @@ class ModelRunner:
                 want_prompt_logprobs: bool = False) -> StepResult:
         entries = plan.entries
         n = len(entries)
-        b = bucket(n)
         num_top = MAX_LOGPROBS if want_logprobs or want_prompt_logprobs else 0
+        if plan.kind == "decode":
+            b = bucket(n)
+            rows = list(range(n))
+        else:  # prompt chunks in rows [0, bp), decode rows (mixed) in [bp, bp + bd)
+            bp, num_decode = bucket(plan.num_prefill), n - plan.num_prefill
+            b = bp + (bucket(num_decode) if num_decode else 0)
+            rows = list(range(plan.num_prefill)) + [bp + j for j in range(num_decode)]
         block_tables = np.zeros((b, self.max_pages_per_seq), np.int32)
-        for i, e in enumerate(entries):
-            block_tables[i, :len(e.seq.block_table)] = e.seq.block_table
-        sampling = _sampling_arrays(entries, b)
-        stop = self._stop_arrays(entries, b)
-        penalties = _penalty_arrays(entries, b, self.cfg.vocab_size)
+        for r, e in zip(rows, entries):
+            block_tables[r, :len(e.seq.block_table)] = e.seq.block_table
+        sampling = _sampling_arrays(entries, rows, b)
+        stop = self._stop_arrays(entries, rows, b)
+        penalties = _penalty_arrays(entries, rows, b, self.cfg.vocab_size)
         if plan.kind == "decode":
             cache, ids, chosen, prompt = self._run_decode(entries, b, block_tables, sampling, stop, penalties,
                                                           num_top)
         else:
-            cache, ids, chosen, prompt = self._run_prefill(entries, b, block_tables, sampling, stop, penalties,
+            cache, ids, chosen, prompt = self._run_prefill(plan, bp, block_tables, sampling, stop, penalties,
                                                            num_top, want_prompt_logprobs)
         self.cache = cache
         ids, chosen, prompt = jax.device_get((ids, chosen, prompt))
-        result = StepResult(token_ids=ids[:n], logprobs=None, ranks=None, top_ids=None, top_logprobs=None)
+        rows = np.asarray(rows)
+        result = StepResult(token_ids=ids[rows], logprobs=None, ranks=None, top_ids=None, top_logprobs=None)
         if chosen is not None:
-            result.logprobs, result.ranks, result.top_ids, result.top_logprobs = (x[:n] for x in chosen)
-        if prompt is not None:
+            result.logprobs, result.ranks, result.top_ids, result.top_logprobs = (x[rows] for x in chosen)
+        if prompt is not None:  # prompt chunks only: entry i < num_prefill is row i
             (result.prompt_logprobs, result.prompt_ranks, result.prompt_top_ids,
-             result.prompt_top_logprobs) = (x[:n] for x in prompt)
+             result.prompt_top_logprobs) = (x[:plan.num_prefill] for x in prompt)
         return result
 
-    def _run_prefill(self, entries, b, block_tables, sampling, stop, penalties, num_top, want_prompt_logprobs):
-        t = bucket(max(e.num_tokens for e in entries), 16)
-        tokens = np.zeros((b, t), np.int32)
-        positions = np.full((b, t), -1, np.int32)
-        last_index = np.zeros((b,), np.int32)
-        targets = np.zeros((b, t), np.int32)
-        for i, e in enumerate(entries):
+    def _run_prefill(self, plan, bp, block_tables, sampling, stop, penalties, num_top, want_prompt_logprobs):
+        chunks, decodes = plan.entries[:plan.num_prefill], plan.entries[plan.num_prefill:]
+        t = bucket(max(e.num_tokens for e in chunks), 16)
+        tokens = np.zeros((bp, t), np.int32)
+        positions = np.full((bp, t), -1, np.int32)
+        last_index = np.zeros((bp,), np.int32)
+        targets = np.zeros((bp, t), np.int32)
+        for i, e in enumerate(chunks):
             seq = e.seq
             tokens[i, :e.num_tokens] = _tokens_of(e)
             positions[i, :e.num_tokens] = np.arange(e.start, e.start + e.num_tokens)
@@ -206,21 +220,30 @@ class ModelRunner:
                 # The target of fed token j is the token after it, where that is known.
                 targets[i, :e.num_tokens] = [seq.token_at(pos + 1) if pos + 1 < seq.num_tokens else 0
                                              for pos in range(e.start, e.start + e.num_tokens)]
-        self._programs.add(("prefill", b, t, stop.stop_ids.shape[1], _penalty_key(penalties), num_top,
+        groups = [(tokens, positions, block_tables[:bp], last_index)]
+        bd = block_tables.shape[0] - bp
+        if bd:  # decode rows of a mixed step: one token each, at the end of the batch
+            d_tokens = np.zeros((bd, 1), np.int32)
+            d_positions = np.full((bd, 1), -1, np.int32)
+            for j, e in enumerate(decodes):
+                d_tokens[j, 0] = e.seq.token_at(e.start)
+                d_positions[j, 0] = e.start
+            groups.append((d_tokens, d_positions, block_tables[bp:], np.zeros((bd,), np.int32)))
+        self._programs.add(("prefill", bp, t, bd, stop.stop_ids.shape[1], _penalty_key(penalties), num_top,
                             want_prompt_logprobs))
-        return self._step(self.weights, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
-                          jnp.asarray(block_tables), jnp.asarray(last_index), sampling, stop, penalties,
+        tokens, positions, tables, last = (tuple(jnp.asarray(g[k]) for g in groups) for k in range(4))
+        return self._step(self.weights, self.cache, tokens, positions, tables, last, sampling, stop, penalties,
                           jnp.asarray(targets),
                           cfg=self.cfg, num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
 
-    def _stop_arrays(self, entries: list[ScheduledSeq], b: int) -> StopArrays:
+    def _stop_arrays(self, entries: list[ScheduledSeq], rows: list[int], b: int) -> StopArrays:
         max_steps = np.zeros((b,), np.int32)
         num_output = np.zeros((b,), np.int32)
         min_tokens = np.zeros((b,), np.int32)
         ignore_eos = np.zeros((b,), bool)
         s = bucket(max(len(e.seq.params.stop_token_ids) for e in entries))
         stop_ids = np.full((b, s), -1, np.int32)
-        for i, e in enumerate(entries):
+        for i, e in zip(rows, entries):
             p = e.seq.params
             max_steps[i] = e.max_steps if e.sample else 0
             num_output[i] = e.seq.num_output_tokens
@@ -243,7 +266,7 @@ class ModelRunner:
                             num_top=num_top)
 
 
-def _penalty_arrays(entries: list[ScheduledSeq], b: int, vocab_size: int) -> PenaltyArrays | None:
+def _penalty_arrays(entries: list[ScheduledSeq], rows: list[int], b: int, vocab_size: int) -> PenaltyArrays | None:
     """Penalty inputs, or None when no row uses any (then the programs skip them entirely)."""
     if not any(e.seq.params.penalized for e in entries):
         return None
@@ -255,7 +278,7 @@ def _penalty_arrays(entries: list[ScheduledSeq], b: int, vocab_size: int) -> Pen
     m = bucket(max(len(e.seq.params.logit_bias or {}) for e in entries))
     bias_ids = np.full((b, m), -1, np.int32)
     bias_values = np.zeros((b, m), np.float32)
-    for i, e in enumerate(entries):
+    for i, e in zip(rows, entries):
         p, seq = e.seq.params, e.seq
         if not p.penalized:
             continue
@@ -273,7 +296,7 @@ def _penalty_key(penalties: PenaltyArrays | None) -> int:
     return -1 if penalties is None else penalties.bias_ids.shape[1]
 
 
-def _sampling_arrays(entries: list[ScheduledSeq], b: int) -> SamplingArrays:
+def _sampling_arrays(entries: list[ScheduledSeq], rows: list[int], b: int) -> SamplingArrays:
     """Per-row sampling parameters; `position` is that of the first token sampled this call."""
     temperature = np.zeros((b,), np.float32)
     top_k = np.zeros((b,), np.int32)
@@ -282,7 +305,7 @@ def _sampling_arrays(entries: list[ScheduledSeq], b: int) -> SamplingArrays:
     seed_hi = np.zeros((b,), np.uint32)
     seed_lo = np.zeros((b,), np.uint32)
     position = np.zeros((b,), np.int32)
-    for i, e in enumerate(entries):
+    for i, e in zip(rows, entries):
         seq, p = e.seq, e.seq.params
         temperature[i] = 0.0 if p.greedy else p.temperature
         top_k[i] = max(p.top_k, 0)

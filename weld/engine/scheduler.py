@@ -1,11 +1,15 @@
 """Which sequences run in the next model call, and how many of their tokens. Pure Python.
 
-Policy (nano-vllm / vLLM v0 style): waiting prompts are prefilled first, in chunks of at most
-`max_num_batched_tokens` tokens per step; otherwise every running sequence decodes, up to
-`steps_per_call` tokens in one fused device call (pages for them are allocated up front, as
-far as the sequence's token limit allows). When pages run out for even one decode step, the
-newest running sequence is preempted by recompute: its pages are freed and it goes back to
-the waiting queue, keeping its tokens.
+Policy (vLLM v1 style, with weld's fused decode):
+- While prompts wait, each step is mixed: every running sequence decodes one token, and the
+  rest of the `max_num_batched_tokens` budget goes to waiting prompts, in chunks (a long
+  prompt takes several steps; the running sequences keep producing a token per step meanwhile).
+- When nothing waits (or nothing waiting fits), every running sequence decodes up to
+  `steps_per_call` tokens in one fused device call; pages for them are allocated up front, as
+  far as the sequence's token limit allows.
+- When pages run out for even one decode step, the newest running sequence is preempted by
+  recompute: its pages are freed and it goes back to the waiting queue, keeping its tokens.
+  A step that preempted admits no new prompt.
 """
 
 from __future__ import annotations
@@ -28,8 +32,13 @@ class ScheduledSeq:
 
 @dataclasses.dataclass
 class SchedulerOutput:
-    kind: str  # "prefill" | "decode"
+    """One model call. kind "prefill": prompt chunks only; "mixed": prompt chunks, then decode
+    rows of one token each; "decode": a fused multi-step decode. The first `num_prefill`
+    entries are prompt chunks."""
+
+    kind: str  # "prefill" | "mixed" | "decode"
     entries: list[ScheduledSeq]
+    num_prefill: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -59,18 +68,22 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput | None:
-        prefill = self._schedule_prefill()
-        if prefill:
-            return SchedulerOutput("prefill", prefill)
-        decode = self._schedule_decode()
+        if self.waiting:
+            preemptions = self.num_preemptions
+            decode = self._schedule_decode(max_steps=1)
+            prefill = []
+            if self.num_preemptions == preemptions:
+                prefill = self._schedule_prefill(self.max_num_batched_tokens - len(decode))
+            if prefill:
+                return SchedulerOutput("mixed" if decode else "prefill", prefill + decode, len(prefill))
+        decode = self._schedule_decode(max_steps=self.steps_per_call)
         if decode:
             return SchedulerOutput("decode", decode)
-        prefill = self._schedule_prefill()  # preemption may have freed the pages a prompt needs
-        return SchedulerOutput("prefill", prefill) if prefill else None
+        prefill = self._schedule_prefill(self.max_num_batched_tokens)  # preemption freed pages
+        return SchedulerOutput("prefill", prefill, len(prefill)) if prefill else None
 
-    def _schedule_prefill(self) -> list[ScheduledSeq]:
+    def _schedule_prefill(self, budget: int) -> list[ScheduledSeq]:
         entries: list[ScheduledSeq] = []
-        budget = self.max_num_batched_tokens
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) + len(entries) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -103,14 +116,14 @@ class Scheduler:
             limit = min(limit, seq.num_prompt_tokens + seq.params.max_tokens)
         return limit
 
-    def _schedule_decode(self) -> list[ScheduledSeq]:
+    def _schedule_decode(self, max_steps: int) -> list[ScheduledSeq]:
         bm = self.block_manager
         scheduled: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
             if seq not in self.running:
                 continue  # preempted to make room for an older sequence
             # Feeding the last token and k - 1 sampled ones writes k positions from num_tokens - 1.
-            steps = max(1, min(self.steps_per_call, self._token_limit(seq) - seq.num_tokens + 1))
+            steps = max(1, min(max_steps, self._token_limit(seq) - seq.num_tokens + 1))
             if not bm.can_allocate(seq, seq.num_tokens + steps - 1):
                 steps = 1
             while not bm.can_allocate(seq, seq.num_tokens):

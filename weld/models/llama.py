@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, Mapping
 
 import jax
@@ -306,41 +307,68 @@ def _rope_tables(cfg: Config):
     return inv_freq, mscale
 
 
-def forward(weights: dict, cfg: Config, tokens: jax.Array, positions: jax.Array,
-            cache: PagedKVCache, batch: AttentionBatch,
-            logits_indices: jax.Array | None = None) -> tuple[jax.Array, jax.Array, PagedKVCache]:
-    """One forward pass over a padded batch of token chunks on the paged cache.
+def forward(weights: dict, cfg: Config, tokens, positions, cache: PagedKVCache, batch: AttentionBatch,
+            logits_indices=None):
+    """One forward pass over padded token chunks on the paged cache.
 
     tokens, positions: int32 [b, t]; position -1 marks padding. Each token's K/V is written
     to its page, then every token attends causally over its row's pages.
     logits_indices: int32 [b, n] picks which of the t tokens get logits (None: all).
     Returns logits f32 [b, n, v], final hidden states [b, t, d] and the updated cache.
+
+    A mixed batch (chunked prefills and decodes in one call) passes tuples: tokens, positions,
+    batch.block_tables and logits_indices hold one entry per group of rows ([b_g, t_g] each,
+    e.g. prefill chunks [bp, tp] and decode rows [bd, 1]), and logits and hidden come back as
+    tuples. Every matmul runs once over all groups' tokens (the weights are read once); only
+    attention runs per group.
     """
-    b, t = tokens.shape
+    grouped = isinstance(tokens, (tuple, list))
+    groups = tuple(tokens) if grouped else (tokens,)
+    group_positions = tuple(positions) if grouped else (positions,)
+    group_tables = tuple(batch.block_tables) if grouped else (batch.block_tables,)
+    group_indices = tuple(logits_indices) if grouped and logits_indices is not None else (logits_indices,) * len(groups)
+    shapes = [g.shape for g in groups]
+    sizes = [b * t for b, t in shapes]
+    splits = list(itertools.accumulate(sizes))[:-1]
     h, kvh, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     inv_freq, mscale = _rope_tables(cfg)
-    x = weights["embed"][tokens]  # [b, t, d]
+    flat_positions = jnp.concatenate([p.reshape(-1) for p in group_positions])[None]  # [1, N]
+    x = weights["embed"][jnp.concatenate([g.reshape(-1) for g in groups])]  # [N, d]
     new_k, new_v = [], []
     for i, lw in enumerate(weights["layers"]):
         y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-        q = linear(y, lw["wq"], lw.get("bq")).reshape(b, t, h, e)
-        k = linear(y, lw["wk"], lw.get("bk")).reshape(b, t, kvh, e)
-        v = linear(y, lw["wv"], lw.get("bv")).reshape(b, t, kvh, e)
+        q = linear(y, lw["wq"], lw.get("bq")).reshape(1, -1, h, e)
+        k = linear(y, lw["wk"], lw.get("bk")).reshape(1, -1, kvh, e)
+        v = linear(y, lw["wv"], lw.get("bv")).reshape(1, -1, kvh, e)
         if cfg.qk_norm:
             q = rms_norm(q, lw["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, lw["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, positions, inv_freq, mscale)
-        k = apply_rope(k, positions, inv_freq, mscale)
-        attn, k_pages, v_pages = paged_attention(q, k, v, cache.k[i], cache.v[i], positions,
-                                                 batch.block_tables, sliding_window=cfg.window_for(i))
+        q = apply_rope(q, flat_positions, inv_freq, mscale)[0]  # [N, h, e]
+        k = apply_rope(k, flat_positions, inv_freq, mscale)[0]
+        v = v[0]
+        k_pages, v_pages = cache.k[i], cache.v[i]
+        outs = []
+        for (b, t), qg, kg, vg, pos, tables in zip(shapes, jnp.split(q, splits), jnp.split(k, splits),
+                                                    jnp.split(v, splits), group_positions, group_tables):
+            out, k_pages, v_pages = paged_attention(
+                qg.reshape(b, t, h, e), kg.reshape(b, t, kvh, e), vg.reshape(b, t, kvh, e), k_pages, v_pages,
+                pos, tables, sliding_window=cfg.window_for(i))
+            outs.append(out.reshape(b * t, h * e))
         new_k.append(k_pages)
         new_v.append(v_pages)
-        x = x + linear(attn.reshape(b, t, h * e), lw["wo"], lw.get("bo"))
+        attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+        x = x + linear(attn, lw["wo"], lw.get("bo"))
         y = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
         x = x + swiglu(y, lw["w_gate"], lw["w_up"], lw["w_down"])
     hidden = rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
-    selected = hidden if logits_indices is None else jnp.take_along_axis(
-        hidden, logits_indices[:, :, None], axis=1)
     head = weights.get("lm_head", weights["embed"])
-    logits = linear(selected, head).astype(jnp.float32)
-    return logits, hidden, PagedKVCache(k=new_k, v=new_v)
+    all_logits, all_hidden = [], []
+    for (b, t), hg, idx in zip(shapes, jnp.split(hidden, splits), group_indices):
+        hg = hg.reshape(b, t, -1)
+        selected = hg if idx is None else jnp.take_along_axis(hg, idx[:, :, None], axis=1)
+        all_logits.append(linear(selected, head).astype(jnp.float32))
+        all_hidden.append(hg)
+    cache = PagedKVCache(k=new_k, v=new_v)
+    if grouped:
+        return tuple(all_logits), tuple(all_hidden), cache
+    return all_logits[0], all_hidden[0], cache
