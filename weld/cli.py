@@ -1,4 +1,4 @@
-"""The `weld` command line: generate, chat.
+"""The `weld` command line: generate, chat, serve.
 
 Thin: each command parses flags, builds an `LLM` and prints. Errors caused by the user (a
 missing model file, a bad flag value, an over-long prompt) print one line on stderr and exit
@@ -69,7 +69,34 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(chat)
     _sampling_flags(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (completions, chat, tools, metrics)",
+                           description="Serve the model over HTTP with the OpenAI API: /v1/completions, "
+                                       "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /metrics, "
+                                       "/health, /version. SIGTERM finishes the requests in flight, then exits.")
+    _model_flags(serve)
+    _serve_flags(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
+
+
+def _serve_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1 routes (default: $WELD_API_KEY, else none)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients send (default: the model's name)")
+    g.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="most sequences per batch (default: 64)")
+    g.add_argument("--max-waiting", type=int, default=256, metavar="N",
+                   help="sequences queued beyond --max-num-seqs before new requests get a 429 (default: 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                   help="prompt tokens per prefill step (default: 2048)")
+    g.add_argument("--steps-per-call", type=int, default=8, metavar="K",
+                   help="decode steps per device call (default: 8)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: info)")
 
 
 def _make_llm(args: argparse.Namespace):
@@ -139,6 +166,32 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from weld.engine.async_llm import AsyncLLM
+    from weld.server.app import serve, warmup
+    from weld.server.serving import ServerConfig
+
+    if not 0 <= args.port < 65536:
+        raise InvalidInputError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_waiting < 0 or args.max_num_seqs < 1:
+        raise InvalidInputError("--max-waiting must be >= 0 and --max-num-seqs >= 1")
+    engine = AsyncLLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                      kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, steps_per_call=args.steps_per_call,
+                      progress=None)
+    warmup(engine)
+    source = engine.llm.model.source
+    config = ServerConfig(served_model_name=args.served_model_name or source.name,
+                          max_model_len=engine.llm.max_model_len, max_num_seqs=args.max_num_seqs,
+                          max_waiting=args.max_waiting, api_key=args.api_key or os.environ.get("WELD_API_KEY"),
+                          model_root=str(source.path))
+    print(f"weld: serving {config.served_model_name} on http://{args.host}:{args.port}", file=sys.stderr)
+    serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

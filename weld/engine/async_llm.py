@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any, AsyncIterator
 
 from weld.engine.llm import LLM, PromptType
@@ -38,6 +39,8 @@ class AsyncLLM:
         self._wake = threading.Condition(self._lock)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
+        # request id -> time.monotonic() at the start of the step that gave its first output
+        self._first_step_start: dict[str, float] = {}
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="weld-engine", daemon=True)
         self._thread.start()
@@ -52,8 +55,11 @@ class AsyncLLM:
                         self._wake.wait()
                     if self._stopping:
                         return
+                    started = time.monotonic()
                     outputs = self.engine.step()
                 for out in outputs:
+                    if out.request_id in self._streams:
+                        self._first_step_start.setdefault(out.request_id, started)
                     self._deliver(out)
         except BaseException as err:  # a bug: fail every open stream instead of hanging them
             self._error = err
@@ -103,6 +109,7 @@ class AsyncLLM:
                 yield item
         finally:
             self._streams.pop(request_id, None)
+            self._first_step_start.pop(request_id, None)
             if not finished:
                 self._abort(request_id)
 
@@ -111,6 +118,11 @@ class AsyncLLM:
             out = self.engine.abort(request_id)
         if out is not None:
             self._deliver(out)
+
+    def first_step_start(self, request_id: str) -> float | None:
+        """`time.monotonic()` at the start of the engine step that produced the request's first
+        output (for a prompt prefilled in one step: when it left the waiting queue), or None."""
+        return self._first_step_start.get(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Stops a request; its stream ends with finish_reason 'abort'."""

@@ -1,0 +1,173 @@
+"""The FastAPI app and `serve()`: routes, API-key check, error shapes, graceful shutdown.
+
+    GET  /health /version /metrics /v1/models
+    POST /v1/completions /v1/chat/completions /tokenize /detokenize
+
+The engine is injected (`build_app(engine, config)`): anything with AsyncLLM's `generate`,
+`abort`, `stats`, `first_step_start`, `tokenizer`, `is_running` and `shutdown` will do. With an
+API key, every /v1 route needs `Authorization: Bearer <key>` (as in vLLM); /health, /metrics,
+/version, /tokenize and /detokenize stay open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from weld import __version__
+from weld.server.chat import create_chat_completion, normalize_messages
+from weld.server.completions import create_completion
+from weld.server.errors import APIError
+from weld.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from weld.server.serving import ServerConfig, ServerState
+from weld.utils.errors import InvalidInputError, WeldError
+
+logger = logging.getLogger("weld.server")
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}") from None
+
+
+def build_app(engine: Any, config: ServerConfig) -> FastAPI:
+    state = ServerState(engine, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        state.draining = True
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="weld", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.weld = state
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if config.api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {config.api_key}":
+                return APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                                code="invalid_api_key").response()
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, err: APIError):
+        return err.response()
+
+    @app.exception_handler(WeldError)
+    async def on_weld_error(request: Request, err: WeldError):
+        status = 400 if isinstance(err, InvalidInputError) else 503 if not engine.is_running else 500
+        return APIError(status, str(err)).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, err: StarletteHTTPException):
+        return APIError(err.status_code, str(err.detail)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, err: RequestValidationError):
+        return APIError(400, str(err)).response()
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, err: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(err).__name__}: {err}").response()
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return APIError(503, "the engine is not running").response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        state.metrics.update_from_stats(await asyncio.to_thread(engine.stats))
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": config.served_model_name, "object": "model", "created": state.created, "owned_by": "weld",
+                "root": config.model_root or config.served_model_name, "parent": None,
+                "max_model_len": config.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(state, await _json_body(request), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await create_chat_completion(state, await _json_body(request), request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req: TokenizeRequest = parse_body(TokenizeRequest, await _json_body(request))
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            text = state.tokenizer.apply_chat_template(
+                normalize_messages(req.messages), add_generation_prompt=req.add_generation_prompt, tools=tools,
+                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+            ids = state.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        body = {"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids, "token_strs": None}
+        if req.return_token_strs:
+            body["token_strs"] = [state.tokenizer.id_to_token(i) for i in ids]
+        return body
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req: DetokenizeRequest = parse_body(DetokenizeRequest, await _json_body(request))
+        state.check_model(req.model)
+        return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    return app
+
+
+def serve(engine: Any, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info") -> None:
+    """Runs the app under uvicorn until SIGINT/SIGTERM. On SIGTERM new requests get a 503 (or
+    find the socket closed) while those in flight finish; then the engine shuts down."""
+    import uvicorn
+
+    app = build_app(engine, config)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            app.state.weld.draining = True
+            super().handle_exit(sig, frame)
+
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                    timeout_graceful_shutdown=None))
+    server.run()
+
+
+def warmup(engine: Any) -> None:
+    """Compiles the batch-1 prefill and decode programs before the first request arrives."""
+    from weld.engine.sampling_params import SamplingParams
+
+    async def run():
+        async for _ in engine.generate({"prompt_token_ids": [0] * 8}, SamplingParams(max_tokens=2, temperature=0),
+                                       request_id=f"warmup-{time.monotonic_ns()}"):
+            pass
+
+    asyncio.run(run())
