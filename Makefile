@@ -28,8 +28,9 @@ test: install-test
 test-slow: install-test
 	$(BIN)/python -m pytest -q -m slow tests
 
+# weld vs HF transformers, and vs llama.cpp when llama-cpp-python is installed (pip install '.[bench]').
 bench: install-test
-	$(BIN)/python benchmarks/decode_bench.py
+	$(BIN)/weld bench --vs hf $$($(BIN)/python -c 'import importlib.util as u; print("--vs llamacpp" if u.find_spec("llama_cpp") else "")')
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""The `weld` command line: generate, chat, serve.
+"""The `weld` command line: generate, chat, serve, bench.
 
 Thin: each command parses flags, builds an `LLM` and prints. Errors caused by the user (a
 missing model file, a bad flag value, an over-long prompt) print one line on stderr and exit
@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(chat)
     _sampling_flags(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
+
+    from weld import bench as bench_module  # light at import: numpy and flags only
+
+    bench = sub.add_parser("bench", help="offline throughput: decode tok/s per batch size, prefill, TTFT, "
+                                         "fraction of the bandwidth floor; optionally vs HF and llama.cpp",
+                           description=bench_module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_module.add_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (completions, chat, tools, metrics)",
                            description="Serve the model over HTTP with the OpenAI API: /v1/completions, "
@@ -192,6 +200,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"weld: serving {config.served_model_name} on http://{args.host}:{args.port}", file=sys.stderr)
     serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from weld import bench
+
+    return bench.main(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
