@@ -78,3 +78,51 @@ def test_penalties_and_bias_change_the_right_logits():
         1.0 + 3.0,                    # logit_bias (the -1 padding entry adds nothing)
     ])
     np.testing.assert_allclose(out, expect, rtol=1e-6)
+
+
+def exact_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """The distribution sampling must follow, stated directly: softmax(logits / T), then keep the
+    top-k, then the smallest most-likely set reaching top_p, then tokens with p >= min_p * p_max
+    (min-p on the tempered probabilities, as vLLM applies it), renormalized."""
+    p = np.exp((logits - logits.max()) / temperature)
+    p /= p.sum()
+    order = np.argsort(-p)
+    keep = np.zeros(len(p), bool)
+    keep[order[:top_k if top_k > 0 else len(p)]] = True
+    q = np.where(keep, p, 0) / np.where(keep, p, 0).sum()
+    before = np.cumsum(q[order]) - q[order]
+    nucleus = np.zeros(len(p), bool)
+    nucleus[order[before < top_p]] = True
+    keep &= nucleus
+    keep &= p >= min_p * p.max()
+    out = np.where(keep, p, 0)
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.0), (1.7, 0, 1.0, 0.0),   # temperature alone
+    (1.0, 4, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.15),   # each filter
+    (1.3, 6, 0.9, 0.05),                                            # all together
+])
+@pytest.mark.parametrize("vary", ["seed", "position"])
+def test_chi_square_against_exact_distribution(temperature, top_k, top_p, min_p, vary):
+    """20,000 draws (one per row: distinct seeds, or one seed at distinct positions) against the
+    exact distribution. Tokens outside the kept set must never appear; the kept ones must pass a
+    chi-square goodness-of-fit test at p > 1e-4 (fixed seeds: the outcome is deterministic)."""
+    from scipy.stats import chisquare
+
+    n, v = 20000, 12
+    logits = np.random.default_rng(7).standard_normal(v).astype(np.float32) * 1.5
+    expect = exact_distribution(logits.astype(np.float64), temperature, top_k, top_p, min_p)
+    seeds = np.arange(n, dtype=np.uint32) if vary == "seed" else np.full(n, 12345, np.uint32)
+    positions = np.zeros(n, np.int32) if vary == "seed" else np.arange(n, dtype=np.int32)
+    params = SamplingArrays(jnp.full(n, temperature, jnp.float32), jnp.full(n, top_k, jnp.int32),
+                            jnp.full(n, top_p, jnp.float32), jnp.full(n, min_p, jnp.float32),
+                            jnp.full(n, 3, jnp.uint32), jnp.asarray(seeds), jnp.asarray(positions))
+    draws = np.asarray(sample(jnp.asarray(np.tile(logits, (n, 1))), params))
+    counts = np.bincount(draws, minlength=v)
+    kept = expect > 0
+    assert counts[~kept].sum() == 0, f"filtered tokens were sampled: {counts[~kept]}"
+    assert kept.sum() >= 2  # the case is not degenerate
+    result = chisquare(counts[kept], n * expect[kept])
+    assert result.pvalue > 1e-4, (counts[kept], n * expect[kept])

@@ -98,8 +98,20 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
-    def warmup(self) -> None:
-        """Compiles the batch-1 prefill and decode programs now (with a status line on stderr)."""
+    def warmup(self, full: bool = False) -> None:
+        """Compiles programs now (with progress on stderr) instead of at the first requests.
+
+        By default the batch-1 prefill and decode; with `full`, every shape the scheduler can
+        produce under max_num_seqs and max_num_batched_tokens, so that requests with default
+        sampling never wait for a compile (logprobs and penalties still compile their variants
+        on first use). Compiled programs are cached on disk, so later runs load them quickly.
+        """
+        if full:
+            if self.engine.has_unfinished():
+                raise InvalidInputError("warm up before adding requests")
+            sched = self.engine.scheduler
+            self.engine.runner.warmup(sched.max_num_seqs, sched.max_num_batched_tokens, progress=self._progress)
+            return
         with status("Compiling", enabled=self._progress):
             self.generate({"prompt_token_ids": [0] * 8}, SamplingParams(max_tokens=2, temperature=0))
 

@@ -22,15 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from weld.engine.sampler import PenaltyArrays, SamplingArrays, apply_penalties, ban_tokens, sample, token_logprobs
-from weld.engine.sampling_params import MAX_LOGPROBS
-from weld.engine.scheduler import ScheduledSeq, SchedulerOutput
+from weld.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from weld.engine.scheduler import MIN_TOKEN_BUCKET, ScheduledSeq, SchedulerOutput, bucket
+from weld.engine.sequence import Sequence
 from weld.models.common.cache import AttentionBatch, PagedKVCache
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """The smallest power of two >= max(n, minimum)."""
-    n = max(n, minimum)
-    return 1 << (n - 1).bit_length()
+from weld.utils.progress import Progress
 
 
 @dataclasses.dataclass
@@ -206,7 +202,7 @@ class ModelRunner:
 
     def _run_prefill(self, plan, bp, block_tables, sampling, stop, penalties, num_top, want_prompt_logprobs):
         chunks, decodes = plan.entries[:plan.num_prefill], plan.entries[plan.num_prefill:]
-        t = bucket(max(e.num_tokens for e in chunks), 16)
+        t = bucket(max(e.num_tokens for e in chunks), MIN_TOKEN_BUCKET)
         tokens = np.zeros((bp, t), np.int32)
         positions = np.full((bp, t), -1, np.int32)
         last_index = np.zeros((bp,), np.int32)
@@ -236,6 +232,20 @@ class ModelRunner:
                           jnp.asarray(targets),
                           cfg=self.cfg, num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
 
+    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, progress: bool | None = None) -> int:
+        """Compiles every program shape the scheduler can ask for under these limits (with default
+        sampling: no logprobs, penalties or extra stop ids, which add variants of their own).
+        Runs each once on dummy sequences; call it before any request is running, since the
+        dummies write into free pages. Returns the number of programs compiled.
+        """
+        plans = warmup_plans(max_num_seqs, max_num_batched_tokens, self.page_size)
+        before = self.num_compiles
+        with Progress(len(plans), "Compiling", unit="program", enabled=progress) as bar:
+            for plan in plans:
+                self.execute(plan)
+                bar.update(1)
+        return self.num_compiles - before
+
     def _stop_arrays(self, entries: list[ScheduledSeq], rows: list[int], b: int) -> StopArrays:
         max_steps = np.zeros((b,), np.int32)
         num_output = np.zeros((b,), np.int32)
@@ -264,6 +274,45 @@ class ModelRunner:
         return self._decode(self.weights, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
                             jnp.asarray(block_tables), sampling, stop, penalties, cfg=self.cfg, steps=steps,
                             num_top=num_top)
+
+
+def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int) -> list[SchedulerOutput]:
+    """One dummy plan per bucketed shape the scheduler can produce: fused decodes of bd rows,
+    and prefills of bp rows x tp tokens with bd decode rows riding along (bd = 0: none).
+
+    A shape is feasible when its smallest content fits the limits (a bucket of n > 1 holds at
+    least n/2 + 1 items, a token bucket tp > 16 a chunk of at least tp/2 + 1 tokens) and, with
+    several prompt rows longer than the minimal bucket, bp * tp stays within the scheduler's
+    padded-slot limit.
+    """
+    def least_rows(n: int) -> int:
+        return n if n <= 1 else n // 2 + 1
+
+    params = SamplingParams(max_tokens=1, temperature=0)
+    row_buckets = [1 << i for i in range(bucket(max_num_seqs).bit_length())]
+    slots = bucket(max_num_batched_tokens, MIN_TOKEN_BUCKET)
+    token_buckets = [1 << i for i in range(MIN_TOKEN_BUCKET.bit_length() - 1, slots.bit_length())]
+
+    def dummy(num_tokens: int, chunk: int, decode: bool) -> ScheduledSeq:
+        seq = Sequence("warmup", [0] * num_tokens, params)
+        seq.block_table = list(range(-(-num_tokens // page_size)))
+        if decode:
+            return ScheduledSeq(seq, num_tokens - 1, 1, sample=True, max_steps=1)
+        return ScheduledSeq(seq, 0, chunk, sample=True)
+
+    plans = [SchedulerOutput("decode", [dummy(2, 1, True) for _ in range(least_rows(bd))]) for bd in row_buckets]
+    for tp in token_buckets:
+        for bp in row_buckets:
+            for bd in [0] + row_buckets:
+                rows_p, rows_d = least_rows(bp), least_rows(bd)
+                chunk = 1 if tp == MIN_TOKEN_BUCKET else tp // 2 + 1
+                if (rows_p + rows_d > max_num_seqs or chunk + rows_p - 1 + rows_d > max_num_batched_tokens
+                        or (rows_p > 1 and tp > MIN_TOKEN_BUCKET and bp * tp > slots)):
+                    continue
+                chunks = [dummy(chunk, chunk, False)] + [dummy(1, 1, False) for _ in range(rows_p - 1)]
+                decodes = [dummy(2, 1, True) for _ in range(rows_d)]
+                plans.append(SchedulerOutput("mixed" if decodes else "prefill", chunks + decodes, len(chunks)))
+    return plans
 
 
 def _penalty_arrays(entries: list[ScheduledSeq], rows: list[int], b: int, vocab_size: int) -> PenaltyArrays | None:

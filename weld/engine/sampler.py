@@ -31,13 +31,28 @@ class SamplingArrays:
     position: jax.Array  # i32, position of the token being sampled
 
 
-def row_keys(seed_hi: jax.Array, seed_lo: jax.Array, position: jax.Array) -> jax.Array:
-    """One PRNG key per row from (seed, position): [b] keys."""
-    def one(hi, lo, pos):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), hi), lo)
-        return jax.random.fold_in(key, pos)
+def _mix32(x: jax.Array) -> jax.Array:
+    """A 32-bit integer finalizer (xorshift-multiply, "lowbias32" constants): every input bit
+    affects every output bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
 
-    return jax.vmap(one)(seed_hi, seed_lo, position)
+
+def gumbel_noise(seed_hi: jax.Array, seed_lo: jax.Array, position: jax.Array, vocab_size: int) -> jax.Array:
+    """Gumbel(0, 1) noise [b, v], a pure function of (row seed, position, token id).
+
+    A counter-based hash rather than jax.random's threefry: at a 49k vocabulary threefry took
+    22 ms per step for 16 rows on this CPU (and seconds to compile), the hash under 3 ms.
+    Uniforms have 24 bits, centred in their bins so log(0) never happens.
+    """
+    state = _mix32(_mix32(_mix32(seed_lo ^ jnp.uint32(0x9E3779B9)) ^ seed_hi) ^ position.astype(jnp.uint32))
+    ids = jnp.arange(vocab_size, dtype=jnp.uint32)[None, :]
+    bits = _mix32(_mix32(state[:, None] + ids * jnp.uint32(0x9E3779B9)))
+    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+    return -jnp.log(-jnp.log(u))
 
 
 def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -107,18 +122,25 @@ def ban_tokens(logits: jax.Array, banned_ids: jax.Array, ban: jax.Array) -> jax.
 
 
 def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
-    """Token ids [b] drawn from logits [b, v] under each row's parameters (greedy where temperature is 0)."""
+    """Token ids [b] drawn from logits [b, v] under each row's parameters (greedy where temperature is 0).
+
+    Sampling is the Gumbel-max trick: argmax(logits / T + Gumbel noise) is a draw from
+    softmax(logits / T) restricted to the tokens the filters keep. All-greedy batches skip it.
+    """
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    temperature = jnp.maximum(params.temperature, 1e-5)[:, None]
-    scaled = logits / temperature
-    needs_filter = jnp.any((params.top_k > 0) | (params.top_p < 1.0) | (params.min_p > 0.0))
-    scaled = jax.lax.cond(needs_filter,
-                          lambda x: filter_logits(x, params.top_k, params.top_p, params.min_p),
-                          lambda x: x, scaled)
-    keys = row_keys(params.seed_hi, params.seed_lo, params.position)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (logits.shape[-1],), jnp.float32))(keys)
-    sampled_ids = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
-    return jnp.where(params.temperature < 1e-5, greedy_ids, sampled_ids)
+
+    def draw(logits):
+        temperature = jnp.maximum(params.temperature, 1e-5)[:, None]
+        scaled = logits / temperature
+        needs_filter = jnp.any((params.top_k > 0) | (params.top_p < 1.0) | (params.min_p > 0.0))
+        scaled = jax.lax.cond(needs_filter,
+                              lambda x: filter_logits(x, params.top_k, params.top_p, params.min_p),
+                              lambda x: x, scaled)
+        noise = gumbel_noise(params.seed_hi, params.seed_lo, params.position, logits.shape[-1])
+        sampled_ids = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+        return jnp.where(params.temperature < 1e-5, greedy_ids, sampled_ids)
+
+    return jax.lax.cond(jnp.any(params.temperature >= 1e-5), draw, lambda _: greedy_ids, logits)
 
 
 def token_logprobs(logits: jax.Array, token_ids: jax.Array, num_top: int):

@@ -21,6 +21,15 @@ from weld.engine.block_manager import BlockManager
 from weld.engine.sequence import Sequence, SequenceStatus
 
 
+def bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum): the runner pads batch shapes to these."""
+    n = max(n, minimum)
+    return 1 << (n - 1).bit_length()
+
+
+MIN_TOKEN_BUCKET = 16  # prompt chunks are padded to at least this many tokens
+
+
 @dataclasses.dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -83,7 +92,13 @@ class Scheduler:
         return SchedulerOutput("prefill", prefill, len(prefill)) if prefill else None
 
     def _schedule_prefill(self, budget: int) -> list[ScheduledSeq]:
+        """Prompt chunks for this step, within `budget` tokens. The runner pads the chunks to
+        [bucket(rows), bucket(longest chunk)]; unless every chunk is short (one minimal token
+        bucket), that padded size is kept within bucket(max_num_batched_tokens), so a long chunk
+        never drags many short rows along."""
         entries: list[ScheduledSeq] = []
+        slots = bucket(self.max_num_batched_tokens, MIN_TOKEN_BUCKET)
+        longest = 0
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) + len(entries) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -92,6 +107,9 @@ class Scheduler:
             bm.match_prefix(seq)  # a fresh (or recomputed) sequence skips its cached prefix
             remaining = seq.num_tokens - seq.num_computed_tokens
             chunk = min(remaining, budget)
+            width = bucket(max(longest, chunk), MIN_TOKEN_BUCKET)
+            if entries and width > MIN_TOKEN_BUCKET and bucket(len(entries) + 1) * width > slots:
+                break
             if not bm.can_allocate(seq, seq.num_computed_tokens + chunk):
                 if not entries and not self.running and bm.num_free_pages == bm.num_pages - len(seq.block_table):
                     raise RuntimeError(
@@ -102,6 +120,7 @@ class Scheduler:
             finishes_prompt = chunk == remaining
             entries.append(ScheduledSeq(seq, seq.num_computed_tokens, chunk, sample=finishes_prompt))
             budget -= chunk
+            longest = max(longest, chunk)
             if not finishes_prompt:
                 break  # the rest of this prompt goes in the next step
             self.waiting.popleft()
