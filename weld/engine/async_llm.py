@@ -6,9 +6,11 @@
     await engine.abort("r1")                 # or just stop iterating: the request is aborted
     engine.shutdown()
 
-One thread owns the engine loop (`step()` = schedule, run, postprocess); callers add and
-abort requests under a lock, so the engine is never touched by two threads at once. Each
-request has an asyncio queue that the loop fills through `call_soon_threadsafe`.
+One thread owns the engine loop (`step()` = schedule, run, postprocess). Callers never wait
+for a step: adds and aborts go into a pending list (under a short lock) that the engine thread
+applies before its next step, so an event loop serving many streams is never blocked for the
+length of a device call. Each request has an asyncio queue that the loop fills through
+`call_soon_threadsafe`; a request the engine refuses gets its error through that queue.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ class AsyncLLM:
         self.llm = LLM(model=model, dtype=dtype, **engine_kwargs)
         self.tokenizer = self.llm.tokenizer
         self.engine = self.llm.engine
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._lock = threading.Lock()  # the engine: held for a whole step
+        self._wake = threading.Condition(threading.Lock())  # guards _pending and _stopping only
+        self._pending: list[tuple] = []  # ("add", id, token_ids, params, text) | ("abort", id)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
+        self._has_work = False  # the engine has unfinished requests (written by the engine thread)
         # request id -> time.monotonic() at the start of the step that gave its first output
         self._first_step_start: dict[str, float] = {}
         self._error: BaseException | None = None
@@ -47,16 +51,35 @@ class AsyncLLM:
 
     # ----- the engine thread -----
 
+    def _apply_pending(self) -> None:
+        """Applies queued adds and aborts; the caller holds the engine lock."""
+        with self._wake:
+            pending, self._pending = self._pending, []
+        for op, request_id, *rest in pending:
+            if op == "add":
+                token_ids, params, text = rest
+                try:
+                    self.engine.add_request(request_id, token_ids, params, prompt=text)
+                except WeldError as err:
+                    self._deliver(err, request_id)
+            else:
+                out = self.engine.abort(request_id)
+                if out is not None:
+                    self._deliver(out)
+
     def _loop(self) -> None:
         try:
             while True:
                 with self._wake:
-                    while not self._stopping and not self.engine.has_unfinished():
+                    while not self._stopping and not self._pending and not self._has_work:
                         self._wake.wait()
                     if self._stopping:
                         return
+                with self._lock:
+                    self._apply_pending()
                     started = time.monotonic()
-                    outputs = self.engine.step()
+                    outputs = self.engine.step() if self.engine.has_unfinished() else []
+                    self._has_work = self.engine.has_unfinished()
                 for out in outputs:
                     if out.request_id in self._streams:
                         self._first_step_start.setdefault(out.request_id, started)
@@ -96,13 +119,16 @@ class AsyncLLM:
         with self._wake:
             if request_id in self._streams:
                 raise InvalidInputError(f"request id {request_id!r} is already in use")
-            self.engine.add_request(request_id, token_ids, sampling_params, prompt=text)
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            self._pending.append(("add", request_id, token_ids, sampling_params, text))
             self._wake.notify()
         finished = False
         try:
             while not finished:
                 item = await queue.get()
+                if isinstance(item, WeldError):
+                    finished = True  # refused by the engine: it never held the request
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError("the engine loop failed") from item
                 finished = item.finished
@@ -115,9 +141,8 @@ class AsyncLLM:
 
     def _abort(self, request_id: str) -> None:
         with self._wake:
-            out = self.engine.abort(request_id)
-        if out is not None:
-            self._deliver(out)
+            self._pending.append(("abort", request_id))
+            self._wake.notify()
 
     def first_step_start(self, request_id: str) -> float | None:
         """`time.monotonic()` at the start of the engine step that produced the request's first
@@ -129,16 +154,20 @@ class AsyncLLM:
         self._abort(request_id)
 
     def stats(self) -> dict[str, Any]:
+        """Engine counters, after any queued adds and aborts (waits for a running step)."""
         with self._lock:
+            self._apply_pending()
             return self.engine.stats()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Aborts whatever is left and stops the engine thread."""
         with self._wake:
             self._stopping = True
+            self._wake.notify()
+        with self._lock:
+            self._apply_pending()
             for request_id in list(self.engine.requests):
                 out = self.engine.abort(request_id)
                 if out is not None:
                     self._deliver(out)
-            self._wake.notify()
         self._thread.join(timeout)
