@@ -192,14 +192,18 @@ def floor_bytes(weights: WeightBytes, kv_bytes_per_token: int, batch: int, input
 class WeldEngine:
     name = "weld"
 
-    def __init__(self, model: str, dtype: str, max_batch: int, max_model_len: int):
+    def __init__(self, model: str, dtype: str, max_batch: int, max_model_len: int, decode_len: int | None = None):
         from weld.engine.llm import LLM
         from weld.engine.sampling_params import SamplingParams
 
         page_size = 16
-        # Every row of the largest batch at full length, plus a page per row of slack for pages
-        # the fused decode allocates ahead; no prefix caching, so repeated prompts are recomputed.
-        num_pages = max_batch * (-(-max_model_len // page_size) + 1)
+        # Every row of the largest batch at its full length (decode_len: prompt + new tokens), or
+        # the one long prefill prompt, plus a page per row of slack for pages the fused decode
+        # allocates ahead. No prefix caching: the same prompts repeat across runs and must be
+        # recomputed each time. (Attention reads only the pages in context, so the pool's size
+        # costs memory, not time.)
+        pages = lambda tokens: -(-tokens // page_size) + 1  # noqa: E731
+        num_pages = max(max_batch * pages(decode_len or max_model_len), pages(max_model_len))
         self.llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_batch,
                        page_size=page_size, num_pages=num_pages, enable_prefix_caching=False)
         self._params = lambda n: SamplingParams(max_tokens=n, ignore_eos=True, temperature=0)
@@ -278,8 +282,8 @@ class HFEngine:
 
 class LlamaCppEngine:
     """llama.cpp through llama-cpp-python's low-level API: one llama_batch holds a token of every
-    sequence (distinct seq ids in one unified KV cache), so batch B decodes B rows per call, at
-    every B (batch 1 included). Greedy is an argmax over the returned logits."""
+    sequence (one sequence id per row, each with its own KV cells), so batch B decodes B rows per
+    call, at every B (batch 1 included). Greedy is an argmax over the returned logits."""
 
     name = "llamacpp"
 
@@ -300,7 +304,9 @@ class LlamaCppEngine:
         params.n_batch = self.n_batch
         params.n_ubatch = 512
         params.n_seq_max = max_batch
-        params.kv_unified = True
+        # Per-sequence KV cells: a unified cache would make every row attend over (masked) cells
+        # of all rows, which llama.h advises against when sequences share no prefix.
+        params.kv_unified = False
         params.n_threads = params.n_threads_batch = threads
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         if not self.ctx:
@@ -408,7 +414,8 @@ def run(cfg: BenchConfig) -> dict:
     engines: list[Any] = []
     load_s: dict[str, float] = {}
     with status("Loading weld", enabled=show):
-        t, weld = timed(lambda: WeldEngine(str(source.path), cfg.dtype, max_batch, wanted_len))
+        t, weld = timed(lambda: WeldEngine(str(source.path), cfg.dtype, max_batch, wanted_len,
+                                               decode_len=cfg.input_len + cfg.output_len))
     engines.append(weld)
     load_s[weld.name] = t
     if cfg.input_len + cfg.output_len > weld.max_model_len:
