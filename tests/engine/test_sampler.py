@@ -126,3 +126,14 @@ def test_chi_square_against_exact_distribution(temperature, top_k, top_p, min_p,
     assert kept.sum() >= 2  # the case is not degenerate
     result = chisquare(counts[kept], n * expect[kept])
     assert result.pvalue > 1e-4, (counts[kept], n * expect[kept])
+
+
+def test_gumbel_noise_is_finite_at_the_extremes():
+    """The extreme uniform bins stay inside (0, 1) in f32: +inf noise would pick a token whatever
+    its logit (with 24-bit uniforms the top bin rounded to 1.0, once per 2^24 draws)."""
+    from weld.engine.sampler import gumbel_from_bits
+
+    bits = jnp.asarray(np.array([0, 1, 511, 512, 2**31, 2**32 - 512, 2**32 - 1], np.uint32))
+    noise = np.asarray(gumbel_from_bits(bits))
+    assert np.all(np.isfinite(noise)), noise
+    assert np.all(np.diff(noise) >= 0)  # monotone in the bits

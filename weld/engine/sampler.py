@@ -46,12 +46,21 @@ def gumbel_noise(seed_hi: jax.Array, seed_lo: jax.Array, position: jax.Array, vo
 
     A counter-based hash rather than jax.random's threefry: at a 49k vocabulary threefry took
     22 ms per step for 16 rows on this CPU (and seconds to compile), the hash under 3 ms.
-    Uniforms have 24 bits, centred in their bins so log(0) never happens.
     """
     state = _mix32(_mix32(_mix32(seed_lo ^ jnp.uint32(0x9E3779B9)) ^ seed_hi) ^ position.astype(jnp.uint32))
     ids = jnp.arange(vocab_size, dtype=jnp.uint32)[None, :]
     bits = _mix32(_mix32(state[:, None] + ids * jnp.uint32(0x9E3779B9)))
-    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+    return gumbel_from_bits(bits)
+
+
+def gumbel_from_bits(bits: jax.Array) -> jax.Array:
+    """Gumbel(0, 1) noise from uniform uint32 bits: finite for every input.
+
+    Uniforms have 23 bits, centred in their bins: u lies in [2^-24, 1 - 2^-24], which f32 holds
+    exactly, so neither log is of 0. (With 24 bits the top bin, 1 - 2^-25, rounds to 1.0 in f32:
+    noise +inf once in 2^24 draws, a token chosen whatever its logit, even a masked one.)
+    """
+    u = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
     return -jnp.log(-jnp.log(u))
 
 
@@ -119,6 +128,18 @@ def ban_tokens(logits: jax.Array, banned_ids: jax.Array, ban: jax.Array) -> jax.
     ids = jnp.where((banned_ids >= 0) & ban[:, None], banned_ids, v)  # v: out of bounds, dropped
     rows = jnp.arange(logits.shape[0])[:, None]
     return logits.at[rows, ids].set(_NEG, mode="drop")
+
+
+def unpack_bitmask(bitmask: jax.Array, vocab_size: int) -> jax.Array:
+    """bool [b, v] from a token bitmask int32 [b, ceil(v / 32)]: token t is allowed where bit
+    t % 32 of word t // 32 is set (llguidance's layout)."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [b, w, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(bool)
+
+
+def apply_allowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Sets logits [b, v] of tokens not allowed (bool [b, v]) to -inf-ish (grammar constraints)."""
+    return jnp.where(allowed, logits, _NEG)
 
 
 def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
