@@ -2,7 +2,9 @@
 
 It owns the scheduler (pure Python), the model runner (the device) and the tokenizer, and
 turns sampled ids into text, logprobs and finish reasons. Stop strings are checked here, on
-the host, after each step; text past a stop string is dropped.
+the host, after each step; text past a stop string is dropped. Structured outputs: each
+constrained sequence has a grammar matcher that writes its row of the token bitmask before a
+call and accepts each token after; when its grammar is complete, the sequence stops ("stop").
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from weld.engine.runner import ModelRunner, StepResult
 from weld.engine.sampling_params import SamplingParams
 from weld.engine.scheduler import Scheduler, ScheduledSeq
 from weld.engine.sequence import Sequence
+from weld.engine.structured import GrammarCompiler, GrammarMatcher, bitmask_width
 from weld.tokenizer import IncrementalDetokenizer, Tokenizer
 from weld.utils.errors import InvalidInputError
 
@@ -31,6 +34,7 @@ class _Completion:
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float = 0.0
     stop_checked_upto: int = 0  # text offset before which no stop string can still start
+    matcher: GrammarMatcher | None = None  # structured outputs; dropped when the sequence finishes
 
 
 @dataclasses.dataclass
@@ -58,6 +62,7 @@ class EngineCore:
         self.vocab_size = runner.cfg.vocab_size
         self.requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, _Request] = {}
+        self.grammars = GrammarCompiler(tokenizer, tuple(eos_token_ids))
 
     @property
     def block_manager(self) -> BlockManager:
@@ -88,6 +93,8 @@ class EngineCore:
             raise InvalidInputError(
                 f"this request may need {need} KV pages but the cache has {self.block_manager.num_pages}; "
                 f"lower max_tokens or give the KV cache more memory")
+        spec = params.structured_outputs
+        matchers = [self.grammars.matcher(spec) if spec is not None else None for _ in range(params.n)]
         base_seed = params.seed if params.seed is not None else random.getrandbits(63)
         completions = []
         for index in range(params.n):
@@ -95,7 +102,8 @@ class EngineCore:
             seq = Sequence(request_id, ids, params, index=index, seed=seed)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids,
                                            skip_special_tokens=params.skip_special_tokens)
-            completions.append(_Completion(seq, detok, logprobs=[] if params.logprobs is not None else None))
+            completions.append(_Completion(seq, detok, logprobs=[] if params.logprobs is not None else None,
+                                           matcher=matchers[index]))
         request = _Request(request_id, prompt, ids, params, completions,
                            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         self.requests[request_id] = request
@@ -103,6 +111,7 @@ class EngineCore:
             self._seq_owner[c.seq.seq_id] = request
             if params.max_tokens == 0 and params.prompt_logprobs is None:
                 self.scheduler.finish(c.seq, "length")
+                c.matcher = None
             else:
                 self.scheduler.add(c.seq)
 
@@ -114,6 +123,7 @@ class EngineCore:
         for c in request.completions:
             if not c.seq.is_finished:
                 self.scheduler.finish(c.seq, "abort")
+            c.matcher = None
         return self._pop_if_finished(request)
 
     def has_unfinished(self) -> bool:
@@ -134,7 +144,8 @@ class EngineCore:
         want_prompt_lp = any(
             r.prompt_logprobs is not None and e.seq.index == 0 and e.seq.num_output_tokens == 0
             for r, e in zip(owners[:plan.num_prefill], plan.entries[:plan.num_prefill]))
-        result = self.runner.execute(plan, want_logprobs=want_lp, want_prompt_logprobs=want_prompt_lp)
+        result = self.runner.execute(plan, want_logprobs=want_lp, want_prompt_logprobs=want_prompt_lp,
+                                     token_bitmask=self._token_bitmask(plan, owners))
         touched: dict[str, _Request] = {}
         for i, (entry, request) in enumerate(zip(plan.entries, owners)):
             touched[request.request_id] = request
@@ -153,10 +164,25 @@ class EngineCore:
                     self._append_token(request, entry.seq, result, i, k)
             if not entry.seq.is_finished:
                 self.block_manager.cache_full_pages(entry.seq)
+            else:
+                request.completions[entry.seq.index].matcher = None
         for request in touched.values():
             out = self._pop_if_finished(request) if request.finished else self._snapshot(request)
             outputs.append(out)
         return [o for o in outputs if o is not None]
+
+    def _token_bitmask(self, plan, owners: list[_Request]) -> np.ndarray | None:
+        """int32 [entries, ceil(vocab / 32)]: each constrained entry's allowed next tokens, all
+        bits set elsewhere; None when no entry that samples this step is constrained."""
+        constrained = [(i, request.completions[e.seq.index].matcher)
+                       for i, (e, request) in enumerate(zip(plan.entries, owners))
+                       if e.sample and request.completions[e.seq.index].matcher is not None]
+        if not constrained:
+            return None
+        bitmask = np.full((len(plan.entries), bitmask_width(self.vocab_size)), -1, np.int32)
+        for i, matcher in constrained:
+            matcher.fill_bitmask(bitmask[i])
+        return bitmask
 
     def _record_prompt_logprobs(self, request: _Request, entry: ScheduledSeq, result: StepResult, i: int):
         num_prompt = len(request.prompt_token_ids)
@@ -189,6 +215,8 @@ class EngineCore:
                     token, result.logprobs[i, k], result.ranks[i, k], result.top_ids[i, k],
                     result.top_logprobs[i, k], params.logprobs))
         completion.text += completion.detok.add([token])
+        if completion.matcher is not None:
+            completion.matcher.accept(token)
         n_out = seq.num_output_tokens
         if n_out > params.min_tokens:  # min_tokens came before this token (the sampler banned stops until then)
             if not params.ignore_eos and token in self.eos_token_ids:
@@ -201,6 +229,10 @@ class EngineCore:
                 return
             if params.stop and self._check_stop_strings(completion):
                 return
+        if completion.matcher is not None and completion.matcher.is_terminated():
+            self._finish_text(completion)  # the grammar is complete: nothing but EOS could follow
+            self.scheduler.finish(seq, "stop", None)
+            return
         if (params.max_tokens is not None and n_out >= params.max_tokens) or seq.num_tokens >= self.max_model_len:
             self._finish_text(completion)
             self.scheduler.finish(seq, "length")
@@ -250,4 +282,6 @@ class EngineCore:
         return {"num_pages": bm.num_pages, "num_free_pages": bm.num_free_pages,
                 "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "num_preemptions": self.scheduler.num_preemptions, "num_compiles": self.runner.num_compiles}
+                "num_preemptions": self.scheduler.num_preemptions, "num_compiles": self.runner.num_compiles,
+                "num_grammar_matchers": sum(c.matcher is not None for r in self.requests.values()
+                                            for c in r.completions)}

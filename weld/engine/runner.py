@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from weld.engine.sampler import PenaltyArrays, SamplingArrays, apply_penalties, ban_tokens, sample, token_logprobs
+from weld.engine.sampler import (PenaltyArrays, SamplingArrays, apply_allowed, apply_penalties, ban_tokens, sample,
+                                 token_logprobs, unpack_bitmask)
 from weld.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from weld.engine.scheduler import MIN_TOKEN_BUCKET, ScheduledSeq, SchedulerOutput, bucket
 from weld.engine.sequence import Sequence
@@ -65,13 +66,14 @@ class StopArrays:
 
 
 def _step(forward, weights, cache, tokens, positions, block_tables, last_index, sampling, stop, penalties,
-          prompt_targets, *, cfg, num_top: int, with_prompt_logprobs: bool):
+          prompt_targets, token_bitmask, *, cfg, num_top: int, with_prompt_logprobs: bool):
     """forward + sample for one padded batch of row groups.
 
     tokens, positions, block_tables, last_index: tuples with one entry per group; group 0 holds
     prompt chunks [bp, tp], an optional group 1 holds decode rows [bd, 1]. The per-row arrays
     (sampling, stop, penalties) cover the groups' rows in order ([bp + bd]). Prompt logprobs
-    (prompt_targets [bp, tp]) are computed for group 0.
+    (prompt_targets [bp, tp]) are computed for group 0. token_bitmask int32 [bp + bd, ceil(v / 32)]
+    (or None: no row is constrained) masks each row's tokens before sampling.
     """
     full = tuple(with_prompt_logprobs and g == 0 for g in range(len(tokens)))
     indices = tuple(None if f else li[:, None] for f, li in zip(full, last_index))
@@ -82,15 +84,18 @@ def _step(forward, weights, cache, tokens, positions, block_tables, last_index, 
         for lg, li, f in zip(logits, last_index, full)])  # [bp + bd, v]
     prompt = token_logprobs(logits[0], prompt_targets, num_top) if with_prompt_logprobs else None
     scores = last_logits if penalties is None else apply_penalties(last_logits, penalties)
-    ids = sample(ban_tokens(scores, stop.banned_ids(), stop.num_output < stop.min_tokens), sampling)
+    scores = ban_tokens(scores, stop.banned_ids(), stop.num_output < stop.min_tokens)
+    if token_bitmask is not None:
+        scores = apply_allowed(scores, unpack_bitmask(token_bitmask, scores.shape[-1]))
+    ids = sample(scores, sampling)
     chosen = token_logprobs(last_logits, ids, num_top) if num_top else None
     if chosen is not None:
         chosen = tuple(x[:, None] for x in chosen)  # one new token per row: [b, 1, ...]
     return cache, ids[:, None], chosen, prompt
 
 
-def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, stop, penalties, *, cfg,
-            steps: int, num_top: int):
+def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, stop, penalties, token_bitmask, *,
+            cfg, steps: int, num_top: int):
     """Up to `steps` decode steps in one device call.
 
     tokens, positions [b]: each row's last token (not yet in the cache) and its position.
@@ -98,11 +103,14 @@ def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, 
     new position, so results do not depend on how steps are grouped into calls), and marks the
     row finished on EOS, a stop id or its step budget; a finished row feeds padding (writes
     nothing) for the rest of the call, and the loop ends early when every row has finished.
+    token_bitmask int32 [b, ceil(v / 32)] (or None) masks the first step only: a constrained
+    row has a step budget of 1 (its next mask is computed on the host).
     Returns the cache and the new ids [b, steps] (-1 after a row finished), with logprobs.
     """
     b = tokens.shape[0]
     batch = AttentionBatch(block_tables=block_tables)
     banned = stop.banned_ids()
+    first_allowed = None if token_bitmask is None else unpack_bitmask(token_bitmask, cfg.vocab_size)  # [b, v]
     done = stop.max_steps <= 0
     out_ids = jnp.full((b, steps), -1, jnp.int32)
     out_lp = (jnp.zeros((b, steps), jnp.float32), jnp.zeros((b, steps), jnp.int32),
@@ -121,6 +129,8 @@ def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, 
         logits = logits[:, 0]  # [b, v]
         scores = logits if pen is None else apply_penalties(logits, pen)
         allowed = ban_tokens(scores, banned, num_out < stop.min_tokens)
+        if first_allowed is not None:
+            allowed = apply_allowed(allowed, first_allowed | (i > 0))
         new = sample(allowed, dataclasses.replace(sampling, position=pos + 1))
         ended = (jnp.isin(new, stop.eos_ids) & ~stop.ignore_eos) | jnp.any(new[:, None] == stop.stop_ids, axis=-1)
         ended = (ended & (num_out >= stop.min_tokens)) | (i + 1 >= stop.max_steps)
@@ -166,7 +176,9 @@ class ModelRunner:
         return len(self._programs)
 
     def execute(self, plan: SchedulerOutput, want_logprobs: bool = False,
-                want_prompt_logprobs: bool = False) -> StepResult:
+                want_prompt_logprobs: bool = False, token_bitmask: np.ndarray | None = None) -> StepResult:
+        """Runs `plan`. token_bitmask int32 [len(plan.entries), ceil(vocab / 32)], row i for entry i
+        (all bits set: unconstrained), or None when no entry is constrained."""
         entries = plan.entries
         n = len(entries)
         num_top = MAX_LOGPROBS if want_logprobs or want_prompt_logprobs else 0
@@ -183,12 +195,13 @@ class ModelRunner:
         sampling = _sampling_arrays(entries, rows, b)
         stop = self._stop_arrays(entries, rows, b)
         penalties = _penalty_arrays(entries, rows, b, self.cfg.vocab_size)
+        bitmask = self._bitmask_rows(token_bitmask, rows, b)
         if plan.kind == "decode":
             cache, ids, chosen, prompt = self._run_decode(entries, b, block_tables, sampling, stop, penalties,
-                                                          num_top)
+                                                          num_top, bitmask)
         else:
             cache, ids, chosen, prompt = self._run_prefill(plan, bp, block_tables, sampling, stop, penalties,
-                                                           num_top, want_prompt_logprobs)
+                                                           num_top, want_prompt_logprobs, bitmask)
         self.cache = cache
         ids, chosen, prompt = jax.device_get((ids, chosen, prompt))
         rows = np.asarray(rows)
@@ -200,7 +213,20 @@ class ModelRunner:
              result.prompt_top_logprobs) = (x[:plan.num_prefill] for x in prompt)
         return result
 
-    def _run_prefill(self, plan, bp, block_tables, sampling, stop, penalties, num_top, want_prompt_logprobs):
+    def _bitmask_rows(self, token_bitmask: np.ndarray | None, rows: list[int], b: int) -> jax.Array | None:
+        """The entries' bitmask rows placed at their batch rows [b, w]; padding rows allow everything."""
+        if token_bitmask is None:
+            return None
+        width = -(-self.cfg.vocab_size // 32)
+        if token_bitmask.shape != (len(rows), width) or token_bitmask.dtype != np.int32:
+            raise ValueError(f"token_bitmask must be int32 [{len(rows)}, {width}], "
+                             f"got {token_bitmask.dtype} {token_bitmask.shape}")
+        out = np.full((b, width), -1, np.int32)
+        out[np.asarray(rows)] = token_bitmask
+        return jnp.asarray(out)
+
+    def _run_prefill(self, plan, bp, block_tables, sampling, stop, penalties, num_top, want_prompt_logprobs,
+                     bitmask):
         chunks, decodes = plan.entries[:plan.num_prefill], plan.entries[plan.num_prefill:]
         t = bucket(max(e.num_tokens for e in chunks), MIN_TOKEN_BUCKET)
         tokens = np.zeros((bp, t), np.int32)
@@ -226,10 +252,10 @@ class ModelRunner:
                 d_positions[j, 0] = e.start
             groups.append((d_tokens, d_positions, block_tables[bp:], np.zeros((bd,), np.int32)))
         self._programs.add(("prefill", bp, t, bd, stop.stop_ids.shape[1], _penalty_key(penalties), num_top,
-                            want_prompt_logprobs))
+                            want_prompt_logprobs, bitmask is not None))
         tokens, positions, tables, last = (tuple(jnp.asarray(g[k]) for g in groups) for k in range(4))
         return self._step(self.weights, self.cache, tokens, positions, tables, last, sampling, stop, penalties,
-                          jnp.asarray(targets),
+                          jnp.asarray(targets), bitmask,
                           cfg=self.cfg, num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, progress: bool | None = None) -> int:
@@ -263,16 +289,17 @@ class ModelRunner:
         return StopArrays(jnp.asarray(max_steps), jnp.asarray(num_output), jnp.asarray(min_tokens),
                           jnp.asarray(ignore_eos), jnp.asarray(stop_ids), jnp.asarray(self.eos_token_ids))
 
-    def _run_decode(self, entries, b, block_tables, sampling, stop, penalties, num_top):
+    def _run_decode(self, entries, b, block_tables, sampling, stop, penalties, num_top, bitmask):
         tokens = np.zeros((b,), np.int32)
         positions = np.zeros((b,), np.int32)
         for i, e in enumerate(entries):
             tokens[i] = e.seq.token_at(e.start)
             positions[i] = e.start
         steps = self.steps_per_call
-        self._programs.add(("decode", b, stop.stop_ids.shape[1], _penalty_key(penalties), steps, num_top))
+        self._programs.add(("decode", b, stop.stop_ids.shape[1], _penalty_key(penalties), steps, num_top,
+                            bitmask is not None))
         return self._decode(self.weights, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
-                            jnp.asarray(block_tables), sampling, stop, penalties, cfg=self.cfg, steps=steps,
+                            jnp.asarray(block_tables), sampling, stop, penalties, bitmask, cfg=self.cfg, steps=steps,
                             num_top=num_top)
 
 

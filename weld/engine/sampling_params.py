@@ -7,12 +7,105 @@ naming the parameter and the value.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json as _json
 from typing import Any
 
 from weld.utils.errors import InvalidInputError
 
 MAX_LOGPROBS = 20
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must follow (vLLM's names); exactly one of:
+
+    json: a JSON Schema (a dict, a bool, or its JSON text); regex: a regular expression (Rust
+    `regex` syntax) the whole output must match; choice: the output is one of these strings;
+    grammar: a Lark grammar (llguidance's dialect); json_object: any JSON object.
+    `disable_any_whitespace`: JSON with no whitespace between tokens.
+
+    Enforced by grammar-constrained decoding (weld.engine.structured). The spec is compiled once
+    here, without a tokenizer, so an invalid schema, regex or grammar is an `InvalidInputError`
+    when the parameters are made.
+    """
+
+    json: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        kinds = ("json", "regex", "choice", "grammar", "json_object")
+        given = [k for k in kinds if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidInputError("structured_outputs needs exactly one of json, regex, choice, grammar, "
+                                    f"json_object; got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", _json.loads(self.json))
+            except ValueError as err:
+                raise InvalidInputError(f"structured_outputs.json is not valid JSON: {err}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise InvalidInputError(f"structured_outputs.json must be a JSON Schema object, got {self.json!r}")
+        if self.choice is not None:
+            if (isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise InvalidInputError(f"structured_outputs.choice must be a non-empty list of non-empty "
+                                        f"strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidInputError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.json_object not in (None, True, False):
+            raise InvalidInputError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
+        self.grammar_text()  # compiles (cached), so a bad spec fails here
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> str:
+        """A canonical text of the spec: equal specs share one compiled grammar."""
+        payload = {"json": self.json, "regex": self.regex, "choice": list(self.choice or ()), "grammar": self.grammar,
+                   "json_object": True}[self.kind]
+        return _json.dumps([self.kind, payload, self.disable_any_whitespace])  # key order kept: it orders the output
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar of this spec (validated; raises InvalidInputError)."""
+        return _llguidance_grammar(self.key)
+
+
+@functools.lru_cache(maxsize=256)
+def _llguidance_grammar(key: str) -> str:
+    import llguidance
+
+    kind, payload, no_whitespace = _json.loads(key)
+    matcher = llguidance.LLMatcher
+    json_options = {"whitespace_flexible": not no_whitespace}
+    if kind == "json_object":
+        kind, payload = "json", {"type": "object"}
+    try:
+        if kind == "json":
+            grammar = matcher.grammar_from_json_schema(payload, defaults=json_options)  # x-guidance may override
+        elif kind == "regex":
+            grammar = matcher.grammar_from_regex(payload)
+        elif kind == "choice":
+            grammar = matcher.grammar_from_lark("start: " + " | ".join(_json.dumps(c) for c in payload))
+        else:
+            grammar = matcher.grammar_from_lark(payload)
+    except ValueError as err:
+        raise InvalidInputError(f"structured_outputs.{kind} is invalid: {err}") from None
+    error = matcher.validate_grammar(grammar)
+    if error:
+        raise InvalidInputError(f"structured_outputs.{kind} is invalid: {error.strip()}")
+    return grammar
 
 
 @dataclasses.dataclass
@@ -26,7 +119,9 @@ class SamplingParams:
     request reproducible whatever its batch neighbours are. `logprobs`: how many top
     alternatives to return per generated token (the chosen token is always included);
     `prompt_logprobs` the same for prompt tokens. Stop strings are removed from the output
-    text unless `include_stop_str_in_output`.
+    text unless `include_stop_str_in_output`. `structured_outputs` constrains the output to a
+    JSON Schema, regex, choice or grammar (a dict of StructuredOutputsParams fields is accepted);
+    such a request decodes one token per device call.
     """
 
     n: int = 1
@@ -48,8 +143,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -101,6 +199,8 @@ class SamplingParams:
             bad("stop", self.stop, "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams or a dict")
 
     @property
     def penalized(self) -> bool:

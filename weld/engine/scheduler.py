@@ -6,7 +6,8 @@ Policy (vLLM v1 style, with weld's fused decode):
   prompt takes several steps; the running sequences keep producing a token per step meanwhile).
 - When nothing waits (or nothing waiting fits), every running sequence decodes up to
   `steps_per_call` tokens in one fused device call; pages for them are allocated up front, as
-  far as the sequence's token limit allows.
+  far as the sequence's token limit allows. A sequence with structured outputs decodes one
+  token per call (its grammar's token mask is recomputed on the host after every token).
 - When pages run out for even one decode step, the newest running sequence is preempted by
   recompute: its pages are freed and it goes back to the waiting queue, keeping its tokens.
   A step that preempted admits no new prompt.
@@ -142,7 +143,9 @@ class Scheduler:
             if seq not in self.running:
                 continue  # preempted to make room for an older sequence
             # Feeding the last token and k - 1 sampled ones writes k positions from num_tokens - 1.
-            steps = max(1, min(max_steps, self._token_limit(seq) - seq.num_tokens + 1))
+            # A constrained sequence decodes one token per call: its mask changes after each one.
+            limit = 1 if seq.params.structured_outputs is not None else max_steps
+            steps = max(1, min(limit, self._token_limit(seq) - seq.num_tokens + 1))
             if not bm.can_allocate(seq, seq.num_tokens + steps - 1):
                 steps = 1
             while not bm.can_allocate(seq, seq.num_tokens):
