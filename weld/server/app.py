@@ -87,8 +87,9 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not engine.is_running:
-            return APIError(503, "the engine is not running").response()
+        if not engine.is_running or state.draining:
+            return APIError(503, "the engine is not running" if not engine.is_running
+                            else "the server is shutting down").response()
         return Response(status_code=200)
 
     @app.get("/version")

@@ -174,6 +174,9 @@ async def create_chat_completion(state: ServerState, body: Any, raw_request: Any
             return StreamingResponse(_released(_stream(ctx, request), admission), media_type="text/event-stream")
         result = await unless_disconnected(raw_request, _collect(ctx, request))
         return JSONResponse(result) if result is not None else JSONResponse({}, status_code=499)
+    except BaseException:
+        admission.release()
+        raise
     finally:
         if not req.stream:
             admission.release()
