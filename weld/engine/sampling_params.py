@@ -23,7 +23,7 @@ class StructuredOutputsParams:
 
     json: a JSON Schema (a dict, a bool, or its JSON text); regex: a regular expression (Rust
     `regex` syntax) the whole output must match; choice: the output is one of these strings;
-    grammar: a Lark grammar (llguidance's dialect); json_object: any JSON object.
+    grammar: a Lark grammar (llguidance's dialect) or a GBNF one; json_object: any JSON object.
     `disable_any_whitespace`: JSON with no whitespace between tokens.
 
     Enforced by grammar-constrained decoding (weld.engine.structured). The spec is compiled once
@@ -98,8 +98,8 @@ def _llguidance_grammar(key: str) -> str:
             grammar = matcher.grammar_from_regex(payload)
         elif kind == "choice":
             grammar = matcher.grammar_from_lark("start: " + " | ".join(_json.dumps(c) for c in payload))
-        else:
-            grammar = matcher.grammar_from_lark(payload)
+        else:  # Lark, or GBNF (llama.cpp / xgrammar), which llguidance converts to Lark
+            grammar = llguidance.grammar_from("grammar", payload)
     except ValueError as err:
         raise InvalidInputError(f"structured_outputs.{kind} is invalid: {err}") from None
     error = matcher.validate_grammar(grammar)

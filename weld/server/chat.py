@@ -25,7 +25,7 @@ from weld.server.protocol import ChatCompletionRequest, parse_body
 from weld.server.serving import (SSE_DONE, EngineRequest, ServerState, TextCursor, chat_logprobs, holdback_for,
                                  merged, random_id, resolve_max_tokens, sampling_params, sse, start_all,
                                  stream_error, unless_disconnected, usage)
-from weld.server.structured_outputs import NOT_SUPPORTED, parse_structured_outputs
+from weld.server.structured_outputs import engine_structured_outputs, parse_structured_outputs
 from weld.tokenizer.tool_parsers import TOOL_CALL_OPEN, ParsedToolCall, ToolCallStreamParser, parse_tool_calls
 from weld.utils.errors import InvalidInputError
 
@@ -138,13 +138,15 @@ async def create_chat_completion(state: ServerState, body: Any, raw_request: Any
     if req.continue_final_message and req.add_generation_prompt:
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true "
                             "(set add_generation_prompt: false)", param="continue_final_message")
-    if parse_structured_outputs(req.response_format, req.structured_outputs) is not None:
-        raise APIError(400, NOT_SUPPORTED, param="structured_outputs" if req.structured_outputs else "response_format")
+    structured = engine_structured_outputs(parse_structured_outputs(req.response_format, req.structured_outputs))
     template_kwargs = dict(req.chat_template_kwargs or {})
     reserved = set(template_kwargs) & _RESERVED_TEMPLATE_VARS
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)[0]}", param="chat_template_kwargs")
     mode, named = _tool_choice(req)
+    if structured is not None and mode in ("required", "named"):
+        raise APIError(400, "a forced tool call (tool_choice required or named) cannot be combined with "
+                            "response_format / structured_outputs", param="tool_choice")
     arrival = time.monotonic()
     messages = normalize_messages(req.messages)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -162,7 +164,8 @@ async def create_chat_completion(state: ServerState, body: Any, raw_request: Any
                                     param="max_completion_tokens" if req.max_completion_tokens is not None
                                     else "max_tokens", prompt_param="messages", allow_zero=False)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, state.vocab_size, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None)
+    params = sampling_params(req, state.vocab_size, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None,
+                             structured_outputs=structured)
     completion_id = random_id("chatcmpl")
     created = int(time.time())
     admission = state.admit(params.n)

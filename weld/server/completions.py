@@ -18,7 +18,7 @@ from weld.server.serving import (SSE_DONE, EngineRequest, ServerState, TextCurso
                                  completion_logprobs, stream_error,
                                  holdback_for, merged, random_id, resolve_max_tokens, sampling_params, sse,
                                  start_all, unless_disconnected, usage)
-from weld.server.structured_outputs import NOT_SUPPORTED, parse_structured_outputs
+from weld.server.structured_outputs import engine_structured_outputs, parse_structured_outputs
 
 
 def _prompts(state: ServerState, req: CompletionRequest) -> list[dict]:
@@ -59,8 +59,7 @@ async def create_completion(state: ServerState, body: Any, raw_request: Any):
         raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
     if not req.stream and req.stream_options is not None:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    if parse_structured_outputs(req.response_format, req.structured_outputs) is not None:
-        raise APIError(400, NOT_SUPPORTED, param="structured_outputs" if req.structured_outputs else "response_format")
+    structured = engine_structured_outputs(parse_structured_outputs(req.response_format, req.structured_outputs))
     arrival = time.monotonic()
     prompts = _prompts(state, req)
     max_tokens = [resolve_max_tokens(req.max_tokens, len(p["prompt_token_ids"]), state.config.max_model_len,
@@ -68,7 +67,7 @@ async def create_completion(state: ServerState, body: Any, raw_request: Any):
                   for p in prompts]
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
     params = [sampling_params(req, state.vocab_size, max_tokens=m, logprobs=req.logprobs,
-                              prompt_logprobs=prompt_logprobs) for m in max_tokens]
+                              prompt_logprobs=prompt_logprobs, structured_outputs=structured) for m in max_tokens]
     completion_id = random_id("cmpl")
     created = int(time.time())
     admission = state.admit(len(prompts) * n)

@@ -104,7 +104,7 @@ def resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model
 
 
 def sampling_params(req: Any, vocab_size: int, *, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None) -> SamplingParams:
+                    prompt_logprobs: int | None, structured_outputs: Any = None) -> SamplingParams:
     """SamplingParams from the fields both endpoints share; invalid values are a 400."""
     logit_bias = None
     if req.logit_bias:
@@ -128,7 +128,7 @@ def sampling_params(req: Any, vocab_size: int, *, max_tokens: int, logprobs: int
             repetition_penalty=pick(req.repetition_penalty, 1.0), logit_bias=logit_bias, seed=req.seed,
             stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=structured_outputs)
     except InvalidInputError as err:
         raise APIError(400, str(err), param=str(err).split()[0]) from None
 

@@ -1,10 +1,9 @@
 """What a request asks its output to follow: `response_format` (json_object / json_schema) or
 vLLM's `structured_outputs` (json / regex / choice / grammar / json_object), parsed and checked.
 
-Enforcing it needs grammar-constrained decoding in the engine (a token bitmask per step), which
-is not there yet: `chat` and `completions` refuse a request that carries a constraint with a 400
-right after `parse_structured_outputs` returns one. That refusal is the single place where the
-spec will instead be handed to the engine.
+`engine_structured_outputs` turns the parsed spec into the engine's `StructuredOutputsParams`,
+which the engine enforces by grammar-constrained decoding (llguidance; a token bitmask applied
+on device before sampling). A schema, regex or grammar that does not compile is a 400.
 """
 
 from __future__ import annotations
@@ -13,9 +12,9 @@ import dataclasses
 import json
 from typing import Any
 
+from weld.engine.sampling_params import StructuredOutputsParams
 from weld.server.errors import APIError
-
-NOT_SUPPORTED = "structured outputs are not supported yet"
+from weld.utils.errors import InvalidInputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +29,7 @@ class StructuredOutputs:
     schema_name: str | None = None  # response_format.json_schema.name
     strict: bool | None = None
     source: str = "structured_outputs"  # the request field it came from, for error messages
+    disable_any_whitespace: bool = False  # structured_outputs.disable_any_whitespace
 
 
 def _from_response_format(value: dict[str, Any]) -> StructuredOutputs | None:
@@ -78,6 +78,14 @@ def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputs:
                             f"got {given or 'none'}", param="structured_outputs")
     kind = given[0]
     payload = value[kind]
+    no_whitespace = value.get("disable_any_whitespace") or False
+    if not isinstance(no_whitespace, bool):
+        raise APIError(400, "structured_outputs.disable_any_whitespace must be a boolean",
+                       param="structured_outputs.disable_any_whitespace")
+    if no_whitespace:
+        return dataclasses.replace(_from_structured_outputs({k: v for k, v in value.items()
+                                                             if k != "disable_any_whitespace"}),
+                                   disable_any_whitespace=True)
     if kind == "json":
         if isinstance(payload, str):
             try:
@@ -110,3 +118,21 @@ def parse_structured_outputs(response_format: dict[str, Any] | None,
     if from_format is not None and from_structured is not None:
         raise APIError(400, "give either response_format or structured_outputs, not both", param="structured_outputs")
     return from_format or from_structured
+
+
+def engine_structured_outputs(spec: StructuredOutputs | None) -> StructuredOutputsParams | None:
+    """The engine's form of `spec` (compiled here, so a bad schema, regex or grammar is a 400
+    naming the field it came from)."""
+    if spec is None:
+        return None
+    payload = {"json": spec.json_schema, "json_object": True, "regex": spec.regex,
+               "choice": list(spec.choice or ()), "grammar": spec.grammar}[spec.kind]
+    if spec.source == "response_format":
+        param = "response_format.json_schema.schema" if spec.kind == "json" else "response_format"
+    else:
+        param = f"structured_outputs.{spec.kind}"
+    try:
+        return StructuredOutputsParams(**{spec.kind: payload}, disable_any_whitespace=spec.disable_any_whitespace)
+    except InvalidInputError as err:
+        message = str(err).replace(f"structured_outputs.{spec.kind}", param, 1)
+        raise APIError(400, message, param=param) from None
