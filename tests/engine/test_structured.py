@@ -20,7 +20,7 @@ from weld.engine.sampling_params import StructuredOutputsParams
 from weld.engine.scheduler import Scheduler
 from weld.engine.block_manager import BlockManager
 from weld.engine.sequence import Sequence
-from weld.engine.structured import StructuredOutputError, bitmask_width
+from weld.engine.structured import bitmask_width
 from weld.utils.errors import InvalidInputError
 
 SCHEMAS = {
@@ -101,14 +101,16 @@ def test_unconstrained_output_does_not_validate(llm):
             json.loads(out.outputs[0].text)
 
 
-def test_without_the_mask_the_grammar_rejects_the_token(llm, monkeypatch):
-    """If the engine forgot to send the mask, the matcher catches the stray token loudly."""
+def test_without_the_mask_the_grammar_rejects_the_token(llm, monkeypatch, caplog):
+    """If the engine forgot to send the mask, the matcher catches the stray token loudly: the
+    request ends ("abort", logged) and the engine keeps serving the others."""
     monkeypatch.setattr(llm.engine, "_token_bitmask", lambda plan, owners: None)
-    with pytest.raises(StructuredOutputError, match="grammar does not allow it"):
-        llm.generate("The quick brown fox", constrained(0, json=SCHEMAS["nested"]))
+    params = [constrained(0, json=SCHEMAS["nested"]), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)]
+    broken, plain = llm.generate(["The quick brown fox"] * 2, params)
     monkeypatch.undo()
-    for request_id in list(llm.engine.requests):
-        llm.engine.abort(request_id)
+    assert broken.outputs[0].finish_reason == "abort"
+    assert "grammar does not allow it" in caplog.text
+    assert plain.outputs[0].finish_reason == "length" and len(plain.outputs[0].token_ids) == 5
     assert_no_leaks(llm)
 
 

@@ -10,6 +10,7 @@ call and accepts each token after; when its grammar is complete, the sequence st
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from typing import Any
 
@@ -21,9 +22,11 @@ from weld.engine.runner import ModelRunner, StepResult
 from weld.engine.sampling_params import SamplingParams
 from weld.engine.scheduler import Scheduler, ScheduledSeq
 from weld.engine.sequence import Sequence
-from weld.engine.structured import GrammarCompiler, GrammarMatcher, bitmask_width
+from weld.engine.structured import GrammarCompiler, GrammarMatcher, StructuredOutputError, bitmask_width
 from weld.tokenizer import IncrementalDetokenizer, Tokenizer
 from weld.utils.errors import InvalidInputError
+
+logger = logging.getLogger("weld.engine")
 
 
 @dataclasses.dataclass
@@ -216,7 +219,13 @@ class EngineCore:
                     result.top_logprobs[i, k], params.logprobs))
         completion.text += completion.detok.add([token])
         if completion.matcher is not None:
-            completion.matcher.accept(token)
+            try:
+                completion.matcher.accept(token)
+            except StructuredOutputError:  # a bug, but one request's: end it, keep serving the rest
+                logger.exception("request %s: structured output broken, aborting it", request.request_id)
+                self._finish_text(completion)
+                self.scheduler.finish(seq, "abort", "structured output error")
+                return
         n_out = seq.num_output_tokens
         if n_out > params.min_tokens:  # min_tokens came before this token (the sampler banned stops until then)
             if not params.ignore_eos and token in self.eos_token_ids:
