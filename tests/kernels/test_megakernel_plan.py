@@ -1,0 +1,86 @@
+"""The megakernel's static schedule and VMEM budget (pure Python)."""
+
+import dataclasses
+
+import pytest
+
+from weld.kernels.megakernel import plan as mk
+
+SMOLLM2_135M = mk.MegakernelSpec(hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                                 vocab=49152, num_layers=30)
+LLAMA3_8B = mk.MegakernelSpec(hidden=4096, intermediate=14336, num_heads=32, num_kv_heads=8, head_dim=128,
+                              vocab=128256, num_layers=32)
+TINY = mk.MegakernelSpec(hidden=16, intermediate=24, num_heads=4, num_kv_heads=2, head_dim=4, vocab=40,
+                         num_layers=2, weight_bytes=4, kv_bytes=4, page_size=4, pages_per_kv_tile=2)
+
+
+def test_schedule_order_runs_through_layers_into_the_lm_head():
+    tiles = mk.stream_schedule(TINY, tile_rows=8, vocab_tile_rows=16)
+    names = [(t.layer, t.matrix) for t in tiles]
+    # qkv: (4 + 2*2) * 4 = 32 rows -> 4 tiles; o: 16 -> 2; gate_up: 48 -> 6; down: 16 -> 2
+    per_layer = [("qkv", 4), ("o", 2), ("gate_up", 6), ("down", 2)]
+    expected = [(layer, name) for layer in range(2) for name, n in per_layer for _ in range(n)]
+    expected += [(-1, "lm_head")] * 3  # 40 vocab rows in tiles of 16: 16, 16, 8
+    assert names == expected
+    assert [t.index for t in tiles] == list(range(len(tiles)))
+    head = [t for t in tiles if t.matrix == "lm_head"]
+    assert [(t.row_start, t.rows, t.cols) for t in head] == [(0, 16, 16), (16, 16, 16), (32, 8, 16)]
+    down = [t for t in tiles if t.matrix == "down"][0]
+    assert (down.rows, down.cols, down.nbytes) == (8, 24, 8 * 24 * 4)
+
+
+def test_schedule_covers_every_weight_once():
+    tiles = mk.stream_schedule(SMOLLM2_135M, tile_rows=256, vocab_tile_rows=2048)
+    # hand count: per layer (960 + 576 + 3072) * 576 + 576 * 1536 = 3,538,944 weights; x 30 layers
+    # + 49152 * 576 LM head = 134,479,872 weights (SmolLM2-135M without its tied embedding copy)
+    assert sum(t.nbytes for t in tiles) == 134_479_872 * 2
+    assert SMOLLM2_135M.num_layers * SMOLLM2_135M.layer_weight_bytes() + SMOLLM2_135M.lm_head_bytes() == 134_479_872 * 2
+    for layer in range(30):
+        for name, rows, _ in SMOLLM2_135M.matrices():
+            mine = [t for t in tiles if t.layer == layer and t.matrix == name]
+            assert sum(t.rows for t in mine) == rows and mine[0].row_start == 0
+
+
+def test_vmem_bytes_by_hand():
+    p = mk.make_plan(TINY, ring_depth=3, tile_rows=8, vocab_tile_rows=16)
+    # a slot fits any tile: the tallest (16 vocab rows) times the widest (24 inputs of `down`), f32
+    assert p.slot_bytes == 16 * 24 * 4
+    assert p.ring_bytes == 3 * 16 * 24 * 4
+    assert p.kv_bytes == 2 * 2 * (2 * 4 * 2 * 4 * 4)  # K+V, 2 buffers, 2 pages of 4 tokens x 2 heads x 4 dims
+    # residual + normed (2*16) + qkv (32) + attention out (16) + gate, up (48) + a vocab tile (16), f32
+    assert p.activation_bytes == (32 + 32 + 16 + 48 + 16) * 4
+    assert p.vmem_bytes == p.ring_bytes + p.kv_bytes + p.activation_bytes
+
+
+def test_fit_plan_keeps_the_ring_when_it_fits():
+    p = mk.fit_plan(SMOLLM2_135M, "v5e", ring_depth=4)
+    assert p.ring_depth == 4 and p.vmem_bytes <= p.vmem_limit_bytes == mk.vmem_limit("v5e")
+
+
+def test_fit_plan_shrinks_the_ring_then_fails_clearly():
+    # Tiles of 4096 rows of 14336 bf16 (112 MiB each) never fit; tiles that fit only 2 deep shrink the ring.
+    big = dataclasses.replace(LLAMA3_8B, batch=8)
+    with pytest.raises(mk.VmemBudgetError, match=r"needs \d+ B of VMEM .* but v7 allows \d+ B"):
+        mk.fit_plan(big, "v7", ring_depth=4, tile_rows=4096)
+    rows = 1024  # down tile: 1024 x 14336 x 2 B = 28 MiB; 4 slots exceed v6e's budget, 3 do not
+    p = mk.fit_plan(LLAMA3_8B, "v6e", ring_depth=4, tile_rows=rows, vocab_tile_rows=rows)
+    assert p.ring_depth == 3
+    assert mk.make_plan(LLAMA3_8B, ring_depth=4, tile_rows=rows, vocab_tile_rows=rows).vmem_bytes > mk.vmem_limit("v6e")
+
+
+def test_bad_inputs_raise_value_errors_naming_the_value():
+    with pytest.raises(ValueError, match="unknown TPU generation 'v4'"):
+        mk.vmem_limit("v4")
+    with pytest.raises(ValueError, match="num_heads \\(6\\) must be a multiple of num_kv_heads \\(4\\)"):
+        dataclasses.replace(TINY, num_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match="MegakernelSpec.hidden must be a positive int, got 0"):
+        dataclasses.replace(TINY, hidden=0)
+    with pytest.raises(ValueError, match="ring_depth must be >= 2, got 1"):
+        mk.make_plan(TINY, ring_depth=1)
+
+
+def test_step_bytes_and_floor():
+    # batch 1, 16 tokens of context = one page: K and V of 16 tokens x 3 heads x 64 dims x 2 B per layer
+    kv = 30 * 2 * 16 * 3 * 64 * 2 + 30 * 2 * 3 * 64 * 2
+    assert mk.step_bytes(SMOLLM2_135M, 16) == 134_479_872 * 2 + kv
+    assert mk.step_floor_seconds(SMOLLM2_135M, "v5e", 16) == pytest.approx((134_479_872 * 2 + kv) / 819e9)

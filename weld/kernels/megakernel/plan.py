@@ -1,0 +1,218 @@
+"""The static weight-stream schedule of the decode megakernel and its VMEM budget.
+
+Pure Python: no jax. Given a dense decoder's shapes (plain numbers in a `MegakernelSpec`,
+never a model `Config`: kernels may not import models), list every DMA tile the kernel moves
+from HBM into its VMEM ring, in stream order:
+
+    for each layer: qkv, o, gate_up, down      (row tiles of each [out, in] matrix)
+    then the LM head                            (vocabulary tiles of [vocab, hidden])
+
+Weights are stored [out, in] and a tile is a block of whole rows, so a tile computes a slice of
+the output features from the full input vector: y[:, r0:r0+rows] = x @ W[r0:r0+rows].T.
+
+The VMEM budget is the ring (depth x the largest tile), the KV tiles (K and V, double
+buffered) and the activations of the step. `fit_plan` checks it against the VMEM of a TPU
+generation and, when over, shrinks the ring (never below 2 slots: one computing, one in
+flight); it raises `VmemBudgetError` with both numbers when even that does not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+MIB = 1 << 20
+
+# VMEM per TensorCore, and HBM bandwidth, per TPU generation.
+# VMEM: JAX 0.10.2 jax/_src/pallas/mosaic/tpu_info.py (`vmem_capacity_bytes`: v5e 128 MiB,
+#   v6e 128 MiB, 7/7x 64 MiB); for v7 also the seed article (shared/seeds/004: "每个 TensorCore
+#   带有 64 MiB 的 VMEM").
+# HBM bandwidth per chip, published: v5e 819 GB/s (https://cloud.google.com/tpu/docs/v5e, "HBM2
+#   capacity and bandwidth: 16 GB, 819 GBps"); v6e 1638 GB/s (https://cloud.google.com/tpu/docs/v6e,
+#   "HBM bandwidth per chip: 1638 GBps"); TPU7x (Ironwood) 7.37 TB/s per chip (Google's Ironwood
+#   announcement; the seed article quotes 7380 GB/s). A TPU7x chip has two TensorCores and JAX
+#   exposes each as a device: tpu_info.py gives 3.7e12 B/s per TensorCore, which is what one
+#   single-core kernel can draw on.
+TPU_GENERATIONS = {
+    "v5e": {"vmem_bytes": 128 * MIB, "hbm_bytes_per_s": 819e9, "tensorcores_per_chip": 1},
+    "v6e": {"vmem_bytes": 128 * MIB, "hbm_bytes_per_s": 1638e9, "tensorcores_per_chip": 1},
+    "v7": {"vmem_bytes": 64 * MIB, "hbm_bytes_per_s": 7370e9, "tensorcores_per_chip": 2},
+}
+
+# Mosaic needs VMEM of its own (internal scratch, spills, semaphores): plan for this fraction.
+USABLE_VMEM_FRACTION = 0.85
+MIN_RING_DEPTH = 2  # one slot computing, one in flight: below this nothing overlaps
+
+
+class VmemBudgetError(ValueError):
+    """The plan does not fit the target's VMEM even with the smallest ring."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MegakernelSpec:
+    """The shapes of a dense decoder layer stack, as plain numbers."""
+
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    num_layers: int
+    weight_bytes: int = 2  # bytes per weight element (bf16 = 2, int8 = 1, f32 = 4)
+    kv_bytes: int = 2  # bytes per cached K/V element
+    act_bytes: int = 4  # activations are f32 in VMEM
+    batch: int = 1
+    page_size: int = 16
+    pages_per_kv_tile: int = 8
+
+    def __post_init__(self):
+        for name in ("hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "vocab",
+                     "num_layers", "weight_bytes", "kv_bytes", "act_bytes", "batch", "page_size",
+                     "pages_per_kv_tile"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MegakernelSpec.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+
+    def matrices(self) -> list[tuple[str, int, int]]:
+        """The per-layer weight matrices in stream order: (name, rows = out, cols = in)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [("qkv", q + 2 * kv, self.hidden), ("o", self.hidden, q),
+                ("gate_up", 2 * self.intermediate, self.hidden), ("down", self.hidden, self.intermediate)]
+
+    def layer_weight_bytes(self) -> int:
+        return sum(r * c for _, r, c in self.matrices()) * self.weight_bytes
+
+    def lm_head_bytes(self) -> int:
+        return self.vocab * self.hidden * self.weight_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """One DMA of the weight stream: rows [row_start, row_start + rows) of one matrix."""
+
+    index: int  # position in the stream
+    layer: int  # -1 for the LM head
+    matrix: str  # qkv | o | gate_up | down | lm_head
+    row_start: int
+    rows: int
+    cols: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    spec: MegakernelSpec
+    tiles: tuple[Tile, ...]
+    ring_depth: int
+    slot_bytes: int  # every ring slot is [max tile rows, max tile cols] (see make_plan)
+    ring_bytes: int
+    kv_bytes: int
+    activation_bytes: int
+    generation: str | None = None
+    vmem_limit_bytes: int | None = None
+
+    @property
+    def vmem_bytes(self) -> int:
+        return self.ring_bytes + self.kv_bytes + self.activation_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tiles)
+
+
+def _row_tiles(rows: int, tile_rows: int) -> list[tuple[int, int]]:
+    return [(start, min(tile_rows, rows - start)) for start in range(0, rows, tile_rows)]
+
+
+def stream_schedule(spec: MegakernelSpec, *, tile_rows: int = 256, vocab_tile_rows: int = 256) -> list[Tile]:
+    """Every weight tile of one decode step, in the order the kernel streams them.
+
+    The order never stops at a layer boundary: the tile after layer i's last `down` tile is
+    layer i+1's first `qkv` tile, and after the last layer the stream runs on into the LM head.
+    A matrix whose row count is not a multiple of the tile rows ends in one shorter tile.
+    """
+    if tile_rows <= 0 or vocab_tile_rows <= 0:
+        raise ValueError(f"tile_rows ({tile_rows}) and vocab_tile_rows ({vocab_tile_rows}) must be positive")
+    tiles: list[Tile] = []
+
+    def add(layer: int, name: str, rows: int, cols: int, per_tile: int):
+        for start, n in _row_tiles(rows, per_tile):
+            tiles.append(Tile(len(tiles), layer, name, start, n, cols, n * cols * spec.weight_bytes))
+
+    for layer in range(spec.num_layers):
+        for name, rows, cols in spec.matrices():
+            add(layer, name, rows, cols, tile_rows)
+    add(-1, "lm_head", spec.vocab, spec.hidden, vocab_tile_rows)
+    return tiles
+
+
+def kv_tile_bytes(spec: MegakernelSpec) -> int:
+    """K and V tiles of `pages_per_kv_tile` pages, double buffered (one row at a time)."""
+    tile = spec.pages_per_kv_tile * spec.page_size * spec.num_kv_heads * spec.head_dim * spec.kv_bytes
+    return 2 * 2 * tile
+
+
+def activation_bytes(spec: MegakernelSpec, vocab_tile_rows: int) -> int:
+    """The step's live vectors per row: residual and normed input (2 x hidden), q/k/v, the
+    attention output, gate and up (2 x intermediate) and one vocabulary tile of logits."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    per_row = 2 * spec.hidden + (q + 2 * kv) + q + 2 * spec.intermediate + min(vocab_tile_rows, spec.vocab)
+    return spec.batch * per_row * spec.act_bytes
+
+
+def make_plan(spec: MegakernelSpec, *, ring_depth: int = 4, tile_rows: int = 256,
+              vocab_tile_rows: int = 256) -> Plan:
+    """The schedule and its VMEM bytes for a ring of `ring_depth` slots (no limit checked)."""
+    if ring_depth < MIN_RING_DEPTH:
+        raise ValueError(f"ring_depth must be >= {MIN_RING_DEPTH}, got {ring_depth}")
+    tiles = stream_schedule(spec, tile_rows=tile_rows, vocab_tile_rows=vocab_tile_rows)
+    # A slot is one rectangular VMEM buffer that any tile fits (stream.py slices it per tile), so
+    # it is the most rows times the most columns, not the largest tile: keep vocab tiles no taller
+    # than the others or the ring grows to vocab_tile_rows x intermediate.
+    slot = max(t.rows for t in tiles) * max(t.cols for t in tiles) * spec.weight_bytes
+    return Plan(spec, tuple(tiles), ring_depth, slot, ring_depth * slot, kv_tile_bytes(spec),
+                activation_bytes(spec, vocab_tile_rows))
+
+
+def vmem_limit(generation: str) -> int:
+    """Bytes of VMEM the kernel may plan for on one TensorCore of `generation`."""
+    if generation not in TPU_GENERATIONS:
+        raise ValueError(f"unknown TPU generation {generation!r}; known: {sorted(TPU_GENERATIONS)}")
+    return int(TPU_GENERATIONS[generation]["vmem_bytes"] * USABLE_VMEM_FRACTION)
+
+
+def fit_plan(spec: MegakernelSpec, generation: str, *, ring_depth: int = 4, tile_rows: int = 256,
+             vocab_tile_rows: int = 256) -> Plan:
+    """The deepest ring (<= ring_depth) whose plan fits `generation`'s VMEM.
+
+    Raises VmemBudgetError, stating the bytes needed and available, when even a ring of
+    MIN_RING_DEPTH slots does not fit (then the tiles themselves must shrink).
+    """
+    limit = vmem_limit(generation)
+    for depth in range(ring_depth, MIN_RING_DEPTH - 1, -1):
+        plan = make_plan(spec, ring_depth=depth, tile_rows=tile_rows, vocab_tile_rows=vocab_tile_rows)
+        if plan.vmem_bytes <= limit:
+            return dataclasses.replace(plan, generation=generation, vmem_limit_bytes=limit)
+    raise VmemBudgetError(
+        f"megakernel plan needs {plan.vmem_bytes} B of VMEM with the smallest ring ({MIN_RING_DEPTH} slots of "
+        f"{plan.slot_bytes} B, KV tiles {plan.kv_bytes} B, activations {plan.activation_bytes} B) but {generation} "
+        f"allows {limit} B ({USABLE_VMEM_FRACTION:.0%} of {TPU_GENERATIONS[generation]['vmem_bytes']} B): "
+        f"use smaller tile_rows ({tile_rows}) / vocab_tile_rows ({vocab_tile_rows}) or a smaller batch")
+
+
+def step_bytes(spec: MegakernelSpec, context_len: int) -> int:
+    """HBM bytes one decode step must read: all weights once, plus each row's K/V up to
+    `context_len` tokens in every layer (whole pages), plus the new K/V written."""
+    pages = math.ceil(context_len / spec.page_size)
+    kv_read = spec.batch * spec.num_layers * 2 * pages * spec.page_size * spec.num_kv_heads * spec.head_dim * spec.kv_bytes
+    kv_write = spec.batch * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * spec.kv_bytes
+    return spec.num_layers * spec.layer_weight_bytes() + spec.lm_head_bytes() + kv_read + kv_write
+
+
+def step_floor_seconds(spec: MegakernelSpec, generation: str, context_len: int) -> float:
+    """The HBM-bandwidth floor of one decode step on one chip of `generation`."""
+    return step_bytes(spec, context_len) / TPU_GENERATIONS[generation]["hbm_bytes_per_s"]
