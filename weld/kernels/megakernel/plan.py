@@ -124,7 +124,8 @@ class Plan:
         return sum(t.nbytes for t in self.tiles)
 
 
-def _row_tiles(rows: int, tile_rows: int) -> list[tuple[int, int]]:
+def row_tiles(rows: int, tile_rows: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each tile of a `rows`-tall matrix; the last one may be shorter."""
     return [(start, min(tile_rows, rows - start)) for start in range(0, rows, tile_rows)]
 
 
@@ -140,7 +141,7 @@ def stream_schedule(spec: MegakernelSpec, *, tile_rows: int = 256, vocab_tile_ro
     tiles: list[Tile] = []
 
     def add(layer: int, name: str, rows: int, cols: int, per_tile: int):
-        for start, n in _row_tiles(rows, per_tile):
+        for start, n in row_tiles(rows, per_tile):
             tiles.append(Tile(len(tiles), layer, name, start, n, cols, n * cols * spec.weight_bytes))
 
     for layer in range(spec.num_layers):

@@ -3,7 +3,7 @@
 Covers: y_0 = x, y_{i+1} = y_i @ W_i^T for a list of matrices W_i [N_i, K_i] (K_{i+1} = N_i),
 a batch of B rows, any float weight dtype (accumulation in f32). This is the skeleton of the
 megakernel's weight traffic: one `pallas_call` with no grid; the weights stay in HBM
-(`memory_space=pl.ANY`); a static schedule of row tiles (`plan._row_tiles`) is copied by
+(`memory_space=pl.ANY`); a static schedule of row tiles (`plan.row_tiles`) is copied by
 `pltpu.make_async_copy` into a ring of `ring_depth` VMEM slots, one DMA semaphore per slot.
 While tile n computes, tiles n+1 .. n+depth-1 are in flight, across matrix boundaries: the
 first tiles of W_{i+1} are already moving while the last tile of W_i computes.
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from weld.kernels.megakernel.plan import _row_tiles
+from weld.kernels.megakernel.plan import row_tiles
 
 _BUGS = (None, "skip_wait", "wrong_slot")  # planted bugs, for the tests that prove the harness
 
@@ -66,7 +66,7 @@ def stream_chain(x: jax.Array, weights: list[jax.Array], *, tile_rows: int = 256
         raise ValueError(f"_bug must be one of {_BUGS}, got {_bug!r}")
     batch = x.shape[0]
     # Static schedule: (matrix index, first row, rows) per tile, in stream order.
-    schedule = [(m, start, n) for m, w in enumerate(weights) for start, n in _row_tiles(w.shape[0], tile_rows)]
+    schedule = [(m, start, n) for m, w in enumerate(weights) for start, n in row_tiles(w.shape[0], tile_rows)]
     max_rows = max(n for _, _, n in schedule)
     max_cols = max(w.shape[1] for w in weights)
     max_width = max([x.shape[1]] + [w.shape[0] for w in weights])
