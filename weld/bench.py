@@ -300,7 +300,7 @@ class LlamaCppEngine:
             raise WeldError(f"llama.cpp could not load {path}")
         params = llama_cpp.llama_context_default_params()
         self.n_batch = 2048
-        params.n_ctx = max_batch * max_model_len
+        params.n_ctx = max_batch * -(-max_model_len // 256) * 256  # llama.cpp pads each sequence's cells to 256
         params.n_batch = self.n_batch
         params.n_ubatch = 512
         params.n_seq_max = max_batch
@@ -623,7 +623,7 @@ def format_table(result: dict) -> str:
             f", {e['threads']} threads" if "threads" in e else "")
         lines.append(f"  {e['label']:<18} {e['batching']}{extra}; KV {e['kv_dtype']}; "
                      f"{e['weight_bytes']['total'] / 1e6:.3g} MB of weights")
-    width = 14
+    width = max(14, *(len(engines[n]["label"]) + 2 for n in names))
     head = f"{'':24}" + "".join(f"{engines[n]['label']:>{width}}" for n in names) + "".join(
         f"{'weld/' + engines[n]['label'].split()[0]:>{width}}" for n in others)
     lines += ["", head, "-" * len(head)]
