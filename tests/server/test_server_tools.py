@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import CALL_AFTER_ARGUMENTS_KEY, CALL_AFTER_NAME, CALL_FULL, run_server
+from tests.server.conftest import CALL_FULL, run_server
 from weld import LLM, SamplingParams
 
 TOOLS = [{"type": "function", "function": {
@@ -98,18 +98,6 @@ def test_tool_choice_none_leaves_text_alone(client, token_of):
     assert resp.choices[0].message.content == CALL_FULL and resp.choices[0].finish_reason == "length"
 
 
-def test_tool_choice_required_and_named_open_the_call(client, token_of):
-    """The server starts the assistant turn with the call's opening; the model writes the rest."""
-    for kw, token in (({"tool_choice": "required"}, CALL_AFTER_NAME),
-                      ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-                       CALL_AFTER_ARGUMENTS_KEY)):
-        resp = _chat(client, token_of(token), max_tokens=1, **kw)
-        (call,) = resp.choices[0].message.tool_calls
-        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-        calls, _, finish = _streamed_calls(_chat(client, token_of(token), max_tokens=1, stream=True, **kw))
-        assert finish == "tool_calls" and [c["name"] for c in calls] == ["get_weather"]
-
-
 def test_tool_choice_errors(client):
     bad = [{"tool_choice": {"type": "function", "function": {"name": "nope"}}},
            {"tool_choice": "sometimes"}]
@@ -144,3 +132,33 @@ def test_round_trip(client, server, token_of, tiny_tool_model_dir):
     stream = client.chat.completions.create(model="tools", messages=messages, tools=TOOLS, max_tokens=8,
                                             temperature=0, tool_choice="none", stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ref.text
+
+
+WEATHER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days"], "properties": {
+    "city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}},
+                {"type": "function", "function": {"name": "get_time", "parameters": {
+                    "type": "object", "additionalProperties": False, "required": ["zone"],
+                    "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_calls_are_grammar_constrained(client, choice):
+    """Unsteered, the random model would write garbage; under a forced tool choice its call must
+    name one of the tools and carry arguments valid for that tool's schema."""
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}
+    for seed in (0, 1, 2):
+        resp = client.chat.completions.create(model="tools", messages=ASK, tools=FORCED_TOOLS, tool_choice=choice,
+                                              temperature=1.0, seed=seed, max_tokens=200)
+        assert resp.choices[0].finish_reason == "tool_calls", resp.choices[0]
+        (call,) = resp.choices[0].message.tool_calls
+        if isinstance(choice, dict):
+            assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        stream = client.chat.completions.create(model="tools", messages=ASK, tools=FORCED_TOOLS, tool_choice=choice,
+                                                temperature=1.0, seed=seed, max_tokens=200, stream=True)
+        calls, _, finish = _streamed_calls(stream)
+        assert finish == "tool_calls" and [(c["name"], json.loads(c["arguments"])) for c in calls] == \
+            [(call.function.name, json.loads(call.function.arguments))]

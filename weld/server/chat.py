@@ -6,9 +6,8 @@ blocks, or a bare JSON object). `tool_choice`:
 - "auto" (the default with tools): the reply is parsed; calls found become `tool_calls`;
 - "required" / a named function: the assistant turn is started with the opening of a call
   (`<tool_call>\\n{"name": "` or `...{"name": "NAME", "arguments": ` for templates that use
-  `<tool_call>`, the bare JSON opening otherwise), so the model writes the rest. This steers the
-  model but does not force valid JSON: that needs the grammar-constrained decoding that
-  structured outputs will bring (see `structured_outputs`).
+  `<tool_call>`, the bare JSON opening otherwise), and the model writes the rest under a
+  grammar (structured outputs): a tool's name, then arguments valid for its parameters schema.
 With `parallel_tool_calls: false` only the first call is kept.
 """
 
@@ -20,6 +19,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from weld.engine.sampling_params import StructuredOutputsParams
 from weld.server.errors import APIError
 from weld.server.protocol import ChatCompletionRequest, parse_body
 from weld.server.serving import (SSE_DONE, EngineRequest, ServerState, TextCursor, chat_logprobs, holdback_for,
@@ -123,6 +123,24 @@ def _call_opening(state: ServerState, mode: str, name: str | None) -> str:
     return opening + '{"name": ' + json.dumps(name) + ', "arguments": '
 
 
+def _forced_call_grammar(req: ChatCompletionRequest, mode: str, name: str | None, opening: str) -> StructuredOutputsParams:
+    """The grammar the reply after `opening` must follow when a call is forced: the rest of one
+    call object whose arguments match the called function's JSON schema (llguidance Lark with
+    `%json` for each schema), up to the object's closing brace. The reply ends there: a Hermes
+    `</tool_call>` is often a special token, which grammar text cannot produce, and the parser
+    reads a call left open at the end. "required" lets the model pick any of the tools; a named
+    choice fixes it."""
+    closing = json.dumps("}")
+    schemas = {t.function.name: (t.function.parameters or {"type": "object"}) for t in req.tools}
+    if mode == "named":
+        return StructuredOutputsParams(grammar=f"start: args {closing}\nargs: %json {json.dumps(schemas[name])}")
+    lines = ["start: " + " | ".join(f"call_{i}" for i in range(len(schemas)))]
+    for i, (tool, schema) in enumerate(schemas.items()):
+        head = json.dumps(json.dumps(tool)[1:] + ', "arguments": ')  # the name's closing quote onwards
+        lines += [f"call_{i}: {head} args_{i} {closing}", f"args_{i}: %json {json.dumps(schema)}"]
+    return StructuredOutputsParams(grammar="\n".join(lines))
+
+
 def _api_tool_call(call: ParsedToolCall) -> dict:
     return {"id": random_id("chatcmpl-tool"), "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
@@ -158,6 +176,11 @@ async def create_chat_completion(state: ServerState, body: Any, raw_request: Any
         raise APIError(400, str(err), param="messages") from None
     opening = _call_opening(state, mode, named)
     text += opening
+    if opening:
+        try:
+            structured = _forced_call_grammar(req, mode, named, opening)
+        except InvalidInputError as err:  # a tool's parameters are not a usable JSON schema
+            raise APIError(400, str(err).replace("structured_outputs.grammar", "tools"), param="tools") from None
     ids = state.tokenizer.encode(text, add_special_tokens=False)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(max_tokens, len(ids), state.config.max_model_len,
