@@ -23,7 +23,7 @@ from weld.engine.sampling_params import StructuredOutputsParams
 from weld.server.errors import APIError
 from weld.server.protocol import ChatCompletionRequest, parse_body
 from weld.server.serving import (SSE_DONE, EngineRequest, ServerState, TextCursor, chat_logprobs, holdback_for,
-                                 merged, random_id, resolve_max_tokens, sampling_params, sse, start_all,
+                                 merged, random_id, released_after, resolve_max_tokens, sampling_params, sse, start_all,
                                  stream_error, unless_disconnected, usage)
 from weld.server.structured_outputs import engine_structured_outputs, parse_structured_outputs
 from weld.tokenizer.tool_parsers import TOOL_CALL_OPEN, ParsedToolCall, ToolCallStreamParser, parse_tool_calls
@@ -197,7 +197,8 @@ async def create_chat_completion(state: ServerState, body: Any, raw_request: Any
     try:
         if req.stream:
             await start_all([request])
-            return StreamingResponse(_released(_stream(ctx, request), admission), media_type="text/event-stream")
+            return StreamingResponse(released_after(_stream(ctx, request), admission),
+                                     media_type="text/event-stream")
         result = await unless_disconnected(raw_request, _collect(ctx, request))
         return JSONResponse(result) if result is not None else JSONResponse({}, status_code=499)
     except BaseException:
@@ -206,14 +207,6 @@ async def create_chat_completion(state: ServerState, body: Any, raw_request: Any
     finally:
         if not req.stream:
             admission.release()
-
-
-async def _released(stream, admission):
-    try:
-        async for chunk in stream:
-            yield chunk
-    finally:
-        admission.release()
 
 
 class _ChatContext:

@@ -16,7 +16,7 @@ from weld.server.errors import APIError
 from weld.server.protocol import CompletionRequest
 from weld.server.serving import (SSE_DONE, EngineRequest, ServerState, TextCursor, check_token_ids,
                                  completion_logprobs, stream_error,
-                                 holdback_for, merged, random_id, resolve_max_tokens, sampling_params, sse,
+                                 holdback_for, merged, random_id, released_after, resolve_max_tokens, sampling_params, sse,
                                  start_all, unless_disconnected, usage)
 from weld.server.structured_outputs import engine_structured_outputs, parse_structured_outputs
 
@@ -77,7 +77,7 @@ async def create_completion(state: ServerState, body: Any, raw_request: Any):
         if req.stream:
             await start_all(requests)
             stream = _stream(state, req, prompts, params, requests, completion_id, created, n)
-            return StreamingResponse(_released(stream, admission), media_type="text/event-stream")
+            return StreamingResponse(released_after(stream, admission), media_type="text/event-stream")
         result = await unless_disconnected(raw_request, _collect(state, req, prompts, requests, completion_id,
                                                                  created, n))
         return JSONResponse(result) if result is not None else JSONResponse({}, status_code=499)
@@ -87,14 +87,6 @@ async def create_completion(state: ServerState, body: Any, raw_request: Any):
     finally:
         if not req.stream:
             admission.release()
-
-
-async def _released(stream, admission):
-    try:
-        async for chunk in stream:
-            yield chunk
-    finally:
-        admission.release()
 
 
 async def _collect(state, req, prompts, requests, completion_id, created, n) -> dict:

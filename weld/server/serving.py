@@ -69,6 +69,15 @@ class _Admission:
             self.num_seqs = 0
 
 
+async def released_after(stream, admission: _Admission):
+    """Yields from a response stream, then frees the stream's admission (however it ends)."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        admission.release()
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
