@@ -91,9 +91,9 @@ def test_planted_dma_bug_is_caught(interpret, bug):
 def test_validation_names_both_values():
     q, kn, vn, kp, vp = _problem()
     positions, bt = jnp.zeros((B,), jnp.int32), jnp.asarray(BLOCK_TABLES)
-    with pytest.raises(ValueError, match=r"k_new must be \[B, KV, E\] = \(3, 2, 8\), got \(3, 4, 8\)"):
+    with pytest.raises(ValueError, match=r"k_new must be \[B, T, KV, E\] = \(3, 1, 2, 8\), got \(3, 1, 4, 8\)"):
         paged_decode_attention(q, jnp.zeros((B, H, E)), vn, kp, vp, positions, bt)
     with pytest.raises(ValueError, match=r"query heads \(4\) must be a multiple of kv heads \(3\)"):
         paged_decode_attention(q, kn, vn, jnp.zeros((4, PAGE, 3, E)), jnp.zeros((4, PAGE, 3, E)), positions, bt)
-    with pytest.raises(ValueError, match=r"positions must be \[B\] = \(3,\), got \(2,\)"):
+    with pytest.raises(ValueError, match=r"positions must be \[B, T\] = \(3, 1\), got \(2, 1\)"):
         paged_decode_attention(q, kn, vn, kp, vp, positions[:2], bt)

@@ -17,8 +17,8 @@ TINY = mk.MegakernelSpec(hidden=16, intermediate=24, num_heads=4, num_kv_heads=2
 def test_schedule_order_runs_through_layers_into_the_lm_head():
     tiles = mk.stream_schedule(TINY, tile_rows=8, vocab_tile_rows=16)
     names = [(t.layer, t.matrix) for t in tiles]
-    # qkv: (4 + 2*2) * 4 = 32 rows -> 4 tiles; o: 16 -> 2; gate_up: 48 -> 6; down: 16 -> 2
-    per_layer = [("qkv", 4), ("o", 2), ("gate_up", 6), ("down", 2)]
+    # q: 4 * 4 = 16 rows -> 2 tiles; k, v: 2 * 4 = 8 -> 1 each; o: 16 -> 2; gate, up: 24 -> 8 + 8 + 8; down: 16 -> 2
+    per_layer = [("q", 2), ("k", 1), ("v", 1), ("o", 2), ("gate", 3), ("up", 3), ("down", 2)]
     expected = [(layer, name) for layer in range(2) for name, n in per_layer for _ in range(n)]
     expected += [(-1, "lm_head")] * 3  # 40 vocab rows in tiles of 16: 16, 16, 8
     assert names == expected
@@ -47,8 +47,14 @@ def test_vmem_bytes_by_hand():
     assert p.slot_bytes == 16 * 24 * 4
     assert p.ring_bytes == 3 * 16 * 24 * 4
     assert p.kv_bytes == 2 * 2 * (2 * 4 * 2 * 4 * 4)  # K+V, 2 buffers, 2 pages of 4 tokens x 2 heads x 4 dims
-    # residual + normed (2*16) + qkv (32) + attention out (16) + gate, up (48) + a vocab tile (16), f32
-    assert p.activation_bytes == (32 + 32 + 16 + 48 + 16) * 4
+    # per token, f32: residual, normed, o/down output (3*16); q, roped q, attention out (3*16); k, v (2*8);
+    # gate, up (2*24); the logits row (40); + the greedy id (4 B), the embedding row (16 x 4 B), the new
+    # K and V (2*8 x 4 B). Vectors: 2 norms x 2 layers x 16 + the final norm (16) + rope frequencies (2).
+    per_token = (48 + 48 + 16 + 48 + 40) * 4 + 4 + 16 * 4 + 16 * 4
+    assert p.activation_bytes == per_token + (2 * 2 * 16 + 16 + 2) * 4
+    with_switches = mk.make_plan(dataclasses.replace(TINY, batch=2, qkv_bias=True, o_bias=True, qk_norm=True))
+    # + qkv bias (32 per layer), o bias (16 per layer), q and k norms (2 * 4 per layer), two rows
+    assert with_switches.activation_bytes == 2 * per_token + (2 * 2 * 16 + 16 + 2 + 2 * (32 + 16 + 8)) * 4
     assert p.vmem_bytes == p.ring_bytes + p.kv_bytes + p.activation_bytes
 
 
@@ -80,7 +86,13 @@ def test_bad_inputs_raise_value_errors_naming_the_value():
 
 
 def test_step_bytes_and_floor():
-    # batch 1, 16 tokens of context = one page: K and V of 16 tokens x 3 heads x 64 dims x 2 B per layer
+    # batch 1, 16 tokens of context = one page: K and V of 16 tokens x 3 heads x 64 dims x 2 B per layer;
+    # plus one bf16 embedding row read and one f32 row of 49152 logits written
     kv = 30 * 2 * 16 * 3 * 64 * 2 + 30 * 2 * 3 * 64 * 2
-    assert mk.step_bytes(SMOLLM2_135M, 16) == 134_479_872 * 2 + kv
-    assert mk.step_floor_seconds(SMOLLM2_135M, "v5e", 16) == pytest.approx((134_479_872 * 2 + kv) / 819e9)
+    io = 576 * 2 + 49152 * 4
+    assert mk.step_bytes(SMOLLM2_135M, 16) == 134_479_872 * 2 + kv + io
+    assert mk.step_floor_seconds(SMOLLM2_135M, "v5e", 16) == pytest.approx((134_479_872 * 2 + kv + io) / 819e9)
+    # int8 weights: one byte per weight plus a 4-byte scale per output row
+    int8 = dataclasses.replace(SMOLLM2_135M, weight_bytes=1, scale_bytes=4)
+    rows = 30 * (576 + 192 + 192 + 576 + 1536 + 1536 + 576) + 49152
+    assert mk.step_bytes(int8, 16) == 134_479_872 + 4 * rows + kv + 576 + 49152 * 4

@@ -4,8 +4,11 @@ Pure Python: no jax. Given a dense decoder's shapes (plain numbers in a `Megaker
 never a model `Config`: kernels may not import models), list every DMA tile the kernel moves
 from HBM into its VMEM ring, in stream order:
 
-    for each layer: qkv, o, gate_up, down      (row tiles of each [out, in] matrix)
-    then the LM head                            (vocabulary tiles of [vocab, hidden])
+    for each layer: q, k, v, o, gate, up, down   (row tiles of each [out, in] matrix)
+    then the LM head                              (vocabulary tiles of [vocab, hidden])
+
+The matrices are the model's own (per-layer buffers, not fused or stacked copies), so the
+kernel reads the very arrays the XLA path uses.
 
 Weights are stored [out, in] and a tile is a block of whole rows, so a tile computes a slice of
 the output features from the full input vector: y[:, r0:r0+rows] = x @ W[r0:r0+rows].T.
@@ -62,32 +65,49 @@ class MegakernelSpec:
     weight_bytes: int = 2  # bytes per weight element (bf16 = 2, int8 = 1, f32 = 4)
     kv_bytes: int = 2  # bytes per cached K/V element
     act_bytes: int = 4  # activations are f32 in VMEM
-    batch: int = 1
+    batch: int = 1  # sequences (rows) per call
+    tokens_per_row: int = 1  # 1 for decode, k + 1 for a speculative verify block
     page_size: int = 16
     pages_per_kv_tile: int = 8
+    scale_bytes: int = 0  # bytes of per-output-channel scale per weight row (int8 weights: 4, f32)
+    # switches of the dense family (the kernel reads them; the budget counts their vectors)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_mscale: float = 1.0  # factor on cos / sin (yarn); 1 otherwise
 
     def __post_init__(self):
         for name in ("hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "vocab",
-                     "num_layers", "weight_bytes", "kv_bytes", "act_bytes", "batch", "page_size",
-                     "pages_per_kv_tile"):
+                     "num_layers", "weight_bytes", "kv_bytes", "act_bytes", "batch", "tokens_per_row",
+                     "page_size", "pages_per_kv_tile"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MegakernelSpec.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.scale_bytes, int) or self.scale_bytes < 0:
+            raise ValueError(f"MegakernelSpec.scale_bytes must be a non-negative int, got {self.scale_bytes!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def tokens(self) -> int:
+        """Activation rows of one call: batch x tokens_per_row."""
+        return self.batch * self.tokens_per_row
 
     def matrices(self) -> list[tuple[str, int, int]]:
         """The per-layer weight matrices in stream order: (name, rows = out, cols = in)."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return [("qkv", q + 2 * kv, self.hidden), ("o", self.hidden, q),
-                ("gate_up", 2 * self.intermediate, self.hidden), ("down", self.hidden, self.intermediate)]
+        d, f = self.hidden, self.intermediate
+        return [("q", q, d), ("k", kv, d), ("v", kv, d), ("o", d, q), ("gate", f, d), ("up", f, d), ("down", d, f)]
 
     def layer_weight_bytes(self) -> int:
-        return sum(r * c for _, r, c in self.matrices()) * self.weight_bytes
+        return sum(r * (c * self.weight_bytes + self.scale_bytes) for _, r, c in self.matrices())
 
     def lm_head_bytes(self) -> int:
-        return self.vocab * self.hidden * self.weight_bytes
+        return self.vocab * (self.hidden * self.weight_bytes + self.scale_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +116,7 @@ class Tile:
 
     index: int  # position in the stream
     layer: int  # -1 for the LM head
-    matrix: str  # qkv | o | gate_up | down | lm_head
+    matrix: str  # q | k | v | o | gate | up | down | lm_head
     row_start: int
     rows: int
     cols: int
@@ -142,7 +162,7 @@ def stream_schedule(spec: MegakernelSpec, *, tile_rows: int = 256, vocab_tile_ro
 
     def add(layer: int, name: str, rows: int, cols: int, per_tile: int):
         for start, n in row_tiles(rows, per_tile):
-            tiles.append(Tile(len(tiles), layer, name, start, n, cols, n * cols * spec.weight_bytes))
+            tiles.append(Tile(len(tiles), layer, name, start, n, cols, n * (cols * spec.weight_bytes + spec.scale_bytes)))
 
     for layer in range(spec.num_layers):
         for name, rows, cols in spec.matrices():
@@ -157,12 +177,28 @@ def kv_tile_bytes(spec: MegakernelSpec) -> int:
     return 2 * 2 * tile
 
 
-def activation_bytes(spec: MegakernelSpec, vocab_tile_rows: int) -> int:
-    """The step's live vectors per row: residual and normed input (2 x hidden), q/k/v, the
-    attention output, gate and up (2 x intermediate) and one vocabulary tile of logits."""
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    per_row = 2 * spec.hidden + (q + 2 * kv) + q + 2 * spec.intermediate + min(vocab_tile_rows, spec.vocab)
-    return spec.batch * per_row * spec.act_bytes
+def activation_bytes(spec: MegakernelSpec) -> int:
+    """The kernel's VMEM besides the ring and KV tiles (decode.py allocates exactly these).
+
+    Per activation row (batch x tokens_per_row), f32 unless noted: residual, normed input and
+    the o / down output (3 x hidden), the embedding row (weight dtype), q, k, v, the roped q and
+    the attention output (3 x q + 2 x kv), the new K / V (cache dtype), gate and up
+    (2 x intermediate), the whole row of logits (they leave VMEM once, at the end) and the greedy
+    id. Plus the small per-layer vectors held whole: two norms per layer, the final norm, the
+    rope frequencies, and the qkv / o biases and q / k norms where the model has them.
+    """
+    q, kv, d, e = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden, spec.head_dim
+    a = spec.act_bytes
+    per_row = (a * (3 * d + 3 * q + 2 * kv + 2 * spec.intermediate + spec.vocab) + 4
+               + d * spec.weight_bytes + 2 * kv * spec.kv_bytes)
+    vectors = spec.num_layers * 2 * d + d + e // 2
+    if spec.qkv_bias:
+        vectors += spec.num_layers * (q + 2 * kv)
+    if spec.o_bias:
+        vectors += spec.num_layers * d
+    if spec.qk_norm:
+        vectors += spec.num_layers * 2 * e
+    return spec.tokens * per_row + 4 * vectors
 
 
 def make_plan(spec: MegakernelSpec, *, ring_depth: int = 4, tile_rows: int = 256,
@@ -174,9 +210,10 @@ def make_plan(spec: MegakernelSpec, *, ring_depth: int = 4, tile_rows: int = 256
     # A slot is one rectangular VMEM buffer that any tile fits (stream.py slices it per tile), so
     # it is the most rows times the most columns, not the largest tile: keep vocab tiles no taller
     # than the others or the ring grows to vocab_tile_rows x intermediate.
-    slot = max(t.rows for t in tiles) * max(t.cols for t in tiles) * spec.weight_bytes
+    rows = max(t.rows for t in tiles)
+    slot = rows * (max(t.cols for t in tiles) * spec.weight_bytes + spec.scale_bytes)
     return Plan(spec, tuple(tiles), ring_depth, slot, ring_depth * slot, kv_tile_bytes(spec),
-                activation_bytes(spec, vocab_tile_rows))
+                activation_bytes(spec))
 
 
 def vmem_limit(generation: str) -> int:
@@ -206,12 +243,15 @@ def fit_plan(spec: MegakernelSpec, generation: str, *, ring_depth: int = 4, tile
 
 
 def step_bytes(spec: MegakernelSpec, context_len: int) -> int:
-    """HBM bytes one decode step must read: all weights once, plus each row's K/V up to
-    `context_len` tokens in every layer (whole pages), plus the new K/V written."""
+    """HBM bytes one call must move: all weights once (with their scales), each row's K/V up to
+    `context_len` tokens in every layer (whole pages), the new K/V written, the embedding rows
+    read and the f32 logits written."""
     pages = math.ceil(context_len / spec.page_size)
-    kv_read = spec.batch * spec.num_layers * 2 * pages * spec.page_size * spec.num_kv_heads * spec.head_dim * spec.kv_bytes
-    kv_write = spec.batch * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * spec.kv_bytes
-    return spec.num_layers * spec.layer_weight_bytes() + spec.lm_head_bytes() + kv_read + kv_write
+    kv_token = spec.num_kv_heads * spec.head_dim * spec.kv_bytes
+    kv_read = spec.batch * spec.num_layers * 2 * pages * spec.page_size * kv_token
+    kv_write = spec.tokens * spec.num_layers * 2 * kv_token
+    io = spec.tokens * (spec.hidden * spec.weight_bytes + spec.vocab * 4)
+    return spec.num_layers * spec.layer_weight_bytes() + spec.lm_head_bytes() + kv_read + kv_write + io
 
 
 def step_floor_seconds(spec: MegakernelSpec, generation: str, context_len: int) -> float:
