@@ -30,6 +30,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="context length (default: the model's)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=1.0, metavar="GB",
                    help="memory for the paged KV cache (default: 1.0)")
+    g.add_argument("--backend", default="xla", choices=["xla", "megakernel"],
+                   help="decode program: xla runs everywhere; megakernel is the Pallas TPU kernel "
+                        "(interpret mode off a TPU, for correctness only) (default: xla)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -111,7 +114,7 @@ def _make_llm(args: argparse.Namespace):
     from weld.engine.llm import LLM
 
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              kv_cache_memory_gb=args.kv_cache_memory_gb, progress=None)
+              kv_cache_memory_gb=args.kv_cache_memory_gb, backend=args.backend, progress=None)
     llm.warmup()
     return llm
 
@@ -190,7 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = AsyncLLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                       kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, steps_per_call=args.steps_per_call,
-                      progress=None)
+                      backend=args.backend, progress=None)
     warmup(engine)
     source = engine.llm.model.source
     config = ServerConfig(served_model_name=args.served_model_name or source.name,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from weld.engine.block_manager import BlockManager
 from weld.engine.core import EngineCore
 from weld.engine.outputs import RequestOutput
-from weld.engine.runner import ModelRunner
+from weld.engine.runner import BACKENDS, ModelRunner
 from weld.engine.sampling_params import SamplingParams
 from weld.engine.scheduler import Scheduler
 from weld.tokenizer import Tokenizer
@@ -64,13 +64,15 @@ class LLM:
 
     model: a GGUF file, a HF directory (config.json + safetensors), a hub id, or None for the
     bundled default. The KV cache gets `kv_cache_memory_gb` GiB (or exactly `num_pages` pages).
-    Decoding runs `steps_per_call` steps per device call (the welded decode loop).
+    Decoding runs `steps_per_call` steps per device call (the welded decode loop); `backend`
+    "megakernel" runs those steps as the TPU megakernel (Pallas interpret mode off a TPU: slow,
+    for correctness) instead of "xla".
     """
 
     def __init__(self, model: str | None = None, dtype: Any = "auto", *, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, kv_cache_memory_gb: float = 1.0, steps_per_call: int = 8,
-                 enable_prefix_caching: bool = True, progress: bool | None = None):
+                 enable_prefix_caching: bool = True, progress: bool | None = None, backend: str = "xla"):
         enable_compilation_cache()
         self.dtype = resolve_dtype(dtype)
         source = resolve_model(model)
@@ -83,10 +85,12 @@ class LLM:
             num_pages = max(int(kv_cache_memory_gb * (1 << 30)) // page_bytes, -(-self.max_model_len // page_size))
         if steps_per_call < 1:
             raise InvalidInputError(f"steps_per_call must be >= 1, got {steps_per_call}")
+        if backend not in BACKENDS:
+            raise InvalidInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
         eos = tuple(dict.fromkeys(tuple(self.tokenizer.eos_token_ids) + tuple(self.cfg.eos_token_ids)))
         runner = ModelRunner(self.model.family, self.cfg, self.model.weights, num_pages=num_pages,
                              page_size=page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len,
-                             steps_per_call=steps_per_call, eos_token_ids=eos)
+                             steps_per_call=steps_per_call, eos_token_ids=eos, backend=backend)
         scheduler = Scheduler(BlockManager(num_pages, page_size, enable_prefix_caching), max_num_seqs,
                               max_num_batched_tokens,
                               max_model_len=self.max_model_len, steps_per_call=steps_per_call)

@@ -150,11 +150,28 @@ def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, 
     return cache, out_ids, (out_lp if num_top else None), None
 
 
+BACKENDS = ("xla", "megakernel")
+
+
+def decode_forward(family: ModuleType, cfg: Any, backend: str):
+    """The forward the fused decode loop calls: the family's XLA forward, or the dense family's
+    TPU megakernel (interpret mode off a TPU). Prefill and mixed steps always run on XLA."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "xla":
+        return family.forward
+    from weld.models import megakernel
+
+    megakernel.check_supported(cfg)
+    return megakernel.forward
+
+
 class ModelRunner:
     """Owns the weights, the KV page pools and the jitted step program."""
 
     def __init__(self, family: ModuleType, cfg: Any, weights: Any, *, num_pages: int, page_size: int,
-                 kv_dtype: Any, max_model_len: int, steps_per_call: int = 8, eos_token_ids: tuple[int, ...] = ()):
+                 kv_dtype: Any, max_model_len: int, steps_per_call: int = 8, eos_token_ids: tuple[int, ...] = (),
+                 backend: str = "xla"):
         self.family = family
         self.cfg = cfg
         self.weights = weights
@@ -167,7 +184,7 @@ class ModelRunner:
         self._step = jax.jit(functools.partial(_step, family.forward),
                              static_argnames=("cfg", "num_top", "with_prompt_logprobs"),
                              donate_argnames=("cache",))
-        self._decode = jax.jit(functools.partial(_decode, family.forward),
+        self._decode = jax.jit(functools.partial(_decode, decode_forward(family, cfg, backend)),
                                static_argnames=("cfg", "steps", "num_top"), donate_argnames=("cache",))
 
     @property

@@ -1,0 +1,235 @@
+"""The whole decode megakernel against the XLA path (`weld.models.llama.forward`), in Pallas TPU
+interpret mode: tiny dense configs of 2 to 4 layers, batch 1 and 4, KV pages scattered through
+the pool, several steps crossing page boundaries, the verify block, int8 weights, planted bugs."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from interpret_mode import races_found
+
+from weld.kernels.megakernel import decode as mk
+from weld.kernels.megakernel.plan import VmemBudgetError
+from weld.models import llama, megakernel
+from weld.models.common.cache import AttentionBatch, PagedKVCache
+from weld.models.common.layers import RopeScaling
+from weld.models.common.spec import abstract_weights, random_weights
+
+PAGE = 4
+# every row's pages are scattered over the pool, out of order
+BLOCK_TABLES = np.array([[9, 2, 14, 5, 11], [3, 12, 0, 7, 16], [13, 1, 8, 6, 15], [4, 10, 17, 18, 19]], np.int32)
+NUM_PAGES = 20
+# small tiles: every matrix is several tiles, the ring wraps inside and across matrices and layers
+OPTIONS = megakernel.KernelOptions(tile_rows=16, vocab_tile_rows=32, ring_depth=3, pages_per_kv_tile=2)
+
+LLAMA = llama.Config(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                     rope_scaling=RopeScaling(kind="llama3", factor=8.0, original_max_position_embeddings=16))
+# Qwen3 switches plus Qwen2's qkv bias, an o bias, tied embeddings, head dim 64, GQA 4:1
+QWEN = llama.Config(architecture="qwen3", vocab_size=80, hidden_size=48, intermediate_size=40, num_layers=3,
+                    num_heads=4, num_kv_heads=1, head_dim=64, qk_norm=True, qkv_bias=True, o_bias=True,
+                    tie_word_embeddings=True, rope_theta=1e6)
+
+
+def _setup(cfg, batch, seed=0):
+    """Weights, and a cache holding each row's prompt (written by the XLA path)."""
+    weights = random_weights(llama.weight_specs(cfg), seed=seed)
+    rng = np.random.default_rng(seed)
+    prompt_lens = [2, 5, 3, 7][:batch]  # steps from here cross page boundaries at 4 and 8
+    tokens = np.zeros((batch, max(prompt_lens)), np.int32)
+    positions = np.full(tokens.shape, -1, np.int32)
+    for i, n in enumerate(prompt_lens):
+        tokens[i, :n] = rng.integers(0, cfg.vocab_size, n)
+        positions[i, :n] = np.arange(n)
+    cache = PagedKVCache.create(cfg.kv_spec, NUM_PAGES, PAGE, jnp.float32)
+    bt = jnp.asarray(BLOCK_TABLES[:batch])
+    logits, _, cache = _xla_step(cfg)(weights, jnp.asarray(tokens), jnp.asarray(positions), cache, bt)
+    last = jnp.asarray(np.array(prompt_lens) - 1)
+    first = jnp.argmax(jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], axis=-1).astype(jnp.int32)
+    return weights, cache, bt, first, jnp.asarray(prompt_lens, jnp.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _xla_step(cfg):
+    return jax.jit(lambda w, tok, pos, cache, bt: llama.forward(w, cfg, tok, pos, cache, AttentionBatch(bt)))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_step(cfg, options):
+    """One jitted kernel step per (config, options): tests with the same shapes share its compile."""
+    return jax.jit(lambda w, tok, pos, cache, bt: megakernel.forward(w, cfg, tok, pos, cache, AttentionBatch(bt),
+                                                                     options=options))
+
+
+def _rel_err(a, b):
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
+
+
+def _greedy_run(cfg, batch, steps, interpret, *, padding_row=False, options=OPTIONS, ref_weights=None):
+    """Both paths decode `steps` greedy tokens from the same prompts, each on its own cache."""
+    weights, cache, bt, tok, pos = _setup(cfg, batch)
+    ref_weights = weights if ref_weights is None else ref_weights
+    xla, kernel = _xla_step(cfg), _kernel_step(cfg, dataclasses.replace(options, interpret=interpret))
+    live = np.ones(batch, bool)
+    if padding_row:
+        live[-1] = False
+    feed_pos = jnp.where(jnp.asarray(live), pos, -1)
+    ref_cache, ref_tok, errors = cache, tok, []
+    for _ in range(steps):
+        ref_logits, _, ref_cache = xla(ref_weights, ref_tok[:, None], feed_pos[:, None], ref_cache, bt)
+        logits, _, cache = kernel(weights, tok[:, None], feed_pos[:, None], cache, bt)
+        errors.append(_rel_err(logits[live], ref_logits[live]))
+        ref_tok = jnp.argmax(ref_logits[:, 0], axis=-1).astype(jnp.int32)
+        tok = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        np.testing.assert_array_equal(np.asarray(tok)[live], np.asarray(ref_tok)[live])
+        feed_pos = jnp.where(jnp.asarray(live), feed_pos + 1, -1)
+    return errors, cache, ref_cache
+
+
+def _assert_caches_close(cache, ref_cache, tol=1e-5):
+    for a, b in zip(cache.k + cache.v, ref_cache.k + ref_cache.v):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+def test_llama_batch1_four_steps_match_xla(interpret):
+    """2 layers, llama3 rope, untied head, batch 1: positions 2..5 cross the page boundary at 4."""
+    errors, cache, ref_cache = _greedy_run(LLAMA, batch=1, steps=4, interpret=interpret)
+    assert max(errors) < 1e-3, errors
+    _assert_caches_close(cache, ref_cache)
+    assert not races_found()
+
+
+@pytest.mark.slow
+def test_qwen_batch4_six_steps_match_xla(interpret):
+    """3 layers, q/k norm, qkv and o biases, tied, head dim 64, batch 4 with a padding row."""
+    errors, cache, ref_cache = _greedy_run(QWEN, batch=4, steps=6, interpret=interpret, padding_row=True)
+    assert max(errors) < 1e-3, errors
+    _assert_caches_close(cache, ref_cache)
+    assert not races_found()
+
+
+@pytest.mark.slow
+def test_four_layers_batch4_deep_ring_match_xla(interpret):
+    cfg = dataclasses.replace(LLAMA, num_layers=4)
+    options = dataclasses.replace(OPTIONS, tile_rows=8, ring_depth=4, pages_per_kv_tile=1)
+    errors, cache, ref_cache = _greedy_run(cfg, batch=4, steps=4, interpret=interpret, options=options)
+    assert max(errors) < 1e-3, errors
+    _assert_caches_close(cache, ref_cache)
+    assert not races_found()
+
+
+def _verify_block(cfg, batch, interpret):
+    """k + 1 = 3 tokens per row, causal within the block: the same logits and pools as three
+    one-token steps of the kernel, and as the XLA path fed the same block."""
+    weights, cache, bt, _, pos = _setup(cfg, batch, seed=1)
+    block = jnp.asarray([[5, 17, 40], [63, 2, 11]][:batch], jnp.int32)
+    positions = pos[:, None] + jnp.arange(3)[None]  # row 0: 2, 3, 4 crosses a page; row 1: 5, 6, 7
+    options = dataclasses.replace(OPTIONS, interpret=interpret)
+    block_logits, _, block_cache = _kernel_step(cfg, options)(weights, block, positions, cache, bt)
+    assert block_logits.shape == (batch, 3, cfg.vocab_size)
+    step_cache = cache
+    for j in range(3):
+        logits, _, step_cache = _kernel_step(cfg, options)(weights, block[:, j:j + 1], positions[:, j:j + 1],
+                                                           step_cache, bt)
+        assert _rel_err(block_logits[:, j], logits[:, 0]) < 1e-4
+    _assert_caches_close(block_cache, step_cache, tol=1e-6)
+    ref_logits, _, ref_cache = _xla_step(cfg)(weights, block, positions, cache, bt)
+    assert _rel_err(block_logits, ref_logits) < 1e-3
+    _assert_caches_close(block_cache, ref_cache)
+    assert not races_found()
+
+
+def test_verify_block_matches_single_steps_and_xla(interpret):
+    _verify_block(LLAMA, 1, interpret)
+
+
+@pytest.mark.slow
+def test_verify_block_qwen_batch2(interpret):
+    _verify_block(QWEN, 2, interpret)
+
+
+def _dequantized(weights):
+    """The same tree with every streamed matrix replaced by its int8 round trip (f32)."""
+    names = set(megakernel._WEIGHT_NAMES.values())
+    out = dict(weights, layers=[{k: (mk.dequantize_int8(mk.quantize_int8(w)) if k in names else w)
+                                 for k, w in lw.items()} for lw in weights["layers"]])
+    head = weights.get("lm_head", weights["embed"])
+    out["lm_head"] = mk.dequantize_int8(mk.quantize_int8(head))
+    return out
+
+
+def test_int8_weights_match_xla_on_dequantized_weights(interpret):
+    """int8 matrices with per-output-channel scales, streamed with their scales: equal to the XLA
+    path run on the dequantized weights, and not equal to the f32 model (quantization happened)."""
+    cfg = LLAMA
+    weights, cache, bt, tok, pos = _setup(cfg, batch=1, seed=2)
+    options = dataclasses.replace(OPTIONS, int8=True, interpret=interpret)
+    logits, _, k_cache = _kernel_step(cfg, options)(weights, tok[:, None], pos[:, None], cache, bt)
+    ref, _, ref_cache = _xla_step(cfg)(_dequantized(weights), tok[:, None], pos[:, None], cache, bt)
+    assert _rel_err(logits, ref) < 1e-3
+    _assert_caches_close(k_cache, ref_cache)
+    full, _, _ = _xla_step(cfg)(weights, tok[:, None], pos[:, None], cache, bt)
+    assert _rel_err(logits, full) > 1e-4
+    assert not races_found()
+
+
+def test_int8_round_trip_by_hand():
+    """Row [1, -2, 0.5]: scale 2/127; q = round(w / scale) = [64, -127, 32]."""
+    m = mk.quantize_int8(jnp.asarray([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]]))
+    np.testing.assert_array_equal(np.asarray(m.q), [[64, -127, 32], [0, 0, 0]])
+    np.testing.assert_allclose(np.asarray(m.scale), [2 / 127, 1.0], rtol=1e-7)
+
+
+@pytest.mark.parametrize("bug", [pytest.param("skip_wait", marks=pytest.mark.slow), "wrong_slot"])
+def test_planted_stream_bug_is_caught(interpret, bug):
+    """The whole-kernel check can fail: a missing wait or a wrong ring slot in the weight stream
+    gives wrong logits (NaN or another tile's weights)."""
+    cfg = LLAMA
+    weights, cache, bt, tok, pos = _setup(cfg, batch=1)
+    spec = megakernel.spec_for(cfg, batch=1, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32,
+                               pages_per_kv_tile=2)
+    logits, _, _, _ = mk.decode_step(spec, megakernel.kernel_params(cfg, weights), tok[:, None], pos[:, None], bt,
+                                     cache.k, cache.v, tile_rows=16, vocab_tile_rows=32, ring_depth=3,
+                                     interpret=interpret, _bug=bug)
+    ref, _, _ = _xla_step(cfg)(weights, tok[:, None], pos[:, None], cache, bt)
+    assert not np.allclose(np.asarray(logits), np.asarray(ref), rtol=1e-3, atol=1e-3)
+
+
+def test_vmem_budget_checked_before_compiling():
+    """A Llama-3-8B-sized step whose tiles cannot fit v7's VMEM fails with both numbers while the
+    call is traced (abstract weights: nothing is allocated or compiled)."""
+    cfg = dataclasses.replace(LLAMA, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
+                              head_dim=128, vocab_size=128256, num_layers=2)  # 8B's layers, two of them
+    spec = megakernel.spec_for(cfg, batch=1, page_size=16, weight_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16)
+    weights = abstract_weights(llama.weight_specs(cfg), jnp.bfloat16)
+    pools = [jax.ShapeDtypeStruct((4, 16, 8, 128), jnp.bfloat16)] * cfg.num_layers
+    ids, bt = jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((1, 8), jnp.int32)
+
+    def step(w, tok, pos, bt, k, v, **kw):
+        return mk.decode_step(spec, megakernel.kernel_params(cfg, w), tok, pos, bt, k, v, interpret=True, **kw)
+
+    with pytest.raises(VmemBudgetError, match=r"needs \d+ B of VMEM .* but v7 allows \d+ B"):
+        jax.eval_shape(lambda *a: step(*a, tile_rows=4096, generation="v7"), weights, ids, ids, bt, pools, pools)
+    out = jax.eval_shape(lambda *a: step(*a, generation="v7"), weights, ids, ids, bt, pools, pools)
+    assert out[0].shape == (1, 1, 128256)
+
+
+def test_validation_names_both_values():
+    cfg = LLAMA
+    weights, cache, bt, tok, pos = _setup(cfg, batch=1)
+    spec = megakernel.spec_for(cfg, batch=2, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32)
+    params = megakernel.kernel_params(cfg, weights)
+    with pytest.raises(ValueError, match=r"tokens must be \[B, T\] = \(2, 1\) .* got \(1, 1\)"):
+        mk.decode_step(spec, params, tok[:, None], pos[:, None], bt, cache.k, cache.v)
+    spec = dataclasses.replace(spec, batch=1)
+    bad = dict(params, layers=[dict(params["layers"][0], k=jnp.zeros((8, 33)))] + params["layers"][1:])
+    with pytest.raises(ValueError, match=r"layers\[0\]\['k'\] must be \[out, in\] = \(16, 32\), got \(8, 33\)"):
+        mk.decode_step(spec, bad, tok[:, None], pos[:, None], bt, cache.k, cache.v)
+    with pytest.raises(ValueError, match="no sliding-window attention"):
+        megakernel.spec_for(dataclasses.replace(cfg, sliding_window=4), batch=1, page_size=PAGE,
+                            weight_dtype=jnp.float32, kv_dtype=jnp.float32)

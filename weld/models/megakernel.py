@@ -1,0 +1,109 @@
+"""The dense family (`weld.models.llama`) on the TPU decode megakernel.
+
+The kernel (`weld.kernels.megakernel.decode`) knows plain numbers and arrays; this adapter maps a
+llama-family `Config` to its `MegakernelSpec`, the family's weight tree to the kernel's operands
+(the per-layer matrices themselves, in stream order: no copy), and offers `forward` with the
+family's contract for calls of a few tokens per row (decode: 1; a verify block: k + 1), so the
+engine's fused decode loop runs it in place of `llama.forward`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+
+from weld.kernels.megakernel.decode import MATRICES, decode_step, quantize_int8
+from weld.kernels.megakernel.plan import MegakernelSpec
+from weld.models.common.cache import AttentionBatch, PagedKVCache
+from weld.models.llama import _rope_tables
+
+# the kernel's matrix names -> the family's weight names
+_WEIGHT_NAMES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
+
+
+def check_supported(cfg) -> None:
+    """Raises ValueError for what the megakernel does not cover."""
+    if type(cfg).__module__ != __name__.replace("megakernel", "llama"):
+        raise ValueError(f"the megakernel runs the dense llama family only, got a {type(cfg).__module__} config")
+    if any(cfg.window_for(i) is not None for i in range(cfg.num_layers)):
+        raise ValueError(f"the megakernel has no sliding-window attention (sliding_window={cfg.sliding_window}); "
+                         "use backend='xla'")
+
+
+def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight_dtype, kv_dtype,
+             pages_per_kv_tile: int = 8, int8: bool = False) -> MegakernelSpec:
+    """The kernel's spec for `cfg` at this batch shape."""
+    check_supported(cfg)
+    _, mscale = _rope_tables(cfg)
+    return MegakernelSpec(
+        hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size, num_layers=cfg.num_layers,
+        weight_bytes=1 if int8 else jnp.dtype(weight_dtype).itemsize, kv_bytes=jnp.dtype(kv_dtype).itemsize,
+        batch=batch, tokens_per_row=tokens_per_row, page_size=page_size, pages_per_kv_tile=pages_per_kv_tile,
+        scale_bytes=4 if int8 else 0, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm,
+        rms_norm_eps=cfg.rms_norm_eps, rope_mscale=float(mscale))
+
+
+def kernel_params(cfg, weights: dict, *, int8: bool = False) -> dict:
+    """The kernel's params from the family's weight tree. The matrices are the tree's own arrays
+    (or their int8 quantization); only the small vectors are stacked per call."""
+    layers = weights["layers"]
+    quant = quantize_int8 if int8 else (lambda w: w)
+    inv_freq, _ = _rope_tables(cfg)
+    params = {
+        "embed": weights["embed"],
+        "lm_head": quant(weights.get("lm_head", weights["embed"])),
+        "layers": [{name: quant(lw[_WEIGHT_NAMES[name]]) for name in MATRICES} for lw in layers],
+        "attn_norm": jnp.stack([lw["attn_norm"] for lw in layers]),
+        "mlp_norm": jnp.stack([lw["mlp_norm"] for lw in layers]),
+        "final_norm": weights["final_norm"],
+        "inv_freq": jnp.asarray(np.asarray(inv_freq), jnp.float32),
+    }
+    if cfg.qkv_bias:
+        params["qkv_bias"] = jnp.stack([jnp.concatenate([lw["bq"], lw["bk"], lw["bv"]]) for lw in layers])
+    if cfg.o_bias:
+        params["o_bias"] = jnp.stack([lw["bo"] for lw in layers])
+    if cfg.qk_norm:
+        params["q_norm"] = jnp.stack([lw["q_norm"] for lw in layers])
+        params["k_norm"] = jnp.stack([lw["k_norm"] for lw in layers])
+    return params
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """How the kernel is tiled and run (hashable: a static argument under jit)."""
+
+    tile_rows: int = 256
+    vocab_tile_rows: int = 256
+    ring_depth: int = 4
+    pages_per_kv_tile: int = 8
+    int8: bool = False
+    generation: str | None = None  # None: detected on a TPU, unchecked in interpret mode
+    interpret: object = None  # None: interpret mode (default InterpretParams) unless on a TPU
+
+
+def forward(weights: dict, cfg, tokens, positions, cache: PagedKVCache, batch: AttentionBatch, logits_indices=None,
+            *, options: KernelOptions = KernelOptions()):
+    """`llama.forward`'s contract for one group of rows with few tokens each, on the megakernel.
+
+    tokens, positions: int32 [b, t] (t = 1 for decode, k + 1 for a verify block; -1 = padding).
+    logits_indices: int32 [b, n] picks which of the t tokens get logits (None: all).
+    Returns (logits f32 [b, n, v], None (no hidden states), the cache updated in place).
+    """
+    b, t = tokens.shape
+    interpret = options.interpret
+    if interpret is None:
+        interpret = False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
+    spec = spec_for(cfg, batch=b, tokens_per_row=t, page_size=cache.page_size, weight_dtype=weights["embed"].dtype,
+                    kv_dtype=cache.k[0].dtype, pages_per_kv_tile=options.pages_per_kv_tile, int8=options.int8)
+    logits, _, k, v = decode_step(spec, kernel_params(cfg, weights, int8=options.int8), tokens, positions,
+                                  batch.block_tables, cache.k, cache.v, tile_rows=options.tile_rows,
+                                  vocab_tile_rows=options.vocab_tile_rows, ring_depth=options.ring_depth,
+                                  generation=options.generation, interpret=interpret)
+    if logits_indices is not None:
+        logits = jnp.take_along_axis(logits, logits_indices[:, :, None], axis=1)
+    return logits, None, PagedKVCache(k=k, v=v)
