@@ -1,0 +1,344 @@
+"""A DSpark-style block drafter: k drafts from one parallel pass, conditioned on the target.
+
+DSpark (Cheng et al. 2026, DeepSeek-AI x PKU, "Confidence-Scheduled Speculative Decoding with
+Semi-Autoregressive Generation") drafts a whole block in parallel like DFlash, then fixes the
+block's coherence with a tiny sequential Markov head and sends each request's drafts to
+verification only as far as a confidence head trusts them. This is a small version of it:
+
+Context. For every token the target has processed (positions < the anchor's), the residual
+stream after a few target layers (features.py), concatenated [n * d], is projected and normed:
+  c = RMSNorm(W_fc x)                                                      [d]
+and kept as the drafter's context (the runner can store c, or each layer's K/V of c, per token).
+
+Block. The anchor (the last token, which the target has not processed yet) at position p, then k
+mask slots at p+1..p+k: inputs E[anchor] and a learned mask vector m_mask. Each drafter layer is
+a llama block whose queries are the block's slots and whose keys and values are the context's
+(c at its positions) and the block's own; slots see the whole context and each other
+(bidirectional within the block). h_j = RMSNorm(x_j) for mask slot j = 1..k.
+
+Outputs, left to right (prev_1 = anchor, prev_j = draft_{j-1}):
+  m_j      = W_in E[prev_j]                                                [r]
+  logits_j = H h_j + W_out m_j             (H: the target's LM head; W_out: the low-rank Markov bias)
+  conf_j   = sigmoid(w . [h_j; m_j] + b)   (P(draft j accepted | drafts before it accepted))
+E and H are the target's embedding and LM head, shared and never trained. A request sends the
+leading drafts whose survival prod_{i<=j} conf_i stays >= a threshold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from weld.engine.sampler import SamplingArrays
+from weld.engine.spec.acceptance import draft_sample
+from weld.engine.spec.features import lm_head
+from weld.models import llama
+from weld.models.common.layers import RopeScaling, apply_rope, linear, rms_norm, rope_inv_freq, swiglu
+from weld.models.common.spec import WeightSpec, iter_specs, map_specs, path_str
+
+FORMAT = "weld-dspark-draft"
+WEIGHTS_FILE = "model.safetensors"
+_MASKED = -1e30
+
+
+def default_target_layers(num_layers: int, count: int = 3) -> tuple[int, ...]:
+    """`count` layers spread from the second to the second-to-last (low, middle, high features)."""
+    if num_layers <= count:
+        return tuple(range(num_layers))
+    return tuple(sorted({int(round(x)) for x in np.linspace(1, num_layers - 2, count)}))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """Shape of a drafter for one target. Frozen and hashable: a static argument of jit."""
+
+    vocab_size: int  # the target's
+    hidden_size: int  # the target's: the drafter shares its embedding and LM head
+    target_num_layers: int
+    target_layers: tuple[int, ...]  # whose outputs form the context, in this order
+    num_layers: int = 1
+    num_heads: int = 8
+    num_kv_heads: int = 8
+    head_dim: int = 64
+    intermediate_size: int = 1024
+    block_size: int = 4  # k: drafts per block
+    markov_rank: int = 32
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    confidence_threshold: float = 0.5  # default survival threshold for how many drafts to send
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_layers", tuple(int(i) for i in self.target_layers))
+
+        def check(cond: bool, msg: str):
+            if not cond:
+                raise ValueError(f"invalid draft config: {msg}")
+
+        for name in ("vocab_size", "hidden_size", "target_num_layers", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size", "block_size", "markov_rank"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        check(len(self.target_layers) > 0, "target_layers is empty")
+        check(len(set(self.target_layers)) == len(self.target_layers), f"target_layers repeat: {self.target_layers}")
+        check(all(0 <= i < self.target_num_layers for i in self.target_layers),
+              f"target_layers {self.target_layers} must lie in [0, {self.target_num_layers})")
+        check(self.num_heads % self.num_kv_heads == 0,
+              f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        check(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        check(0.0 <= self.confidence_threshold <= 1.0,
+              f"confidence_threshold must lie in [0, 1], got {self.confidence_threshold}")
+
+    @classmethod
+    def for_target(cls, target: llama.Config, **overrides: Any) -> "DraftConfig":
+        """A drafter as wide as the target's layers (heads, MLP), with `overrides` applied."""
+        fields = dict(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                      target_num_layers=target.num_layers, target_layers=default_target_layers(target.num_layers),
+                      num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+                      intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
+                      rope_theta=target.rope_theta)
+        return cls(**{**fields, **{k: v for k, v in overrides.items() if v is not None}})
+
+    def check_target(self, target: llama.Config) -> None:
+        """Raises ValueError when this drafter was not made for `target`'s shapes."""
+        for mine, theirs in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                             ("target_num_layers", "num_layers")):
+            if getattr(self, mine) != getattr(target, theirs):
+                raise ValueError(f"the drafter was made for a target with {theirs}={getattr(self, mine)}, "
+                                 f"but this target has {theirs}={getattr(target, theirs)}")
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "target_layers": list(self.target_layers)}
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "DraftConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown draft config fields {unknown}")
+        return cls(**fields)
+
+
+def _layer_config(cfg: DraftConfig) -> llama.Config:
+    """The drafter's layers are llama blocks: this config declares and runs them."""
+    return llama.Config(architecture="llama", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                        intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                        rope_theta=cfg.rope_theta, tie_word_embeddings=True)
+
+
+def weight_specs(cfg: DraftConfig) -> dict:
+    """The drafter's trained weights, declared once. Matrices are [out, in]."""
+    d, r = cfg.hidden_size, cfg.markov_rank
+    return {
+        "fc": WeightSpec((d, len(cfg.target_layers) * d), ("embed", "target_stack")),
+        "context_norm": WeightSpec((d,), ("embed",), init="ones"),
+        "mask_embed": WeightSpec((d,), ("embed",)),
+        "layers": llama.weight_specs(_layer_config(cfg))["layers"],
+        "final_norm": WeightSpec((d,), ("embed",), init="ones"),
+        "markov_in": WeightSpec((r, d), ("markov", "embed")),
+        "markov_out": WeightSpec((cfg.vocab_size, r), ("vocab", "markov"), init="zeros"),
+        "confidence": WeightSpec((d + r,), (None,), init="zeros"),
+        "confidence_bias": WeightSpec((1,), (None,), init="zeros"),
+    }
+
+
+def init_params(cfg: DraftConfig, seed: int = 0, dtype: Any = jnp.float32) -> dict:
+    """Fresh weights for training: norms 1, the Markov bias and confidence 0 (the drafter starts as
+    a plain parallel drafter at confidence 1/2), matrices N(0, 1 / fan_in), the mask vector small."""
+    rng = np.random.default_rng(seed)
+
+    def init(_, spec: WeightSpec):
+        if spec.init == "ones":
+            x = np.ones(spec.shape)
+        elif spec.init == "zeros":
+            x = np.zeros(spec.shape)
+        elif len(spec.shape) == 1:
+            x = 0.02 * rng.standard_normal(spec.shape)
+        else:
+            x = rng.standard_normal(spec.shape) / np.sqrt(spec.shape[-1])
+        return jnp.asarray(x, dtype)
+
+    return map_specs(init, weight_specs(cfg))
+
+
+# ----- forward -----
+
+def _rope(cfg: DraftConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
+    inv_freq, mscale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, RopeScaling(), 1)
+    return apply_rope(x, positions, inv_freq, mscale)
+
+
+def project_context(params: dict, cfg: DraftConfig, target_hidden: jax.Array) -> jax.Array:
+    """The context c [b, t, d] of target features [b, t, len(target_layers) * d] (features.py)."""
+    return rms_norm(linear(target_hidden, params["fc"]), params["context_norm"], cfg.rms_norm_eps)
+
+
+def context_kv(params: dict, cfg: DraftConfig, context: jax.Array,
+               positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+    """Each drafter layer's keys and values [b, c, kv, e] of the context c [b, c, d] at positions
+    [b, c] (rotary applied): what a runner may cache per token instead of c."""
+    b, c, _ = context.shape
+    kv, e = cfg.num_kv_heads, cfg.head_dim
+    return [(_rope(cfg, linear(context, lw["wk"]).reshape(b, c, kv, e), positions),
+             linear(context, lw["wv"]).reshape(b, c, kv, e)) for lw in params["layers"]]
+
+
+def backbone(params: dict, cfg: DraftConfig, embed: jax.Array, ctx_kv: list, ctx_positions: jax.Array,
+             anchor_tokens: jax.Array, anchor_positions: jax.Array) -> jax.Array:
+    """The parallel pass over blocks: h [b, n, k, d] of the k mask slots of every block.
+
+    ctx_kv: `context_kv` of the row's context; ctx_positions int32 [b, c] (-1 = padding).
+    anchor_tokens, anchor_positions int32 [b, n]: n blocks per row (1 when serving; many in
+    training), each seeing the context positions before its anchor's.
+    """
+    b, n = anchor_tokens.shape
+    s, h, kv, e = cfg.block_size + 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    g = h // kv
+    x = jnp.concatenate([embed[anchor_tokens][:, :, None, :],
+                         jnp.broadcast_to(params["mask_embed"].astype(embed.dtype), (b, n, s - 1, cfg.hidden_size))],
+                        axis=2)  # [b, n, s, d]
+    block_positions = (anchor_positions[..., None] + jnp.arange(s)).reshape(b, n * s)
+    visible = (ctx_positions[:, None, :] >= 0) & (ctx_positions[:, None, :] < anchor_positions[..., None])  # [b, n, c]
+    visible = visible[:, :, None, None, None, :]  # [b, n, 1, 1, 1, c] against scores [b, n, k, g, s, c]
+    for lw, (ctx_k, ctx_v) in zip(params["layers"], ctx_kv):
+        y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps).reshape(b, n * s, cfg.hidden_size)
+        q = _rope(cfg, linear(y, lw["wq"]).reshape(b, n * s, h, e), block_positions)
+        k = _rope(cfg, linear(y, lw["wk"]).reshape(b, n * s, kv, e), block_positions)
+        v = linear(y, lw["wv"]).reshape(b, n, s, kv, e).astype(jnp.float32)
+        q = (q.astype(jnp.float32) * e ** -0.5).reshape(b, n, s, kv, g, e)
+        k = k.astype(jnp.float32).reshape(b, n, s, kv, e)
+        scores_ctx = jnp.where(visible, jnp.einsum("bnskge,bcke->bnkgsc", q, ctx_k.astype(jnp.float32)), _MASKED)
+        scores_block = jnp.einsum("bnskge,bnuke->bnkgsu", q, k)
+        probs = jax.nn.softmax(jnp.concatenate([scores_ctx, scores_block], axis=-1), axis=-1)
+        c = ctx_k.shape[1]
+        out = (jnp.einsum("bnkgsc,bcke->bnskge", probs[..., :c], ctx_v.astype(jnp.float32))
+               + jnp.einsum("bnkgsu,bnuke->bnskge", probs[..., c:], v))
+        x = x + linear(out.reshape(b, n, s, h * e).astype(x.dtype), lw["wo"])
+        x = x + swiglu(rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps), lw["w_gate"], lw["w_up"], lw["w_down"])
+    return rms_norm(x[:, :, 1:], params["final_norm"], cfg.rms_norm_eps)
+
+
+def markov_features(params: dict, embed: jax.Array, prev_tokens: jax.Array) -> jax.Array:
+    """m = W_in E[prev] [..., r] for the token before each slot."""
+    return linear(embed[prev_tokens], params["markov_in"])
+
+
+def slot_outputs(params: dict, head: jax.Array, hidden: jax.Array, markov: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(logits f32 [..., v], confidence [...]) of slots with hidden [..., d] and Markov features [..., r]."""
+    logits = linear(hidden, head).astype(jnp.float32) + linear(markov, params["markov_out"]).astype(jnp.float32)
+    features = jnp.concatenate([hidden, markov.astype(hidden.dtype)], axis=-1).astype(jnp.float32)
+    confidence = jax.nn.sigmoid(features @ params["confidence"] + params["confidence_bias"][0])
+    return logits, confidence
+
+
+def teacher_forced(params: dict, cfg: DraftConfig, target_weights: dict, ctx_kv: list, ctx_positions: jax.Array,
+                   anchor_tokens: jax.Array, anchor_positions: jax.Array,
+                   prev_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Training's forward: the Markov head reads the true previous tokens prev_tokens [b, n, k]
+    (the anchor, then the target's tokens) instead of the drafts, so all slots run at once.
+    Returns (logits f32 [b, n, k, v], confidence [b, n, k])."""
+    embed = target_weights["embed"]
+    hidden = backbone(params, cfg, embed, ctx_kv, ctx_positions, anchor_tokens, anchor_positions)
+    return slot_outputs(params, lm_head(target_weights), hidden, markov_features(params, embed, prev_tokens))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Proposal:
+    """One block of drafts per row."""
+
+    tokens: jax.Array  # i32 [b, k]
+    num_drafts: jax.Array  # i32 [b]: how many leading drafts to send (survival >= threshold)
+    confidence: jax.Array  # f32 [b, k]
+    draft_probs: jax.Array | None  # f32 [b, k, v]: q of sampled drafts (rejection_accept); None if greedy
+
+
+def num_to_verify(confidence: jax.Array, threshold: float | jax.Array) -> jax.Array:
+    """Leading drafts [b] whose survival prod_{i<=j} conf_i is >= threshold (confidence [b, k])."""
+    survival = jnp.cumprod(confidence, axis=-1)
+    return jnp.sum(jnp.cumprod(survival >= threshold, axis=-1), axis=-1).astype(jnp.int32)
+
+
+def propose(params: dict, cfg: DraftConfig, target_weights: dict, ctx_kv: list, ctx_positions: jax.Array,
+            anchor_tokens: jax.Array, anchor_positions: jax.Array, sampling: SamplingArrays | None = None,
+            threshold: float | jax.Array | None = None) -> Proposal:
+    """Drafts k tokens after each row's anchor (int32 [b], at anchor_positions [b]).
+
+    ctx_kv / ctx_positions: the row's context (`context_kv`; positions >= the anchor's are ignored).
+    sampling: None drafts greedily (deterministic drafts); otherwise each slot is drawn under the
+    row's sampling parameters (`draft_sample`, noise apart from the target's) and draft_probs
+    holds the q to verify against. threshold: default cfg.confidence_threshold; 0 sends all k.
+    """
+    embed, head = target_weights["embed"], lm_head(target_weights)
+    hidden = backbone(params, cfg, embed, ctx_kv, ctx_positions, anchor_tokens[:, None],
+                      anchor_positions[:, None])[:, 0]  # [b, k, d]
+    prev = anchor_tokens
+    tokens, confidence, probs = [], [], []
+    for j in range(cfg.block_size):  # the Markov head is sequential: slot j reads draft j-1
+        logits, conf = slot_outputs(params, head, hidden[:, j], markov_features(params, embed, prev))
+        if sampling is None:
+            prev = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        else:
+            prev, q = draft_sample(logits, dataclasses.replace(sampling, position=anchor_positions + 1 + j))
+            probs.append(q)
+        tokens.append(prev)
+        confidence.append(conf)
+    confidence = jnp.stack(confidence, axis=1)
+    threshold = cfg.confidence_threshold if threshold is None else threshold
+    return Proposal(tokens=jnp.stack(tokens, axis=1), num_drafts=num_to_verify(confidence, threshold),
+                    confidence=confidence, draft_probs=jnp.stack(probs, axis=1) if probs else None)
+
+
+# ----- checkpoints -----
+
+def _leaf(tree: Any, path: tuple) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def save(directory: str | pathlib.Path, params: dict, cfg: DraftConfig, metadata: dict | None = None) -> None:
+    """Writes config.json and model.safetensors (one tensor per declared weight, f32)."""
+    from safetensors.numpy import save_file
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {path_str(path): np.asarray(_leaf(params, path), np.float32)
+               for path, _ in iter_specs(weight_specs(cfg))}
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": FORMAT})
+    document = {"format": FORMAT, "version": 1, "config": cfg.to_dict(), **({"training": metadata} if metadata else {})}
+    (directory / "config.json").write_text(json.dumps(document, indent=2) + "\n")
+
+
+def load(directory: str | pathlib.Path, dtype: Any = jnp.float32) -> tuple[dict, DraftConfig]:
+    """Reads a drafter written by `save`, checking every name and shape."""
+    from safetensors.numpy import load_file
+
+    directory = pathlib.Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{directory}: no config.json (expected a drafter written by `weld train-draft`)")
+    document = json.loads(config_path.read_text())
+    if document.get("format") != FORMAT:
+        raise ValueError(f"{config_path}: format is {document.get('format')!r}, expected {FORMAT!r}")
+    cfg = DraftConfig.from_dict(document["config"])
+    tensors = load_file(str(directory / WEIGHTS_FILE))
+    specs = weight_specs(cfg)
+    expected = {path_str(path) for path, _ in iter_specs(specs)}
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise ValueError(f"{directory / WEIGHTS_FILE}: missing tensors {missing}, unexpected tensors {unexpected}")
+
+    def read(path: tuple, spec: WeightSpec) -> jax.Array:
+        array = tensors[path_str(path)]
+        if array.shape != spec.shape:
+            raise ValueError(f"{path_str(path)} has shape {array.shape}, expected {spec.shape}")
+        return jnp.asarray(array, dtype)
+
+    return map_specs(read, specs), cfg
