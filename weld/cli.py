@@ -1,4 +1,4 @@
-"""The `weld` command line: generate, chat, serve, bench.
+"""The `weld` command line: generate, chat, serve, bench, train-draft.
 
 Thin: each command parses flags, builds an `LLM` and prints. Errors caused by the user (a
 missing model file, a bad flag value, an over-long prompt) print one line on stderr and exit
@@ -88,7 +88,46 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(serve)
     _serve_flags(serve)
     serve.set_defaults(func=cmd_serve)
+
+    draft = sub.add_parser("train-draft", help="train a DSpark drafter for speculative decoding by self-distillation",
+                           description="Train a DSpark block drafter for --model on the model's own outputs: "
+                                       "the model continues the prompts in --data (one per line, or paragraphs "
+                                       "separated by blank lines), then a small drafter learns to predict k tokens "
+                                       "at once from the model's hidden states. Writes config.json and "
+                                       "model.safetensors to --out. Runs on CPU in minutes for SmolLM2-135M.")
+    _train_draft_flags(draft)
+    draft.set_defaults(func=cmd_train_draft)
     return parser
+
+
+def _train_draft_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, metavar="PATH_OR_ID",
+                   help="the target: GGUF file, HF directory or hub id (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--data", required=True, metavar="FILE", help="text file of prompts")
+    p.add_argument("--out", required=True, metavar="DIR", help="where to write the drafter")
+    g = p.add_argument_group("data")
+    g.add_argument("--max-prompts", type=int, default=None, metavar="N", help="use the first N prompts (default: all)")
+    g.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="tokens the model generates per prompt (default: 128)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of the model's outputs; 0 is greedy (default: 0)")
+    g.add_argument("--raw", action="store_true", help="use prompts as raw text instead of chat user messages")
+    g.add_argument("--eval-fraction", type=float, default=0.1, metavar="F",
+                   help="held-out share of sequences for the acceptance measurement (default: 0.1)")
+    g = p.add_argument_group("drafter")
+    g.add_argument("--k", type=int, default=4, help="drafts per block (default: 4)")
+    g.add_argument("--layers", type=int, default=1, help="drafter transformer layers (default: 1)")
+    g.add_argument("--target-layers", default=None, metavar="I,J,..",
+                   help="target layers whose outputs feed the drafter (default: three spread over the model)")
+    g.add_argument("--markov-rank", type=int, default=32, metavar="R", help="rank of the Markov head (default: 32)")
+    g.add_argument("--threshold", type=float, default=0.5,
+                   help="default confidence (survival) threshold for sending drafts (default: 0.5)")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default: 1e-3)")
+    g.add_argument("--batch-size", type=int, default=4, metavar="B", help="sequences per step (default: 4)")
+    g.add_argument("--anchors", type=int, default=16, metavar="A", help="blocks per sequence per step (default: 16)")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
 
 
 def _serve_flags(p: argparse.ArgumentParser) -> None:
@@ -209,6 +248,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from weld import bench
 
     return bench.main(args)
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    import json
+
+    from weld.engine.spec.train import TrainConfig, train_draft
+
+    try:
+        target_layers = (tuple(int(i) for i in args.target_layers.split(",")) if args.target_layers else None)
+    except ValueError:
+        raise InvalidInputError(f"--target-layers takes comma-separated integers, got {args.target_layers!r}") from None
+    if not 0.0 <= args.eval_fraction < 1.0:
+        raise InvalidInputError(f"--eval-fraction must lie in [0, 1), got {args.eval_fraction}")
+    settings = TrainConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size, anchors=args.anchors,
+                           seed=args.seed)
+    overrides = dict(block_size=args.k, num_layers=args.layers, target_layers=target_layers,
+                     markov_rank=args.markov_rank, confidence_threshold=args.threshold)
+    summary = train_draft(args.model, args.data, args.out, train_cfg=settings, draft_overrides=overrides,
+                          max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, chat=not args.raw, eval_fraction=args.eval_fraction,
+                          progress=None, log=lambda line: print(f"weld: {line}", file=sys.stderr))
+    print(json.dumps({key: summary[key] for key in ("seconds", "final", "eval_before", "eval_after")}
+                     | {"out": args.out}, indent=2))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

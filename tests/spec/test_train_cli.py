@@ -1,0 +1,40 @@
+"""`weld train-draft`: bad input is one clean line before any model loads; a real run (slow)."""
+
+import json
+
+import pytest
+
+from weld.cli import main
+from weld.engine.spec import dspark
+
+
+def test_bad_input_is_reported_before_loading_the_model(tmp_path, capsys):
+    assert main(["train-draft", "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "d")]) == 1
+    assert "missing.txt: no such file" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    assert main(["train-draft", "--data", str(prompts), "--out", str(tmp_path / "d"), "--target-layers", "1,x"]) == 1
+    assert "--target-layers" in capsys.readouterr().err
+    assert main(["train-draft", "--data", str(prompts), "--out", str(tmp_path / "d"), "--steps", "0"]) == 1
+    assert "steps must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_draft_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys):
+    from weld.models.llama import Config
+
+    directory, _ = tiny_llama_dir
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(["The quick brown fox", "Paris is the capital of", "def add(a, b):",
+                                  "Once upon a time", "Numbers: 0 1 2 3"]) + "\n")
+    out = tmp_path / "drafter"
+    code = main(["train-draft", "--model", str(directory), "--data", str(prompts), "--out", str(out),
+                 "--steps", "8", "--max-new-tokens", "16", "--k", "3", "--target-layers", "0,1",
+                 "--batch-size", "2", "--anchors", "4", "--eval-fraction", "0.2"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["final"]["step"] == 7 and report["eval_after"]["accept_len"] >= 0
+    params, cfg = dspark.load(out)
+    assert cfg.block_size == 3 and cfg.target_layers == (0, 1)
+    cfg.check_target(Config.from_hf(json.loads((directory / "config.json").read_text())))
+    assert json.loads((out / "config.json").read_text())["training"]["prompts"] == 5
