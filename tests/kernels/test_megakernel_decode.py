@@ -185,19 +185,25 @@ def test_int8_round_trip_by_hand():
     np.testing.assert_allclose(np.asarray(m.scale), [2 / 127, 1.0], rtol=1e-7)
 
 
-@pytest.mark.parametrize("bug", [pytest.param("skip_wait", marks=pytest.mark.slow), "wrong_slot"])
+@pytest.mark.parametrize("bug", [None, "wrong_slot", pytest.param("skip_wait", marks=pytest.mark.slow)])
 def test_planted_stream_bug_is_caught(interpret, bug):
     """The whole-kernel check can fail: a missing wait or a wrong ring slot in the weight stream
-    gives wrong logits (NaN or another tile's weights)."""
+    gives wrong logits (NaN or another tile's weights). Without a bug (the control) the same call
+    matches, and its greedy ids are the argmax of the XLA logits."""
     cfg = LLAMA
     weights, cache, bt, tok, pos = _setup(cfg, batch=1)
     spec = megakernel.spec_for(cfg, batch=1, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32,
                                pages_per_kv_tile=2)
-    logits, _, _, _ = mk.decode_step(spec, megakernel.kernel_params(cfg, weights), tok[:, None], pos[:, None], bt,
-                                     cache.k, cache.v, tile_rows=16, vocab_tile_rows=32, ring_depth=3,
-                                     interpret=interpret, _bug=bug)
+    logits, ids, _, _ = mk.decode_step(spec, megakernel.kernel_params(cfg, weights), tok[:, None], pos[:, None], bt,
+                                       cache.k, cache.v, tile_rows=16, vocab_tile_rows=32, ring_depth=3,
+                                       interpret=interpret, _bug=bug)
     ref, _, _ = _xla_step(cfg)(weights, tok[:, None], pos[:, None], cache, bt)
-    assert not np.allclose(np.asarray(logits), np.asarray(ref), rtol=1e-3, atol=1e-3)
+    if bug is None:
+        assert _rel_err(logits, ref) < 1e-3
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(jnp.argmax(ref, axis=-1)))
+        assert not races_found()
+    else:
+        assert not np.allclose(np.asarray(logits), np.asarray(ref), rtol=1e-3, atol=1e-3)
 
 
 def test_vmem_budget_checked_before_compiling():
