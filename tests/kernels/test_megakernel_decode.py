@@ -208,7 +208,8 @@ def test_planted_stream_bug_is_caught(interpret, bug):
 
 def test_vmem_budget_checked_before_compiling():
     """A Llama-3-8B-sized step whose tiles cannot fit v7's VMEM fails with both numbers while the
-    call is traced (abstract weights: nothing is allocated or compiled)."""
+    call is traced (abstract weights: nothing is allocated or compiled). The fitting case and the
+    ring fallback are tested on the plan itself (test_megakernel_plan.py)."""
     cfg = dataclasses.replace(LLAMA, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
                               head_dim=128, vocab_size=128256, num_layers=2)  # 8B's layers, two of them
     spec = megakernel.spec_for(cfg, batch=1, page_size=16, weight_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16)
@@ -221,8 +222,6 @@ def test_vmem_budget_checked_before_compiling():
 
     with pytest.raises(VmemBudgetError, match=r"needs \d+ B of VMEM .* but v7 allows \d+ B"):
         jax.eval_shape(lambda *a: step(*a, tile_rows=4096, generation="v7"), weights, ids, ids, bt, pools, pools)
-    out = jax.eval_shape(lambda *a: step(*a, generation="v7"), weights, ids, ids, bt, pools, pools)
-    assert out[0].shape == (1, 1, 128256)
 
 
 def test_validation_names_both_values():
