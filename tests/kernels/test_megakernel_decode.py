@@ -153,6 +153,7 @@ def test_verify_block_qwen_batch2(interpret):
     _verify_block(QWEN, 2, interpret)
 
 
+@jax.jit
 def _dequantized(weights):
     """The same tree with every streamed matrix replaced by its int8 round trip (f32)."""
     names = set(megakernel._WEIGHT_NAMES.values())
@@ -185,7 +186,8 @@ def test_int8_round_trip_by_hand():
     np.testing.assert_allclose(np.asarray(m.scale), [2 / 127, 1.0], rtol=1e-7)
 
 
-@pytest.mark.parametrize("bug", [None, "wrong_slot", pytest.param("skip_wait", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("bug", [pytest.param(None, marks=pytest.mark.slow), "wrong_slot",
+                                 pytest.param("skip_wait", marks=pytest.mark.slow)])
 def test_planted_stream_bug_is_caught(interpret, bug):
     """The whole-kernel check can fail: a missing wait or a wrong ring slot in the weight stream
     gives wrong logits (NaN or another tile's weights). Without a bug (the control) the same call
