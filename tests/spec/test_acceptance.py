@@ -102,35 +102,38 @@ def test_rejection_sampling_applies_temperature_and_filters_like_the_sampler():
     run_and_check(target, q, kwargs, 40000, rng, deterministic=False)
 
 
+# The statistical tests' deterministic case's shapes (and None passed the same way): its program again.
+N_SMALL = 40000
+
+
 def test_no_drafts_is_plain_sampling_bit_for_bit():
     rng = np.random.default_rng(3)
-    n, v = 64, 50
-    logits = jnp.asarray(rng.standard_normal((n, K + 1, v)) * 2, jnp.float32)
-    drafts = jnp.asarray(rng.integers(0, v, (n, K)), jnp.int32)
-    for kwargs in ({}, dict(temperature=0.8, top_k=10, top_p=0.9)):
-        params = params_for(n, **kwargs)
-        num_accepted, tokens = _accept(logits, drafts, jnp.zeros(n, jnp.int32), params)
+    logits = jnp.asarray(rng.standard_normal((N_SMALL, K + 1, V)) * 2, jnp.float32)
+    drafts = jnp.asarray(rng.integers(0, V, (N_SMALL, K)), jnp.int32)
+    for kwargs in ({}, dict(temperature=0.8, top_k=4, top_p=0.9)):
+        params = params_for(N_SMALL, **kwargs)
+        num_accepted, tokens = _accept(logits, drafts, jnp.zeros(N_SMALL, jnp.int32), params, None)
         np.testing.assert_array_equal(num_accepted, 0)
-        np.testing.assert_array_equal(tokens[:, 0], sample(logits[:, 0], params))
+        np.testing.assert_array_equal(tokens[:, 0], jax.jit(sample)(logits[:, 0], params))
 
 
 def test_rows_do_not_depend_on_batch_neighbours_and_greedy_rows_verify_greedily():
     rng = np.random.default_rng(4)
-    n, v = 64, 50
-    logits = rng.standard_normal((n, K + 1, v)).astype(np.float32)
+    n = N_SMALL
+    logits = rng.standard_normal((n, K + 1, V)).astype(np.float32)
     drafts = (logits[:, :K].argmax(-1) * (rng.random((n, K)) < 0.7)).astype(np.int32)
     num_drafts = np.full(n, K, np.int32)
     params = params_for(n)
     params.temperature = params.temperature.at[::3].set(0.0)
-    full = _accept(jnp.asarray(logits), jnp.asarray(drafts), jnp.asarray(num_drafts), params)
+    full = _accept(jnp.asarray(logits), jnp.asarray(drafts), jnp.asarray(num_drafts), params, None)
     # The same rows in another order, next to other rows: each row's result is unchanged.
     order = rng.permutation(n)
     mixed_logits, mixed_drafts = logits[order].copy(), drafts[order].copy()
     neighbours = order % 2 == 0  # rows whose neighbours' data is replaced
     mixed_logits[~neighbours] = rng.standard_normal(mixed_logits[~neighbours].shape)
-    mixed_drafts[~neighbours] = rng.integers(0, v, mixed_drafts[~neighbours].shape)
+    mixed_drafts[~neighbours] = rng.integers(0, V, mixed_drafts[~neighbours].shape)
     mixed = _accept(jnp.asarray(mixed_logits), jnp.asarray(mixed_drafts), jnp.asarray(num_drafts),
-                    jax.tree.map(lambda x: x[order], params))
+                    jax.tree.map(lambda x: x[order], params), None)
     np.testing.assert_array_equal(np.asarray(mixed[1])[neighbours], np.asarray(full[1])[order][neighbours])
     greedy = greedy_accept(jnp.asarray(logits), jnp.asarray(drafts), jnp.asarray(num_drafts))
     np.testing.assert_array_equal(full[1][::3], greedy[1][::3])

@@ -23,31 +23,44 @@ DRAFT = dspark.DraftConfig(vocab_size=40, hidden_size=16, target_num_layers=3, t
                            markov_rank=5, rms_norm_eps=1e-5, rope_theta=500.0)
 
 
-def test_target_features_match_llama_forward_and_its_layers():
-    weights = random_weights(llama.weight_specs(TARGET), seed=1)
-    b, t, page = 2, 12, 4
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, TARGET.vocab_size, (b, t)), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+def paged_forward(weights, cfg, tokens):
+    """llama.forward over whole sequences tokens [b, t] on a fresh paged cache."""
+    b, t = tokens.shape
+    page = 4
+    cache = PagedKVCache.create(cfg.kv_spec, b * t // page, page, jnp.float32)
     tables = jnp.arange(b * (t // page), dtype=jnp.int32).reshape(b, t // page)
+    return jax.jit(llama.forward, static_argnames=("cfg",))(
+        weights, cfg, tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), cache, AttentionBatch(block_tables=tables))
 
-    forward = jax.jit(llama.forward, static_argnames=("cfg",))
 
-    def paged(weights, cfg):
-        cache = PagedKVCache.create(cfg.kv_spec, b * t // page, page, jnp.float32)
-        return forward(weights, cfg, tokens, positions, cache, AttentionBatch(block_tables=tables))
-
+@pytest.fixture(scope="module")
+def target_features():
+    weights = random_weights(llama.weight_specs(TARGET), seed=1)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, TARGET.vocab_size, (2, 12)), jnp.int32)
     layers = (2, 0)  # out of order on purpose
     selected, final = jax.jit(target_hidden_states, static_argnums=(1, 3))(weights, TARGET, tokens, layers)
-    logits, hidden, _ = paged(weights, TARGET)
+    return weights, tokens, selected, final
+
+
+def test_target_features_match_llama_forward(target_features):
+    weights, tokens, selected, final = target_features
+    logits, hidden, _ = paged_forward(weights, TARGET, tokens)
     np.testing.assert_allclose(final, hidden, atol=2e-5)
     np.testing.assert_allclose(final @ weights["lm_head"].T, logits, atol=1e-4)
-    d, eps = TARGET.hidden_size, TARGET.rms_norm_eps
-    # The last layer's output, normed, is the final hidden state; llama.forward cut after layer 0,
-    # with a unit final norm, returns the RMSNorm of layer 0's output.
-    np.testing.assert_allclose(rms_norm(selected[..., :d], weights["final_norm"], eps), hidden, atol=2e-5)
+    # The last layer's output (slot 0 here), normed, is the final hidden state.
+    d = TARGET.hidden_size
+    np.testing.assert_allclose(rms_norm(selected[..., :d], weights["final_norm"], TARGET.rms_norm_eps), hidden,
+                               atol=2e-5)
+
+
+@pytest.mark.slow
+def test_target_features_of_an_inner_layer_match_llama_forward_cut_after_it(target_features):
+    weights, tokens, selected, _ = target_features
+    d = TARGET.hidden_size
+    # llama.forward cut after layer 0, with a unit final norm, returns the RMSNorm of layer 0's output.
     cut = dataclasses.replace(TARGET, num_layers=1, layer_types=TARGET.layer_types[:1])
-    _, normed, _ = paged({**weights, "layers": weights["layers"][:1], "final_norm": jnp.ones(d)}, cut)
-    np.testing.assert_allclose(rms_norm(selected[..., d:], jnp.ones(d), eps), normed, atol=2e-5)
+    _, normed, _ = paged_forward({**weights, "layers": weights["layers"][:1], "final_norm": jnp.ones(d)}, cut, tokens)
+    np.testing.assert_allclose(rms_norm(selected[..., d:], jnp.ones(d), TARGET.rms_norm_eps), normed, atol=2e-5)
 
 
 # ----- a numpy statement of the drafter's equations, one slot and one head at a time -----
@@ -177,6 +190,7 @@ def test_num_to_verify_keeps_the_prefix_whose_survival_clears_the_threshold():
     assert len(set(got.tolist())) == 6
 
 
+@pytest.mark.slow
 def test_sampled_drafts_come_with_their_distribution(drafter):
     from weld.engine.sampler import SamplingArrays
 

@@ -37,14 +37,13 @@ import numpy as np
 
 from weld.engine.sampler import SamplingArrays
 from weld.engine.spec.acceptance import draft_sample
-from weld.engine.spec.features import lm_head
+from weld.engine.spec.features import lm_head, masked_attention
 from weld.models import llama
 from weld.models.common.layers import RopeScaling, apply_rope, linear, rms_norm, rope_inv_freq, swiglu
 from weld.models.common.spec import WeightSpec, iter_specs, map_specs, path_str
 
 FORMAT = "weld-dspark-draft"
 WEIGHTS_FILE = "model.safetensors"
-_MASKED = -1e30
 
 
 def default_target_layers(num_layers: int, count: int = 3) -> tuple[int, ...]:
@@ -195,33 +194,30 @@ def backbone(params: dict, cfg: DraftConfig, embed: jax.Array, ctx_kv: list, ctx
 
     ctx_kv: `context_kv` of the row's context; ctx_positions int32 [b, c] (-1 = padding).
     anchor_tokens, anchor_positions int32 [b, n]: n blocks per row (1 when serving; many in
-    training), each seeing the context positions before its anchor's.
+    training), each seeing the context positions before its anchor's and its own slots.
     """
     b, n = anchor_tokens.shape
-    s, h, kv, e = cfg.block_size + 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    g = h // kv
+    s, h, kv, e, d = cfg.block_size + 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     x = jnp.concatenate([embed[anchor_tokens][:, :, None, :],
-                         jnp.broadcast_to(params["mask_embed"].astype(embed.dtype), (b, n, s - 1, cfg.hidden_size))],
-                        axis=2)  # [b, n, s, d]
-    block_positions = (anchor_positions[..., None] + jnp.arange(s)).reshape(b, n * s)
-    visible = (ctx_positions[:, None, :] >= 0) & (ctx_positions[:, None, :] < anchor_positions[..., None])  # [b, n, c]
-    visible = visible[:, :, None, None, None, :]  # [b, n, 1, 1, 1, c] against scores [b, n, k, g, s, c]
+                         jnp.broadcast_to(params["mask_embed"].astype(embed.dtype), (b, n, s - 1, d))],
+                        axis=2).reshape(b, n * s, d)  # the blocks' slots one after another
+    slot_positions = (anchor_positions[..., None] + jnp.arange(s)).reshape(b, n * s)
+    slot_anchor = jnp.repeat(anchor_positions, s, axis=1)  # [b, n*s]: each slot's block's anchor position
+    sees_context = (ctx_positions[:, None, :] >= 0) & (ctx_positions[:, None, :] < slot_anchor[:, :, None])
+    block = jnp.repeat(jnp.arange(n), s)
+    sees_slot = jnp.broadcast_to(block[:, None] == block[None, :], (b, n * s, n * s))  # its own block, both ways
+    visible = jnp.concatenate([sees_context, sees_slot], axis=2)  # [b, n*s, c + n*s]
     for lw, (ctx_k, ctx_v) in zip(params["layers"], ctx_kv):
-        y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps).reshape(b, n * s, cfg.hidden_size)
-        q = _rope(cfg, linear(y, lw["wq"]).reshape(b, n * s, h, e), block_positions)
-        k = _rope(cfg, linear(y, lw["wk"]).reshape(b, n * s, kv, e), block_positions)
-        v = linear(y, lw["wv"]).reshape(b, n, s, kv, e).astype(jnp.float32)
-        q = (q.astype(jnp.float32) * e ** -0.5).reshape(b, n, s, kv, g, e)
-        k = k.astype(jnp.float32).reshape(b, n, s, kv, e)
-        scores_ctx = jnp.where(visible, jnp.einsum("bnskge,bcke->bnkgsc", q, ctx_k.astype(jnp.float32)), _MASKED)
-        scores_block = jnp.einsum("bnskge,bnuke->bnkgsu", q, k)
-        probs = jax.nn.softmax(jnp.concatenate([scores_ctx, scores_block], axis=-1), axis=-1)
-        c = ctx_k.shape[1]
-        out = (jnp.einsum("bnkgsc,bcke->bnskge", probs[..., :c], ctx_v.astype(jnp.float32))
-               + jnp.einsum("bnkgsu,bnuke->bnskge", probs[..., c:], v))
-        x = x + linear(out.reshape(b, n, s, h * e).astype(x.dtype), lw["wo"])
+        y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
+        q = _rope(cfg, linear(y, lw["wq"]).reshape(b, n * s, h, e), slot_positions)
+        k = _rope(cfg, linear(y, lw["wk"]).reshape(b, n * s, kv, e), slot_positions)
+        v = linear(y, lw["wv"]).reshape(b, n * s, kv, e)
+        keys = jnp.concatenate([ctx_k.astype(k.dtype), k], axis=1)
+        values = jnp.concatenate([ctx_v.astype(v.dtype), v], axis=1)
+        x = x + linear(masked_attention(q, keys, values, visible), lw["wo"])
         x = x + swiglu(rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps), lw["w_gate"], lw["w_up"], lw["w_down"])
-    return rms_norm(x[:, :, 1:], params["final_norm"], cfg.rms_norm_eps)
+    x = x.reshape(b, n, s, d)[:, :, 1:]
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
 def markov_features(params: dict, embed: jax.Array, prev_tokens: jax.Array) -> jax.Array:

@@ -22,19 +22,27 @@ from weld.models.common.layers import apply_rope, linear, rms_norm, swiglu
 _MASKED = -1e30
 
 
-def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> jax.Array:
-    """q [b, t, h, e], k / v [b, t, kv, e] at positions 0..t-1 -> [b, t, h * e]."""
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """Dense GQA attention: q [b, t, h, e] over k / v [b, s, kv, e] where visible [b or 1, t, s].
+
+    Every query must see at least one key. Returns [b, t, h * e] in q's dtype.
+    """
     b, t, h, e = q.shape
     kv_heads = k.shape[2]
     qg = (q.astype(jnp.float32) * e ** -0.5).reshape(b, t, kv_heads, h // kv_heads, e)
     scores = jnp.einsum("btkge,bske->bkgts", qg, k.astype(jnp.float32))
+    probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, _MASKED), axis=-1)
+    out = jnp.einsum("bkgts,bske->btkge", probs, v.astype(jnp.float32))
+    return out.reshape(b, t, h * e).astype(q.dtype)
+
+
+def _causal_mask(t: int, window: int | None) -> jax.Array:
+    """[1, t, t]: query i sees keys j <= i (and j > i - window)."""
     query, key = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
     visible = key <= query
     if window is not None:
         visible &= key > query - window
-    probs = jax.nn.softmax(jnp.where(visible, scores, _MASKED), axis=-1)
-    out = jnp.einsum("bkgts,bske->btkge", probs, v.astype(jnp.float32))
-    return out.reshape(b, t, h * e).astype(q.dtype)
+    return visible[None]
 
 
 def target_hidden_states(weights: dict, cfg: llama.Config, tokens: jax.Array,
@@ -61,7 +69,7 @@ def target_hidden_states(weights: dict, cfg: llama.Config, tokens: jax.Array,
             k = rms_norm(k, lw["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, positions, inv_freq, mscale)
         k = apply_rope(k, positions, inv_freq, mscale)
-        x = x + linear(_causal_attention(q, k, v, cfg.window_for(i)), lw["wo"], lw.get("bo"))
+        x = x + linear(masked_attention(q, k, v, _causal_mask(t, cfg.window_for(i))), lw["wo"], lw.get("bo"))
         x = x + swiglu(rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps), lw["w_gate"], lw["w_up"], lw["w_down"])
         if i in layers:
             selected.append((layers.index(i), x))

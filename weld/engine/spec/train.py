@@ -189,7 +189,9 @@ def make_optimizer(train: TrainConfig):
     optax = _optax()
     schedule = optax.warmup_cosine_decay_schedule(0.0, train.lr, min(train.warmup, train.steps),
                                                   max(train.steps, train.warmup + 1), end_value=train.lr * 0.1)
-    return optax.chain(optax.clip_by_global_norm(train.clip_norm), optax.adamw(schedule, weight_decay=0.0))
+    # flatten: one update over a single vector instead of one per leaf (compiles in half the time)
+    return optax.flatten(optax.chain(optax.clip_by_global_norm(train.clip_norm),
+                                     optax.adamw(schedule, weight_decay=0.0)))
 
 
 def make_train_step(cfg: dspark.DraftConfig, train: TrainConfig, optimizer):
@@ -210,6 +212,14 @@ def shared_weights(target_weights: dict) -> dict:
     return {name: target_weights[name] for name in ("embed", "lm_head") if name in target_weights}
 
 
+def _draft_blocks(params: dict, target_weights: dict, features: jax.Array, ctx_positions: jax.Array,
+                  anchor_tokens: jax.Array, anchor_positions: jax.Array, *, cfg: dspark.DraftConfig) -> dspark.Proposal:
+    """Greedy proposals for rows [b] of features [b, t, n * d]: the serving path end to end."""
+    context = dspark.project_context(params, cfg, features)
+    kv = dspark.context_kv(params, cfg, context, ctx_positions)
+    return dspark.propose(params, cfg, target_weights, kv, ctx_positions, anchor_tokens, anchor_positions)
+
+
 def evaluate(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dataset, num_anchors: int = 16,
              seed: int = 1) -> dict:
     """Greedy acceptance on `data` with the drafter drafting on its own (Markov head on its drafts):
@@ -217,25 +227,19 @@ def evaluate(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: 
     threshold would send, accepted_of_sent = accepted among those."""
     rng = np.random.default_rng(seed)
     target_weights = shared_weights(target_weights)
-    propose = jax.jit(dspark.propose, static_argnames=("cfg",))
-    accepted, sent, accepted_sent = [], [], []
-    for row in range(len(data)):
+    run = jax.jit(functools.partial(_draft_blocks, cfg=cfg))
+    accepted, sent = [], []
+    for row in range(len(data)):  # one sequence's anchors at a time: a row per anchor
         batch = sample_blocks(data, np.asarray([row]), num_anchors, cfg.block_size, rng)
-        features = jnp.asarray(np.repeat(batch["features"], num_anchors, axis=0))
-        positions = jnp.asarray(np.repeat(batch["ctx_positions"], num_anchors, axis=0))
-        context = dspark.project_context(params, cfg, features)
-        kv = dspark.context_kv(params, cfg, context, positions)
-        proposal = propose(params, cfg=cfg, target_weights=target_weights, ctx_kv=kv, ctx_positions=positions,
-                           anchor_tokens=jnp.asarray(batch["anchor_tokens"][0]),
-                           anchor_positions=jnp.asarray(batch["anchor_positions"][0]))
+        proposal = run(params, target_weights, np.repeat(batch["features"], num_anchors, axis=0),
+                       np.repeat(batch["ctx_positions"], num_anchors, axis=0), batch["anchor_tokens"][0],
+                       batch["anchor_positions"][0])
         tokens, num = jax.device_get((proposal.tokens, proposal.num_drafts))
-        lead = np.cumprod(tokens == batch["labels"][0], axis=-1)
-        accepted.append(lead.sum(-1))
+        accepted.append(np.cumprod(tokens == batch["labels"][0], axis=-1).sum(-1))
         sent.append(num)
-        accepted_sent.append(np.minimum(lead.sum(-1), num))
-    accepted, sent, accepted_sent = map(np.concatenate, (accepted, sent, accepted_sent))
+    accepted, sent = np.concatenate(accepted), np.concatenate(sent)
     return dict(accept_len=float(accepted.mean()), sent=float(sent.mean()),
-                accepted_of_sent=float(accepted_sent.sum() / max(sent.sum(), 1)))
+                accepted_of_sent=float(np.minimum(accepted, sent).sum() / max(sent.sum(), 1)))
 
 
 def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dataset, train_cfg: TrainConfig,
@@ -244,6 +248,7 @@ def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dat
     from tqdm import tqdm
 
     target_weights = shared_weights(target_weights)
+    params = jax.tree.map(jnp.copy, params)  # the step donates its params: keep the caller's
     optimizer = make_optimizer(train_cfg)
     opt_state = optimizer.init(params)
     step = make_train_step(cfg, train_cfg, optimizer)
