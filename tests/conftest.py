@@ -109,3 +109,17 @@ def tiny_llama_dir(tmp_path_factory):
     model = make_tiny_hf_model("llama", d, seed=3, vocab_size=vocab, bos_token_id=None, eos_token_id=2,
                                pad_token_id=0, max_position_embeddings=256)
     return d, model
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory, tiny_llama_dir):
+    """A one-layer random llama with tiny_llama_dir's tokenizer and vocabulary: a draft model for it."""
+    import shutil
+
+    target, hf = tiny_llama_dir
+    d = tmp_path_factory.mktemp("tiny-llama-draft")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target / name, d / name)
+    make_tiny_hf_model("llama", d, seed=11, vocab_size=hf.config.vocab_size, bos_token_id=None, eos_token_id=2,
+                       pad_token_id=0, max_position_embeddings=256, num_hidden_layers=1)
+    return d

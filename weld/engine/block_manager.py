@@ -56,6 +56,17 @@ class BlockManager:
             self._refs[page] = 1
             seq.block_table.append(page)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Gives back the pages `seq` holds beyond those its first `num_tokens` tokens need (the
+        slots of rejected speculative drafts). Only pages past every computed token go: they are
+        the sequence's own, never shared or cached."""
+        keep = max(self.pages_for(num_tokens), self.pages_for(seq.num_computed_tokens))
+        while len(seq.block_table) > keep:
+            page = seq.block_table.pop()
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._free[page] = None
+
     def free(self, seq: Sequence) -> None:
         self.cache_full_pages(seq)  # what it computed stays reusable after it finishes
         for page in reversed(seq.block_table):  # the prefix's first pages are reused last

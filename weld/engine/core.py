@@ -55,8 +55,12 @@ class _Request:
 
 
 class EngineCore:
+    """proposer: speculative decoding's host-side proposer (`.propose(token_ids) -> drafts`, e.g.
+    n-gram lookup), or None: then, when the scheduler speculates (num_spec_tokens > 0), the
+    runner's draft model drafts on the device."""
+
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, scheduler: Scheduler, *,
-                 max_model_len: int, eos_token_ids: tuple[int, ...]):
+                 max_model_len: int, eos_token_ids: tuple[int, ...], proposer: Any = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -66,6 +70,11 @@ class EngineCore:
         self.requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, _Request] = {}
         self.grammars = GrammarCompiler(tokenizer, tuple(eos_token_ids))
+        self.proposer = proposer
+        k = scheduler.num_spec_tokens
+        self.spec_steps = 0  # row-steps that verified at least one draft
+        self.spec_drafted_per_position = [0] * k  # drafts sent in slot j
+        self.spec_accepted_per_position = [0] * k  # of which accepted
 
     @property
     def block_manager(self) -> BlockManager:
@@ -147,8 +156,12 @@ class EngineCore:
         want_prompt_lp = any(
             r.prompt_logprobs is not None and e.seq.index == 0 and e.seq.num_output_tokens == 0
             for r, e in zip(owners[:plan.num_prefill], plan.entries[:plan.num_prefill]))
+        drafts, num_drafts = self._propose(plan, owners) if plan.kind == "verify" else (None, None)
         result = self.runner.execute(plan, want_logprobs=want_lp, want_prompt_logprobs=want_prompt_lp,
-                                     token_bitmask=self._token_bitmask(plan, owners))
+                                     token_bitmask=self._token_bitmask(plan, owners), drafts=drafts,
+                                     num_drafts=num_drafts)
+        if result.num_drafts is not None:
+            self._count_acceptance(result)
         touched: dict[str, _Request] = {}
         for i, (entry, request) in enumerate(zip(plan.entries, owners)):
             touched[request.request_id] = request
@@ -166,6 +179,8 @@ class EngineCore:
                         entry.seq.num_computed_tokens += 1
                     self._append_token(request, entry.seq, result, i, k)
             if not entry.seq.is_finished:
+                if plan.kind == "verify":  # give back the slots of rejected drafts
+                    self.block_manager.trim(entry.seq, entry.seq.num_tokens)
                 self.block_manager.cache_full_pages(entry.seq)
             else:
                 request.completions[entry.seq.index].matcher = None
@@ -173,6 +188,35 @@ class EngineCore:
             out = self._pop_if_finished(request) if request.finished else self._snapshot(request)
             outputs.append(out)
         return [o for o in outputs if o is not None]
+
+    def _propose(self, plan, owners: list[_Request]) -> tuple[np.ndarray, np.ndarray]:
+        """Drafts [n, k] (padded with -1) and how many each entry sends. Sequences with penalties
+        or a grammar send none (their next logits depend on each accepted token): they take a
+        plain decode step inside the verification."""
+        k = self.scheduler.num_spec_tokens
+        drafts = np.full((len(plan.entries), k), -1, np.int32)
+        num_drafts = np.zeros(len(plan.entries), np.int32)
+        for i, (entry, request) in enumerate(zip(plan.entries, owners)):
+            seq = entry.seq
+            if seq.params.penalized or request.completions[seq.index].matcher is not None:
+                continue
+            if self.proposer is None:  # the draft model drafts on the device
+                num_drafts[i] = k
+                continue
+            proposal = self.proposer.propose(seq.token_ids())[:k]
+            drafts[i, :len(proposal)] = proposal
+            num_drafts[i] = len(proposal)
+        return drafts, num_drafts
+
+    def _count_acceptance(self, result: StepResult) -> None:
+        for sent, ids in zip(result.num_drafts, result.token_ids):
+            if sent <= 0:
+                continue
+            accepted = int(np.sum(ids >= 0)) - 1
+            self.spec_steps += 1
+            for j in range(int(sent)):
+                self.spec_drafted_per_position[j] += 1
+                self.spec_accepted_per_position[j] += j < accepted
 
     def _token_bitmask(self, plan, owners: list[_Request]) -> np.ndarray | None:
         """int32 [entries, ceil(vocab / 32)]: each constrained entry's allowed next tokens, all
@@ -293,4 +337,17 @@ class EngineCore:
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions, "num_compiles": self.runner.num_compiles,
                 "num_grammar_matchers": sum(c.matcher is not None for r in self.requests.values()
-                                            for c in r.completions)}
+                                            for c in r.completions),
+                **self.spec_stats()}
+
+    def spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding counters (vLLM's names): drafts sent and accepted, per position,
+        and the mean acceptance length (tokens emitted per verified row-step, bonus included)."""
+        if not self.scheduler.num_spec_tokens:
+            return {}
+        drafted, accepted = sum(self.spec_drafted_per_position), sum(self.spec_accepted_per_position)
+        return {"spec_num_drafts": self.spec_steps, "spec_num_draft_tokens": drafted,
+                "spec_num_accepted_tokens": accepted,
+                "spec_accepted_per_position": list(self.spec_accepted_per_position),
+                "spec_drafted_per_position": list(self.spec_drafted_per_position),
+                "spec_mean_acceptance_length": 1 + accepted / self.spec_steps if self.spec_steps else None}

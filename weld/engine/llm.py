@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Callable, Iterable, Sequence as Seq
 
@@ -26,6 +27,49 @@ from weld.utils.progress import Progress, status
 from weld.weights import LoadedModel, load_model, resolve_model
 
 PromptType = str | dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings; method None = off."""
+
+    method: str | None = None  # "ngram" | "draft_model"
+    k: int = 0  # drafts per step
+    model: str | None = None  # the draft model
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    METHODS = ("ngram", "draft_model")
+    KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
+
+    @classmethod
+    def parse(cls, config: dict[str, Any] | None) -> "SpeculativeConfig":
+        if not config:
+            return cls()
+        unknown = sorted(set(config) - set(cls.KEYS))
+        if unknown:
+            raise InvalidInputError(f"unknown speculative_config keys {unknown}; known: {list(cls.KEYS)}")
+        method = config.get("method") or ("draft_model" if config.get("model") else None)
+        if method == "draft":
+            method = "draft_model"
+        if method not in cls.METHODS:
+            raise InvalidInputError(f"speculative method must be one of {cls.METHODS}, got {method!r}")
+        k = config.get("num_speculative_tokens", 4)
+        if not isinstance(k, int) or not 1 <= k <= 16:
+            raise InvalidInputError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        lo, hi = config.get("prompt_lookup_min", 1), config.get("prompt_lookup_max", 3)
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise InvalidInputError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}")
+        if method == "draft_model" and not config.get("model"):
+            raise InvalidInputError("speculative method 'draft_model' needs a draft model: give 'model'")
+        return cls(method, k, config.get("model"), lo, hi)
+
+    def host_proposer(self):
+        if self.method == "ngram":
+            from weld.engine.spec.ngram import NgramProposer
+
+            return NgramProposer(k=self.k, min_n=self.prompt_lookup_min, max_n=self.prompt_lookup_max)
+        return None
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
            "float16": jnp.float16, "f16": jnp.float16, "half": jnp.float16}
 
@@ -67,12 +111,18 @@ class LLM:
     Decoding runs `steps_per_call` steps per device call (the welded decode loop); `backend`
     "megakernel" runs those steps as the TPU megakernel (Pallas interpret mode off a TPU: slow,
     for correctness) instead of "xla".
+    `speculative_config` turns on speculative decoding (vLLM's keys): {"method": "ngram" |
+    "draft_model", "num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max": n-gram
+    sizes, "model": the draft model (same tokenizer)}. Outputs are the same as without it
+    (greedy: token for token; sampled: in distribution).
     """
 
     def __init__(self, model: str | None = None, dtype: Any = "auto", *, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, kv_cache_memory_gb: float = 1.0, steps_per_call: int = 8,
-                 enable_prefix_caching: bool = True, progress: bool | None = None, backend: str = "xla"):
+                 enable_prefix_caching: bool = True, progress: bool | None = None, backend: str = "xla",
+                 speculative_config: dict[str, Any] | None = None):
+        spec = SpeculativeConfig.parse(speculative_config)  # before any slow work: bad input fails fast
         enable_compilation_cache()
         self.dtype = resolve_dtype(dtype)
         source = resolve_model(model)
@@ -88,16 +138,30 @@ class LLM:
         if backend not in BACKENDS:
             raise InvalidInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
         eos = tuple(dict.fromkeys(tuple(self.tokenizer.eos_token_ids) + tuple(self.cfg.eos_token_ids)))
+        self.draft_model = self._load_draft(spec, progress) if spec.method == "draft_model" else None
         runner = ModelRunner(self.model.family, self.cfg, self.model.weights, num_pages=num_pages,
                              page_size=page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len,
-                             steps_per_call=steps_per_call, eos_token_ids=eos, backend=backend)
+                             steps_per_call=steps_per_call, eos_token_ids=eos, backend=backend,
+                             draft=self.draft_model, num_spec_tokens=spec.k)
         scheduler = Scheduler(BlockManager(num_pages, page_size, enable_prefix_caching), max_num_seqs,
-                              max_num_batched_tokens,
-                              max_model_len=self.max_model_len, steps_per_call=steps_per_call)
+                              max_num_batched_tokens, max_model_len=self.max_model_len,
+                              steps_per_call=steps_per_call, num_spec_tokens=spec.k)
         self.engine = EngineCore(runner, self.tokenizer, scheduler, max_model_len=self.max_model_len,
-                                 eos_token_ids=eos)
+                                 eos_token_ids=eos, proposer=spec.host_proposer())
         self._counter = itertools.count()
         self._progress = progress
+
+    def _load_draft(self, spec: "SpeculativeConfig", progress: bool | None) -> LoadedModel:
+        draft = load_model(resolve_model(spec.model), dtype=self.dtype, progress=progress)
+        if draft.cfg.vocab_size != self.cfg.vocab_size:
+            raise InvalidInputError(
+                f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) differs from the target's "
+                f"({self.cfg.vocab_size}): a draft model must share the target's tokenizer")
+        if draft.cfg.max_position_embeddings < self.max_model_len:
+            raise InvalidInputError(
+                f"the draft model's context ({draft.cfg.max_position_embeddings}) is shorter than "
+                f"max_model_len ({self.max_model_len})")
+        return draft
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer

@@ -44,6 +44,7 @@ class StepResult:
     prompt_ranks: np.ndarray | None = None  # [n, t]
     prompt_top_ids: np.ndarray | None = None  # [n, t, MAX_LOGPROBS]
     prompt_top_logprobs: np.ndarray | None = None  # [n, t, MAX_LOGPROBS]
+    num_drafts: np.ndarray | None = None  # [n] drafts each row sent for verification (verify steps)
 
 
 @jax.tree_util.register_dataclass
@@ -65,8 +66,9 @@ class StopArrays:
         return jnp.concatenate([eos, self.stop_ids], axis=1)
 
 
-def _step(forward, weights, cache, tokens, positions, block_tables, last_index, sampling, stop, penalties,
-          prompt_targets, token_bitmask, *, cfg, num_top: int, with_prompt_logprobs: bool):
+def _step(forward, draft_forward, weights, cache, draft_weights, draft_cache, tokens, positions, block_tables,
+          last_index, sampling, stop, penalties, prompt_targets, token_bitmask, *, cfg, draft_cfg, num_top: int,
+          with_prompt_logprobs: bool):
     """forward + sample for one padded batch of row groups.
 
     tokens, positions, block_tables, last_index: tuples with one entry per group; group 0 holds
@@ -74,7 +76,13 @@ def _step(forward, weights, cache, tokens, positions, block_tables, last_index, 
     (sampling, stop, penalties) cover the groups' rows in order ([bp + bd]). Prompt logprobs
     (prompt_targets [bp, tp]) are computed for group 0. token_bitmask int32 [bp + bd, ceil(v / 32)]
     (or None: no row is constrained) masks each row's tokens before sampling.
+    With a draft model (draft_forward), it runs over the same tokens, so its own cache (same
+    pages, same block tables) holds every computed position too.
     """
+    if draft_forward is not None:
+        _, _, draft_cache = draft_forward(draft_weights, draft_cfg, tokens, positions, draft_cache,
+                                          AttentionBatch(block_tables=block_tables),
+                                          tuple(li[:, None] for li in last_index))
     full = tuple(with_prompt_logprobs and g == 0 for g in range(len(tokens)))
     indices = tuple(None if f else li[:, None] for f, li in zip(full, last_index))
     logits, _, cache = forward(weights, cfg, tokens, positions, cache, AttentionBatch(block_tables=block_tables),
@@ -91,7 +99,60 @@ def _step(forward, weights, cache, tokens, positions, block_tables, last_index, 
     chosen = token_logprobs(last_logits, ids, num_top) if num_top else None
     if chosen is not None:
         chosen = tuple(x[:, None] for x in chosen)  # one new token per row: [b, 1, ...]
-    return cache, ids[:, None], chosen, prompt
+    return cache, draft_cache, ids[:, None], chosen, prompt
+
+
+def _verify(forward, draft_forward, weights, cache, draft_weights, draft_cache, tokens, positions, num_drafts,
+            block_tables, sampling, stop, penalties, token_bitmask, *, cfg, draft_cfg, num_top: int):
+    """One speculative step: each row's last token and its drafts scored in one forward, and the
+    drafts accepted or rejected on device (`weld.engine.spec.acceptance.rejection_accept`:
+    greedy rows keep the prefix equal to the target's argmax, sampled rows are verified by exact
+    rejection sampling, so the output is distributed exactly as without speculation).
+
+    tokens [b, k+1]: each row's last token (not yet in the cache), then its drafts from a host
+    proposer (n-gram), ignored past num_drafts [b]. With a draft model (draft_forward), the
+    drafts are its greedy tokens, made here: it feeds k + 1 tokens (the last draft too, so its
+    cache covers every slot the target may keep). positions [b]: the last token's position.
+    A row with no drafts is a plain decode step. Rejected slots leave K/V past the row's new
+    length; they are never read before being overwritten (every forward writes before it reads).
+    Penalties and grammar masks apply to slot 0 (rows using them are sent without drafts);
+    min_tokens bans EOS and stop ids in every slot before the row's minimum.
+    Returns the caches, the emitted ids [b, k+1] (accepted drafts, then the target's correction
+    or bonus token, then -1), and the raw logprobs of the emitted ids.
+    """
+    from weld.engine.spec.acceptance import rejection_accept
+
+    b, s = tokens.shape
+    live = stop.max_steps > 0
+    batch = AttentionBatch(block_tables=block_tables)
+    if draft_forward is not None:
+        def draft_step(j, carry):
+            draft_cache, tok, drafted = carry
+            pos = jnp.where(j < stop.max_steps, positions + j, -1)[:, None]  # only the row's own slots
+            logits, _, draft_cache = draft_forward(draft_weights, draft_cfg, tok[:, None], pos, draft_cache, batch,
+                                                   jnp.zeros((b, 1), jnp.int32))
+            tok = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            return draft_cache, tok, drafted.at[:, j].set(tok)
+
+        draft_cache, _, drafted = jax.lax.fori_loop(0, s, draft_step,
+                                                    (draft_cache, tokens[:, 0], jnp.zeros((b, s), jnp.int32)))
+        tokens = jnp.concatenate([tokens[:, :1], drafted[:, :s - 1]], axis=1)
+    slot = jnp.arange(s, dtype=jnp.int32)[None, :]
+    fed = live[:, None] & (slot <= num_drafts[:, None])
+    logits, _, cache = forward(weights, cfg, tokens, jnp.where(fed, positions[:, None] + slot, -1), cache, batch)
+    v = logits.shape[-1]
+    scores = logits
+    if penalties is not None:
+        scores = scores.at[:, 0].set(apply_penalties(scores[:, 0], penalties))
+    ban = (stop.num_output[:, None] + slot) < stop.min_tokens[:, None]
+    scores = ban_tokens(scores.reshape(b * s, v), jnp.repeat(stop.banned_ids(), s, axis=0),
+                        ban.reshape(-1)).reshape(b, s, v)
+    if token_bitmask is not None:
+        scores = scores.at[:, 0].set(apply_allowed(scores[:, 0], unpack_bitmask(token_bitmask, v)))
+    _, emitted = rejection_accept(scores, tokens[:, 1:], num_drafts, sampling)
+    emitted = jnp.where(live[:, None], emitted, -1)
+    chosen = token_logprobs(logits, jnp.maximum(emitted, 0), num_top) if num_top else None
+    return cache, draft_cache, emitted, chosen, None
 
 
 def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, stop, penalties, token_bitmask, *,
@@ -171,19 +232,29 @@ class ModelRunner:
 
     def __init__(self, family: ModuleType, cfg: Any, weights: Any, *, num_pages: int, page_size: int,
                  kv_dtype: Any, max_model_len: int, steps_per_call: int = 8, eos_token_ids: tuple[int, ...] = (),
-                 backend: str = "xla"):
+                 backend: str = "xla", draft: Any = None, num_spec_tokens: int = 0):
+        """draft: a loaded draft model (`.family`, `.cfg`, `.weights`) sharing the tokenizer, or
+        None; it gets its own KV pools over the same pages, so block tables serve both."""
         self.family = family
         self.cfg = cfg
         self.weights = weights
         self.page_size = page_size
         self.max_pages_per_seq = bucket(-(-max_model_len // page_size), 8)
         self.cache = PagedKVCache.create(cfg.kv_spec, num_pages, page_size, kv_dtype)
+        self.draft = draft
+        self.draft_cache = (PagedKVCache.create(draft.cfg.kv_spec, num_pages, page_size, kv_dtype)
+                            if draft is not None else None)
+        self.num_spec_tokens = num_spec_tokens
+        draft_forward = draft.family.forward if draft is not None else None
         self._programs: set[tuple] = set()
         self.steps_per_call = steps_per_call
         self.eos_token_ids = np.asarray(sorted(set(eos_token_ids)) or [-1], np.int32)
-        self._step = jax.jit(functools.partial(_step, family.forward),
-                             static_argnames=("cfg", "num_top", "with_prompt_logprobs"),
-                             donate_argnames=("cache",))
+        self._step = jax.jit(functools.partial(_step, family.forward, draft_forward),
+                             static_argnames=("cfg", "draft_cfg", "num_top", "with_prompt_logprobs"),
+                             donate_argnames=("cache", "draft_cache"))
+        self._verify = jax.jit(functools.partial(_verify, family.forward, draft_forward),
+                               static_argnames=("cfg", "draft_cfg", "num_top"),
+                               donate_argnames=("cache", "draft_cache"))
         self._decode = jax.jit(functools.partial(_decode, decode_forward(family, cfg, backend)),
                                static_argnames=("cfg", "steps", "num_top"), donate_argnames=("cache",))
 
@@ -193,13 +264,16 @@ class ModelRunner:
         return len(self._programs)
 
     def execute(self, plan: SchedulerOutput, want_logprobs: bool = False,
-                want_prompt_logprobs: bool = False, token_bitmask: np.ndarray | None = None) -> StepResult:
+                want_prompt_logprobs: bool = False, token_bitmask: np.ndarray | None = None,
+                drafts: np.ndarray | None = None, num_drafts: np.ndarray | None = None) -> StepResult:
         """Runs `plan`. token_bitmask int32 [len(plan.entries), ceil(vocab / 32)], row i for entry i
-        (all bits set: unconstrained), or None when no entry is constrained."""
+        (all bits set: unconstrained), or None when no entry is constrained.
+        A "verify" plan takes each entry's drafts (int32 [n, num_spec_tokens], padded) and how
+        many to verify (num_drafts [n]); with a draft model only num_drafts counts."""
         entries = plan.entries
         n = len(entries)
         num_top = MAX_LOGPROBS if want_logprobs or want_prompt_logprobs else 0
-        if plan.kind == "decode":
+        if plan.kind in ("decode", "verify"):
             b = bucket(n)
             rows = list(range(n))
         else:  # prompt chunks in rows [0, bp), decode rows (mixed) in [bp, bp + bd)
@@ -216,15 +290,20 @@ class ModelRunner:
         if plan.kind == "decode":
             cache, ids, chosen, prompt = self._run_decode(entries, b, block_tables, sampling, stop, penalties,
                                                           num_top, bitmask)
+        elif plan.kind == "verify":
+            sent, (cache, self.draft_cache, ids, chosen, prompt) = self._run_verify(
+                entries, b, block_tables, sampling, stop, penalties, num_top, bitmask, drafts, num_drafts)
         else:
-            cache, ids, chosen, prompt = self._run_prefill(plan, bp, block_tables, sampling, stop, penalties,
-                                                           num_top, want_prompt_logprobs, bitmask)
+            cache, self.draft_cache, ids, chosen, prompt = self._run_prefill(
+                plan, bp, block_tables, sampling, stop, penalties, num_top, want_prompt_logprobs, bitmask)
         self.cache = cache
         ids, chosen, prompt = jax.device_get((ids, chosen, prompt))
         rows = np.asarray(rows)
         result = StepResult(token_ids=ids[rows], logprobs=None, ranks=None, top_ids=None, top_logprobs=None)
         if chosen is not None:
             result.logprobs, result.ranks, result.top_ids, result.top_logprobs = (x[rows] for x in chosen)
+        if plan.kind == "verify":
+            result.num_drafts = sent[rows]
         if prompt is not None:  # prompt chunks only: entry i < num_prefill is row i
             (result.prompt_logprobs, result.prompt_ranks, result.prompt_top_ids,
              result.prompt_top_logprobs) = (x[:plan.num_prefill] for x in prompt)
@@ -271,9 +350,35 @@ class ModelRunner:
         self._programs.add(("prefill", bp, t, bd, stop.stop_ids.shape[1], _penalty_key(penalties), num_top,
                             want_prompt_logprobs, bitmask is not None))
         tokens, positions, tables, last = (tuple(jnp.asarray(g[k]) for g in groups) for k in range(4))
-        return self._step(self.weights, self.cache, tokens, positions, tables, last, sampling, stop, penalties,
-                          jnp.asarray(targets), bitmask,
-                          cfg=self.cfg, num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
+        return self._step(self.weights, self.cache, self._draft_weights, self.draft_cache, tokens, positions, tables,
+                          last, sampling, stop, penalties, jnp.asarray(targets), bitmask, cfg=self.cfg,
+                          draft_cfg=self._draft_cfg, num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
+
+    @property
+    def _draft_weights(self):
+        return self.draft.weights if self.draft is not None else None
+
+    @property
+    def _draft_cfg(self):
+        return self.draft.cfg if self.draft is not None else None
+
+    def _run_verify(self, entries, b, block_tables, sampling, stop, penalties, num_top, bitmask, drafts, num_drafts):
+        k = self.num_spec_tokens
+        tokens = np.zeros((b, k + 1), np.int32)
+        positions = np.zeros((b,), np.int32)
+        sent = np.zeros((b,), np.int32)
+        for i, e in enumerate(entries):
+            tokens[i, 0] = e.seq.token_at(e.start)
+            positions[i] = e.start
+            sent[i] = min(int(num_drafts[i]) if num_drafts is not None else 0, e.max_steps - 1, k)
+            if drafts is not None and self.draft is None:
+                tokens[i, 1:1 + sent[i]] = drafts[i, :sent[i]]
+        self._programs.add(("verify", b, k, stop.stop_ids.shape[1], _penalty_key(penalties), num_top,
+                            bitmask is not None))
+        return sent, self._verify(self.weights, self.cache, self._draft_weights, self.draft_cache,
+                                  jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(sent),
+                                  jnp.asarray(block_tables), sampling, stop, penalties, bitmask, cfg=self.cfg,
+                                  draft_cfg=self._draft_cfg, num_top=num_top)
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, progress: bool | None = None) -> int:
         """Compiles every program shape the scheduler can ask for under these limits (with default
@@ -281,7 +386,7 @@ class ModelRunner:
         Runs each once on dummy sequences; call it before any request is running, since the
         dummies write into free pages. Returns the number of programs compiled.
         """
-        plans = warmup_plans(max_num_seqs, max_num_batched_tokens, self.page_size)
+        plans = warmup_plans(max_num_seqs, max_num_batched_tokens, self.page_size, self.num_spec_tokens > 0)
         before = self.num_compiles
         with Progress(len(plans), "Compiling", unit="program", enabled=progress) as bar:
             for plan in plans:
@@ -320,8 +425,10 @@ class ModelRunner:
                             num_top=num_top)
 
 
-def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int) -> list[SchedulerOutput]:
-    """One dummy plan per bucketed shape the scheduler can produce: fused decodes of bd rows,
+def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
+                 speculative: bool = False) -> list[SchedulerOutput]:
+    """One dummy plan per bucketed shape the scheduler can produce: fused decodes (or, with
+    `speculative`, verification steps) of bd rows,
     and prefills of bp rows x tp tokens with bd decode rows riding along (bd = 0: none).
 
     A shape is feasible when its smallest content fits the limits (a bucket of n > 1 holds at
@@ -344,7 +451,8 @@ def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int)
             return ScheduledSeq(seq, num_tokens - 1, 1, sample=True, max_steps=1)
         return ScheduledSeq(seq, 0, chunk, sample=True)
 
-    plans = [SchedulerOutput("decode", [dummy(2, 1, True) for _ in range(least_rows(bd))]) for bd in row_buckets]
+    kind = "verify" if speculative else "decode"
+    plans = [SchedulerOutput(kind, [dummy(2, 1, True) for _ in range(least_rows(bd))]) for bd in row_buckets]
     for tp in token_buckets:
         for bp in row_buckets:
             for bd in [0] + row_buckets:

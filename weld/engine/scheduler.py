@@ -8,6 +8,9 @@ Policy (vLLM v1 style, with weld's fused decode):
   `steps_per_call` tokens in one fused device call; pages for them are allocated up front, as
   far as the sequence's token limit allows. A sequence with structured outputs decodes one
   token per call (its grammar's token mask is recomputed on the host after every token).
+- With speculative decoding (`num_spec_tokens` k > 0), that call is a verification instead:
+  every running sequence gets slots for k + 1 tokens (its last token and up to k drafts), and
+  the engine gives back the slots of rejected drafts afterwards (`BlockManager.trim`).
 - When pages run out for even one decode step, the newest running sequence is preempted by
   recompute: its pages are freed and it goes back to the waiting queue, keeping its tokens.
   A step that preempted admits no new prompt.
@@ -43,10 +46,11 @@ class ScheduledSeq:
 @dataclasses.dataclass
 class SchedulerOutput:
     """One model call. kind "prefill": prompt chunks only; "mixed": prompt chunks, then decode
-    rows of one token each; "decode": a fused multi-step decode. The first `num_prefill`
-    entries are prompt chunks."""
+    rows of one token each; "decode": a fused multi-step decode; "verify": a speculative step
+    (each row's last token and up to max_steps - 1 drafts scored in one pass). The first
+    `num_prefill` entries are prompt chunks."""
 
-    kind: str  # "prefill" | "mixed" | "decode"
+    kind: str  # "prefill" | "mixed" | "decode" | "verify"
     entries: list[ScheduledSeq]
     num_prefill: int = 0
 
@@ -57,7 +61,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None = None, steps_per_call: int = 1):
+                 max_model_len: int | None = None, steps_per_call: int = 1, num_spec_tokens: int = 0):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be >= 1")
@@ -66,6 +70,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.steps_per_call = steps_per_call
+        self.num_spec_tokens = num_spec_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -86,9 +91,14 @@ class Scheduler:
                 prefill = self._schedule_prefill(self.max_num_batched_tokens - len(decode))
             if prefill:
                 return SchedulerOutput("mixed" if decode else "prefill", prefill + decode, len(prefill))
-        decode = self._schedule_decode(max_steps=self.steps_per_call)
-        if decode:
-            return SchedulerOutput("decode", decode)
+        if self.num_spec_tokens:
+            decode = self._schedule_decode(max_steps=self.num_spec_tokens + 1)
+            if decode:
+                return SchedulerOutput("verify", decode)
+        else:
+            decode = self._schedule_decode(max_steps=self.steps_per_call)
+            if decode:
+                return SchedulerOutput("decode", decode)
         prefill = self._schedule_prefill(self.max_num_batched_tokens)  # preemption freed pages
         return SchedulerOutput("prefill", prefill, len(prefill)) if prefill else None
 

@@ -1,0 +1,160 @@
+"""Speculative decoding through the engine: verification in the runner, rollback by length,
+speculative and plain requests in one batch. Greedy outputs must be token-for-token those of
+plain decoding, whatever the proposer drafts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from weld import LLM, SamplingParams
+from weld.utils.errors import InvalidInputError
+
+ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=4,
+              num_pages=160, steps_per_call=4, progress=False)
+
+
+def copy_prompts(vocab: int, rng: random.Random, count: int) -> list[list[int]]:
+    """Prompts that repeat a random phrase: the kind of text n-gram lookup drafts well."""
+    prompts = []
+    for _ in range(count):
+        phrase = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 9))]
+        prompts.append((phrase * 6)[:rng.randrange(12, 40)])
+    return prompts
+
+
+def greedy_ids(llm: LLM, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    return LLM(model=str(tiny_llama_dir[0]), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def prompts(plain):
+    return copy_prompts(plain.cfg.vocab_size, random.Random(0), 6)
+
+
+@pytest.fixture(scope="module")
+def reference(plain, prompts):
+    return greedy_ids(plain, prompts)
+
+
+@pytest.fixture(scope="module")
+def ngram(tiny_llama_dir):
+    """One n-gram engine for the module (each test leaves it empty)."""
+    return LLM(model=str(tiny_llama_dir[0]), speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+               **ENGINE)
+
+
+def assert_no_leak(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert stats["num_free_pages"] == stats["num_pages"], stats
+    assert not llm.engine.has_unfinished()
+
+
+def test_ngram_greedy_equals_plain(ngram, prompts, reference):
+    llm = ngram
+    assert greedy_ids(llm, prompts) == reference
+    stats = llm.engine.stats()
+    assert stats["spec_num_draft_tokens"] > 0, "the copy prompts should have produced drafts"
+    assert stats["spec_num_accepted_tokens"] > 0
+    assert sum(stats["spec_drafted_per_position"]) == stats["spec_num_draft_tokens"]
+    assert all(a <= d for a, d in zip(stats["spec_accepted_per_position"], stats["spec_drafted_per_position"]))
+    assert_no_leak(llm)
+
+
+def test_draft_model_equal_to_target_accepts_everything(tiny_llama_dir, prompts, reference):
+    """The target as its own draft model drafts exactly the target's argmax: every draft is
+    accepted (which proves the draft cache stays in step with the target's), outputs unchanged."""
+    llm = LLM(model=str(tiny_llama_dir[0]),
+              speculative_config={"method": "draft_model", "model": str(tiny_llama_dir[0]),
+                                  "num_speculative_tokens": 3}, **ENGINE)
+    assert greedy_ids(llm, prompts) == reference
+    stats = llm.engine.stats()
+    assert stats["spec_num_draft_tokens"] > 0
+    assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+    assert stats["spec_mean_acceptance_length"] == pytest.approx(4.0, abs=0.6)  # max_tokens cuts the last rounds
+    assert_no_leak(llm)
+
+
+def test_different_draft_model_keeps_outputs(tiny_llama_dir, tiny_draft_dir, prompts, reference):
+    llm = LLM(model=str(tiny_llama_dir[0]),
+              speculative_config={"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 2},
+              **ENGINE)
+    assert greedy_ids(llm, prompts) == reference
+    stats = llm.engine.stats()
+    assert stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], "a random draft model must miss"
+    assert_no_leak(llm)
+
+
+def test_mixed_speculative_and_plain_rows(ngram, plain, prompts):
+    """Penalised requests send no drafts but share the verification batch; each request's output
+    equals its output without speculation, and stop ids and max_tokens cut drafts correctly."""
+    llm = ngram
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0, presence_penalty=0.5, frequency_penalty=0.3)]
+    requests = [({"prompt_token_ids": p}, params[i % len(params)]) for i, p in enumerate(prompts)]
+    stop_at = greedy_ids(plain, [prompts[0]], 20)[0][5]
+    requests.append(({"prompt_token_ids": prompts[0]},
+                     SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_at], ignore_eos=True)))
+
+    def run(engine):
+        outs = engine.generate([r for r, _ in requests], [p for _, p in requests], use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
+
+    together = run(llm)
+    assert together == run(plain)
+    assert len(together[2][0]) == 7 and together[2][1] == "length"
+    assert together[-1][0][-1] == stop_at and together[-1][1] == "stop"
+    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    assert_no_leak(llm)
+
+
+def test_sampled_requests_and_aborts_leak_nothing(ngram):
+    llm = ngram
+    rng = random.Random(5)
+    engine = llm.engine
+    prompts = copy_prompts(llm.cfg.vocab_size, rng, 24)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=rng.randrange(1, 30), temperature=rng.choice([0, 0.7, 1.2]),
+                                                     top_p=rng.choice([1.0, 0.9]), seed=i))
+    finished, steps = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        steps += 1
+        if steps % 3 == 0 and engine.requests:
+            engine.abort(rng.choice(sorted(engine.requests)))
+    for out in finished.values():
+        if out.outputs[0].finish_reason != "abort":
+            assert 1 <= len(out.outputs[0].token_ids) <= 30
+    assert_no_leak(llm)
+
+
+def test_sampled_speculation_is_seed_reproducible(ngram, prompts):
+    llm = ngram
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=7)
+    one = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    two = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in one[:2]] == [o.outputs[0].token_ids for o in two]
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "medusa"}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "draft_model"}, "draft model"),
+    ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),
+    ({"method": "ngram", "k": 3}, "unknown"),
+])
+def test_bad_speculative_config(tiny_llama_dir, config, message):
+    with pytest.raises(InvalidInputError, match=message):
+        LLM(model=str(tiny_llama_dir[0]), speculative_config=config, **ENGINE)
