@@ -158,3 +158,68 @@ def test_sampled_speculation_is_seed_reproducible(ngram, prompts):
 def test_bad_speculative_config(tiny_llama_dir, config, message):
     with pytest.raises(InvalidInputError, match=message):
         LLM(model=str(tiny_llama_dir[0]), speculative_config=config, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def dspark_dir(tmp_path_factory, plain):
+    """A randomly initialised DSpark drafter for the tiny llama (block of 3, two context layers)."""
+    from weld.engine.spec import dspark
+
+    cfg = dspark.DraftConfig.for_target(plain.cfg, block_size=3, target_layers=(0, 1), num_heads=4,
+                                        num_kv_heads=2, head_dim=16, intermediate_size=64, markov_rank=8)
+    params = dspark.init_params(cfg, seed=4, target_weights=plain.model.weights)
+    rng = __import__("numpy").random.default_rng(2)  # non-zero Markov bias and confidence: every term counts
+    params["markov_out"] = params["markov_out"] + 0.3 * rng.standard_normal(params["markov_out"].shape)
+    params["confidence"] = params["confidence"] + 0.3 * rng.standard_normal(params["confidence"].shape)
+    directory = tmp_path_factory.mktemp("dspark")
+    dspark.save(directory, params, cfg)
+    return directory
+
+
+def test_dspark_greedy_equals_plain(tiny_llama_dir, dspark_dir, prompts, reference):
+    llm = LLM(model=str(tiny_llama_dir[0]), speculative_config={"method": "dspark", "model": str(dspark_dir),
+                                                                 "confidence_threshold": 0.0}, **ENGINE)
+    assert llm.engine.scheduler.num_spec_tokens == 3  # the drafter's block size
+    assert greedy_ids(llm, prompts) == reference
+    stats = llm.engine.stats()
+    # Threshold 0 sends every draft the row has room for (only max_tokens cuts the last blocks).
+    assert stats["spec_drafted_per_position"][0] == stats["spec_num_drafts"] > 0
+    assert stats["spec_num_draft_tokens"] > 2.5 * stats["spec_num_drafts"]
+    assert_no_leak(llm)
+
+
+def test_dspark_paged_drafts_match_dense_reference(tiny_llama_dir, dspark_dir, plain):
+    """After the engine prefilled a prompt, the drafter's paged context (written by the target's
+    forward, page by page) drafts exactly what the dense reference drafts from the same prefix."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from weld.engine.spec import dspark
+    from weld.engine.spec.features import target_hidden_states
+
+    llm = LLM(model=str(tiny_llama_dir[0]), speculative_config={"method": "dspark", "model": str(dspark_dir)},
+              **ENGINE)
+    prompt = copy_prompts(llm.cfg.vocab_size, random.Random(9), 1)[0]
+    llm.engine.add_request("r", prompt, SamplingParams(max_tokens=50, temperature=0))
+    llm.engine.step()  # the prefill (samples the first token)
+    seq = llm.engine.requests["r"].completions[0].seq
+    runner, drafter = llm.engine.runner, llm.engine.runner.drafter
+    tokens = seq.token_ids()
+    anchor, position = tokens[-1], len(tokens) - 1
+    tables = np.zeros((1, runner.max_pages_per_seq), np.int32)
+    tables[0, :len(seq.block_table)] = seq.block_table
+    _, paged, num = jax.jit(lambda st: drafter.propose(runner.draft_params, st, runner.weights,
+                                                       jnp.asarray([anchor]), jnp.asarray([position]),
+                                                       jnp.asarray(tables), jnp.asarray([4]), 3))(runner.draft_state)
+    params, cfg = runner.draft_params, drafter.cfg
+    features, _ = target_hidden_states(runner.weights, llm.cfg, jnp.asarray([tokens[:-1]]), cfg.target_layers)
+    context = dspark.project_context(params, cfg, features)
+    ctx_positions = jnp.arange(len(tokens) - 1)[None]
+    ctx_kv = dspark.context_kv(params, cfg, context, ctx_positions)
+    dense = dspark.propose(params, cfg, runner.weights, ctx_kv, ctx_positions, jnp.asarray([anchor]),
+                           jnp.asarray([position]), threshold=drafter.threshold)
+    assert np.asarray(paged).tolist() == np.asarray(dense.tokens).tolist()
+    assert int(num[0]) == int(dense.num_drafts[0])
+    llm.engine.abort("r")
+    assert_no_leak(llm)

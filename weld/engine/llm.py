@@ -33,14 +33,16 @@ PromptType = str | dict[str, Any]
 class SpeculativeConfig:
     """Speculative decoding settings; method None = off."""
 
-    method: str | None = None  # "ngram" | "draft_model"
-    k: int = 0  # drafts per step
-    model: str | None = None  # the draft model
+    method: str | None = None  # "ngram" | "draft_model" | "dspark"
+    k: int = 0  # drafts per step (DSpark: None until the drafter's block size is known)
+    model: str | None = None  # the draft model, or the DSpark drafter's directory
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    confidence_threshold: float | None = None  # DSpark: None = the drafter's own default
 
-    METHODS = ("ngram", "draft_model")
-    KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
+    METHODS = ("ngram", "draft_model", "dspark")
+    KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
+            "confidence_threshold")
 
     @classmethod
     def parse(cls, config: dict[str, Any] | None) -> "SpeculativeConfig":
@@ -54,15 +56,18 @@ class SpeculativeConfig:
             method = "draft_model"
         if method not in cls.METHODS:
             raise InvalidInputError(f"speculative method must be one of {cls.METHODS}, got {method!r}")
-        k = config.get("num_speculative_tokens", 4)
-        if not isinstance(k, int) or not 1 <= k <= 16:
+        k = config.get("num_speculative_tokens", None if method == "dspark" else 4)
+        if k is not None and (not isinstance(k, int) or not 1 <= k <= 16):
             raise InvalidInputError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
         lo, hi = config.get("prompt_lookup_min", 1), config.get("prompt_lookup_max", 3)
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise InvalidInputError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}")
-        if method == "draft_model" and not config.get("model"):
-            raise InvalidInputError("speculative method 'draft_model' needs a draft model: give 'model'")
-        return cls(method, k, config.get("model"), lo, hi)
+        if method in ("draft_model", "dspark") and not config.get("model"):
+            raise InvalidInputError(f"speculative method {method!r} needs a draft model: give 'model'")
+        threshold = config.get("confidence_threshold")
+        if threshold is not None and not (isinstance(threshold, (int, float)) and 0 <= threshold <= 1):
+            raise InvalidInputError(f"confidence_threshold must lie in [0, 1], got {threshold!r}")
+        return cls(method, k, config.get("model"), lo, hi, threshold)
 
     def host_proposer(self):
         if self.method == "ngram":
@@ -112,8 +117,9 @@ class LLM:
     "megakernel" runs those steps as the TPU megakernel (Pallas interpret mode off a TPU: slow,
     for correctness) instead of "xla".
     `speculative_config` turns on speculative decoding (vLLM's keys): {"method": "ngram" |
-    "draft_model", "num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max": n-gram
-    sizes, "model": the draft model (same tokenizer)}. Outputs are the same as without it
+    "draft_model" | "dspark", "num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max":
+    n-gram sizes, "model": the draft model (same tokenizer) or the DSpark drafter's directory
+    (`weld train-draft`), "confidence_threshold": DSpark's survival threshold for sending drafts}. Outputs are the same as without it
     (greedy: token for token; sampled: in distribution).
     """
 
@@ -138,11 +144,11 @@ class LLM:
         if backend not in BACKENDS:
             raise InvalidInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
         eos = tuple(dict.fromkeys(tuple(self.tokenizer.eos_token_ids) + tuple(self.cfg.eos_token_ids)))
-        self.draft_model = self._load_draft(spec, progress) if spec.method == "draft_model" else None
+        drafter, draft_params, spec = self._load_drafter(spec, progress)
         runner = ModelRunner(self.model.family, self.cfg, self.model.weights, num_pages=num_pages,
                              page_size=page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len,
                              steps_per_call=steps_per_call, eos_token_ids=eos, backend=backend,
-                             draft=self.draft_model, num_spec_tokens=spec.k)
+                             drafter=drafter, draft_params=draft_params, num_spec_tokens=spec.k)
         scheduler = Scheduler(BlockManager(num_pages, page_size, enable_prefix_caching), max_num_seqs,
                               max_num_batched_tokens, max_model_len=self.max_model_len,
                               steps_per_call=steps_per_call, num_spec_tokens=spec.k)
@@ -151,7 +157,30 @@ class LLM:
         self._counter = itertools.count()
         self._progress = progress
 
-    def _load_draft(self, spec: "SpeculativeConfig", progress: bool | None) -> LoadedModel:
+    def _load_drafter(self, spec: "SpeculativeConfig", progress: bool | None):
+        """(device drafter, its weights, the config with k settled) for the method, or Nones."""
+        from weld.engine.spec import drafters
+
+        if spec.method == "draft_model":
+            draft = self._load_draft_model(spec, progress)
+            return drafters.DraftModelDrafter(draft.family, draft.cfg), draft.weights, spec
+        if spec.method != "dspark":
+            return None, None, spec
+        from weld.engine.spec import dspark
+
+        try:
+            params, dcfg = dspark.load(spec.model, dtype=self.dtype)
+            dcfg.check_target(self.cfg)
+        except (ValueError, OSError) as e:
+            raise InvalidInputError(f"cannot use the DSpark drafter {spec.model}: {e}") from e
+        if spec.k is not None and spec.k > dcfg.block_size:
+            raise InvalidInputError(f"num_speculative_tokens ({spec.k}) exceeds the drafter's block size "
+                                    f"({dcfg.block_size})")
+        threshold = dcfg.confidence_threshold if spec.confidence_threshold is None else spec.confidence_threshold
+        return (drafters.DSparkDrafter(dcfg, float(threshold)), params,
+                dataclasses.replace(spec, k=spec.k or dcfg.block_size))
+
+    def _load_draft_model(self, spec: "SpeculativeConfig", progress: bool | None) -> LoadedModel:
         draft = load_model(resolve_model(spec.model), dtype=self.dtype, progress=progress)
         if draft.cfg.vocab_size != self.cfg.vocab_size:
             raise InvalidInputError(

@@ -66,8 +66,8 @@ class StopArrays:
         return jnp.concatenate([eos, self.stop_ids], axis=1)
 
 
-def _step(forward, draft_forward, weights, cache, draft_weights, draft_cache, tokens, positions, block_tables,
-          last_index, sampling, stop, penalties, prompt_targets, token_bitmask, *, cfg, draft_cfg, num_top: int,
+def _step(forward, drafter, weights, cache, draft_params, draft_state, tokens, positions, block_tables,
+          last_index, sampling, stop, penalties, prompt_targets, token_bitmask, *, cfg, num_top: int,
           with_prompt_logprobs: bool):
     """forward + sample for one padded batch of row groups.
 
@@ -76,17 +76,16 @@ def _step(forward, draft_forward, weights, cache, draft_weights, draft_cache, to
     (sampling, stop, penalties) cover the groups' rows in order ([bp + bd]). Prompt logprobs
     (prompt_targets [bp, tp]) are computed for group 0. token_bitmask int32 [bp + bd, ceil(v / 32)]
     (or None: no row is constrained) masks each row's tokens before sampling.
-    With a draft model (draft_forward), it runs over the same tokens, so its own cache (same
-    pages, same block tables) holds every computed position too.
+    With a drafter (`weld.engine.spec.drafters`), it observes the same tokens, so its own state
+    (same pages, same block tables) covers every computed position too.
     """
-    if draft_forward is not None:
-        _, _, draft_cache = draft_forward(draft_weights, draft_cfg, tokens, positions, draft_cache,
-                                          AttentionBatch(block_tables=block_tables),
-                                          tuple(li[:, None] for li in last_index))
     full = tuple(with_prompt_logprobs and g == 0 for g in range(len(tokens)))
     indices = tuple(None if f else li[:, None] for f, li in zip(full, last_index))
-    logits, _, cache = forward(weights, cfg, tokens, positions, cache, AttentionBatch(block_tables=block_tables),
-                               indices)
+    capture = drafter.capture_layers if drafter is not None else ()
+    logits, features, cache = forward(weights, cfg, tokens, positions, cache, AttentionBatch(block_tables=block_tables),
+                                      indices, capture_layers=capture)
+    if drafter is not None:
+        draft_state = drafter.observe(draft_params, draft_state, tokens, positions, block_tables, last_index, features)
     last_logits = jnp.concatenate([
         jnp.take_along_axis(lg, li[:, None, None], axis=1)[:, 0] if f else lg[:, 0]
         for lg, li, f in zip(logits, last_index, full)])  # [bp + bd, v]
@@ -99,20 +98,21 @@ def _step(forward, draft_forward, weights, cache, draft_weights, draft_cache, to
     chosen = token_logprobs(last_logits, ids, num_top) if num_top else None
     if chosen is not None:
         chosen = tuple(x[:, None] for x in chosen)  # one new token per row: [b, 1, ...]
-    return cache, draft_cache, ids[:, None], chosen, prompt
+    return cache, draft_state, ids[:, None], chosen, prompt
 
 
-def _verify(forward, draft_forward, weights, cache, draft_weights, draft_cache, tokens, positions, num_drafts,
-            block_tables, sampling, stop, penalties, token_bitmask, *, cfg, draft_cfg, num_top: int):
+def _verify(forward, drafter, weights, cache, draft_params, draft_state, tokens, positions, num_drafts,
+            block_tables, sampling, stop, penalties, token_bitmask, *, cfg, num_top: int):
     """One speculative step: each row's last token and its drafts scored in one forward, and the
     drafts accepted or rejected on device (`weld.engine.spec.acceptance.rejection_accept`:
     greedy rows keep the prefix equal to the target's argmax, sampled rows are verified by exact
     rejection sampling, so the output is distributed exactly as without speculation).
 
     tokens [b, k+1]: each row's last token (not yet in the cache), then its drafts from a host
-    proposer (n-gram), ignored past num_drafts [b]. With a draft model (draft_forward), the
-    drafts are its greedy tokens, made here: it feeds k + 1 tokens (the last draft too, so its
-    cache covers every slot the target may keep). positions [b]: the last token's position.
+    proposer (n-gram), ignored past num_drafts [b]. With a device drafter (a draft model, the
+    DSpark drafter), the drafts are its greedy tokens, made here, and a row sends at most as
+    many as both the host's num_drafts and the drafter allow. positions [b]: the last token's
+    position.
     A row with no drafts is a plain decode step. Rejected slots leave K/V past the row's new
     length; they are never read before being overwritten (every forward writes before it reads).
     Penalties and grammar masks apply to slot 0 (rows using them are sent without drafts);
@@ -125,21 +125,19 @@ def _verify(forward, draft_forward, weights, cache, draft_weights, draft_cache, 
     b, s = tokens.shape
     live = stop.max_steps > 0
     batch = AttentionBatch(block_tables=block_tables)
-    if draft_forward is not None:
-        def draft_step(j, carry):
-            draft_cache, tok, drafted = carry
-            pos = jnp.where(j < stop.max_steps, positions + j, -1)[:, None]  # only the row's own slots
-            logits, _, draft_cache = draft_forward(draft_weights, draft_cfg, tok[:, None], pos, draft_cache, batch,
-                                                   jnp.zeros((b, 1), jnp.int32))
-            tok = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-            return draft_cache, tok, drafted.at[:, j].set(tok)
-
-        draft_cache, _, drafted = jax.lax.fori_loop(0, s, draft_step,
-                                                    (draft_cache, tokens[:, 0], jnp.zeros((b, s), jnp.int32)))
-        tokens = jnp.concatenate([tokens[:, :1], drafted[:, :s - 1]], axis=1)
+    if drafter is not None:
+        draft_state, drafted, wanted = drafter.propose(draft_params, draft_state, weights, tokens[:, 0], positions,
+                                                       block_tables, stop.max_steps, s - 1)
+        tokens = jnp.concatenate([tokens[:, :1], drafted], axis=1)
+        num_drafts = jnp.minimum(num_drafts, wanted)
     slot = jnp.arange(s, dtype=jnp.int32)[None, :]
     fed = live[:, None] & (slot <= num_drafts[:, None])
-    logits, _, cache = forward(weights, cfg, tokens, jnp.where(fed, positions[:, None] + slot, -1), cache, batch)
+    fed_positions = jnp.where(fed, positions[:, None] + slot, -1)
+    capture = drafter.capture_layers if drafter is not None and drafter.observes_verify else ()
+    logits, features, cache = forward(weights, cfg, tokens, fed_positions, cache, batch, capture_layers=capture)
+    if capture:
+        draft_state = drafter.observe(draft_params, draft_state, (tokens,), (fed_positions,), (block_tables,),
+                                      (jnp.zeros((b,), jnp.int32),), (features,))
     v = logits.shape[-1]
     scores = logits
     if penalties is not None:
@@ -152,7 +150,7 @@ def _verify(forward, draft_forward, weights, cache, draft_weights, draft_cache, 
     _, emitted = rejection_accept(scores, tokens[:, 1:], num_drafts, sampling)
     emitted = jnp.where(live[:, None], emitted, -1)
     chosen = token_logprobs(logits, jnp.maximum(emitted, 0), num_top) if num_top else None
-    return cache, draft_cache, emitted, chosen, None
+    return cache, draft_state, emitted, chosen, num_drafts
 
 
 def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, stop, penalties, token_bitmask, *,
@@ -232,29 +230,27 @@ class ModelRunner:
 
     def __init__(self, family: ModuleType, cfg: Any, weights: Any, *, num_pages: int, page_size: int,
                  kv_dtype: Any, max_model_len: int, steps_per_call: int = 8, eos_token_ids: tuple[int, ...] = (),
-                 backend: str = "xla", draft: Any = None, num_spec_tokens: int = 0):
-        """draft: a loaded draft model (`.family`, `.cfg`, `.weights`) sharing the tokenizer, or
-        None; it gets its own KV pools over the same pages, so block tables serve both."""
+                 backend: str = "xla", drafter: Any = None, draft_params: Any = None, num_spec_tokens: int = 0):
+        """drafter: a device drafter (`weld.engine.spec.drafters`) with its weights draft_params,
+        or None; its state gets pools of its own over the same pages, so block tables serve both."""
         self.family = family
         self.cfg = cfg
         self.weights = weights
         self.page_size = page_size
         self.max_pages_per_seq = bucket(-(-max_model_len // page_size), 8)
         self.cache = PagedKVCache.create(cfg.kv_spec, num_pages, page_size, kv_dtype)
-        self.draft = draft
-        self.draft_cache = (PagedKVCache.create(draft.cfg.kv_spec, num_pages, page_size, kv_dtype)
-                            if draft is not None else None)
+        self.drafter = drafter
+        self.draft_params = draft_params
+        self.draft_state = drafter.init_state(num_pages, page_size, kv_dtype) if drafter is not None else None
         self.num_spec_tokens = num_spec_tokens
-        draft_forward = draft.family.forward if draft is not None else None
         self._programs: set[tuple] = set()
         self.steps_per_call = steps_per_call
         self.eos_token_ids = np.asarray(sorted(set(eos_token_ids)) or [-1], np.int32)
-        self._step = jax.jit(functools.partial(_step, family.forward, draft_forward),
-                             static_argnames=("cfg", "draft_cfg", "num_top", "with_prompt_logprobs"),
-                             donate_argnames=("cache", "draft_cache"))
-        self._verify = jax.jit(functools.partial(_verify, family.forward, draft_forward),
-                               static_argnames=("cfg", "draft_cfg", "num_top"),
-                               donate_argnames=("cache", "draft_cache"))
+        self._step = jax.jit(functools.partial(_step, family.forward, drafter),
+                             static_argnames=("cfg", "num_top", "with_prompt_logprobs"),
+                             donate_argnames=("cache", "draft_state"))
+        self._verify = jax.jit(functools.partial(_verify, family.forward, drafter),
+                               static_argnames=("cfg", "num_top"), donate_argnames=("cache", "draft_state"))
         self._decode = jax.jit(functools.partial(_decode, decode_forward(family, cfg, backend)),
                                static_argnames=("cfg", "steps", "num_top"), donate_argnames=("cache",))
 
@@ -287,17 +283,19 @@ class ModelRunner:
         stop = self._stop_arrays(entries, rows, b)
         penalties = _penalty_arrays(entries, rows, b, self.cfg.vocab_size)
         bitmask = self._bitmask_rows(token_bitmask, rows, b)
+        sent = None
         if plan.kind == "decode":
             cache, ids, chosen, prompt = self._run_decode(entries, b, block_tables, sampling, stop, penalties,
                                                           num_top, bitmask)
         elif plan.kind == "verify":
-            sent, (cache, self.draft_cache, ids, chosen, prompt) = self._run_verify(
+            cache, self.draft_state, ids, chosen, sent = self._run_verify(
                 entries, b, block_tables, sampling, stop, penalties, num_top, bitmask, drafts, num_drafts)
+            prompt = None
         else:
-            cache, self.draft_cache, ids, chosen, prompt = self._run_prefill(
+            cache, self.draft_state, ids, chosen, prompt = self._run_prefill(
                 plan, bp, block_tables, sampling, stop, penalties, num_top, want_prompt_logprobs, bitmask)
         self.cache = cache
-        ids, chosen, prompt = jax.device_get((ids, chosen, prompt))
+        ids, chosen, prompt, sent = jax.device_get((ids, chosen, prompt, sent))
         rows = np.asarray(rows)
         result = StepResult(token_ids=ids[rows], logprobs=None, ranks=None, top_ids=None, top_logprobs=None)
         if chosen is not None:
@@ -350,17 +348,9 @@ class ModelRunner:
         self._programs.add(("prefill", bp, t, bd, stop.stop_ids.shape[1], _penalty_key(penalties), num_top,
                             want_prompt_logprobs, bitmask is not None))
         tokens, positions, tables, last = (tuple(jnp.asarray(g[k]) for g in groups) for k in range(4))
-        return self._step(self.weights, self.cache, self._draft_weights, self.draft_cache, tokens, positions, tables,
+        return self._step(self.weights, self.cache, self.draft_params, self.draft_state, tokens, positions, tables,
                           last, sampling, stop, penalties, jnp.asarray(targets), bitmask, cfg=self.cfg,
-                          draft_cfg=self._draft_cfg, num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
-
-    @property
-    def _draft_weights(self):
-        return self.draft.weights if self.draft is not None else None
-
-    @property
-    def _draft_cfg(self):
-        return self.draft.cfg if self.draft is not None else None
+                          num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
 
     def _run_verify(self, entries, b, block_tables, sampling, stop, penalties, num_top, bitmask, drafts, num_drafts):
         k = self.num_spec_tokens
@@ -371,14 +361,13 @@ class ModelRunner:
             tokens[i, 0] = e.seq.token_at(e.start)
             positions[i] = e.start
             sent[i] = min(int(num_drafts[i]) if num_drafts is not None else 0, e.max_steps - 1, k)
-            if drafts is not None and self.draft is None:
+            if drafts is not None and self.drafter is None:
                 tokens[i, 1:1 + sent[i]] = drafts[i, :sent[i]]
         self._programs.add(("verify", b, k, stop.stop_ids.shape[1], _penalty_key(penalties), num_top,
                             bitmask is not None))
-        return sent, self._verify(self.weights, self.cache, self._draft_weights, self.draft_cache,
-                                  jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(sent),
-                                  jnp.asarray(block_tables), sampling, stop, penalties, bitmask, cfg=self.cfg,
-                                  draft_cfg=self._draft_cfg, num_top=num_top)
+        return self._verify(self.weights, self.cache, self.draft_params, self.draft_state, jnp.asarray(tokens),
+                            jnp.asarray(positions), jnp.asarray(sent), jnp.asarray(block_tables), sampling, stop,
+                            penalties, bitmask, cfg=self.cfg, num_top=num_top)
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, progress: bool | None = None) -> int:
         """Compiles every program shape the scheduler can ask for under these limits (with default

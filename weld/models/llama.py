@@ -308,13 +308,16 @@ def _rope_tables(cfg: Config):
 
 
 def forward(weights: dict, cfg: Config, tokens, positions, cache: PagedKVCache, batch: AttentionBatch,
-            logits_indices=None):
+            logits_indices=None, capture_layers: tuple[int, ...] = ()):
     """One forward pass over padded token chunks on the paged cache.
 
     tokens, positions: int32 [b, t]; position -1 marks padding. Each token's K/V is written
     to its page, then every token attends causally over its row's pages.
     logits_indices: int32 [b, n] picks which of the t tokens get logits (None: all).
     Returns logits f32 [b, n, v], final hidden states [b, t, d] and the updated cache.
+    capture_layers: with layer indices, the hidden states returned are instead the residual
+    streams after those layers, concatenated [b, t, len(capture_layers) * d] (what a DSpark
+    drafter reads as its context).
 
     A mixed batch (chunked prefills and decodes in one call) passes tuples: tokens, positions,
     batch.block_tables and logits_indices hold one entry per group of rows ([b_g, t_g] each,
@@ -335,6 +338,7 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: PagedKVCache, 
     flat_positions = jnp.concatenate([p.reshape(-1) for p in group_positions])[None]  # [1, N]
     x = weights["embed"][jnp.concatenate([g.reshape(-1) for g in groups])]  # [N, d]
     new_k, new_v = [], []
+    captured = {}
     for i, lw in enumerate(weights["layers"]):
         y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
         q = linear(y, lw["wq"], lw.get("bq")).reshape(1, -1, h, e)
@@ -360,14 +364,19 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: PagedKVCache, 
         x = x + linear(attn, lw["wo"], lw.get("bo"))
         y = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
         x = x + swiglu(y, lw["w_gate"], lw["w_up"], lw["w_down"])
+        if i in capture_layers:
+            captured[i] = x
+    if len(captured) != len(capture_layers):
+        raise ValueError(f"capture_layers {capture_layers} must lie in [0, {cfg.num_layers})")
     hidden = rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
+    states = jnp.concatenate([captured[i] for i in capture_layers], axis=-1) if capture_layers else hidden
     head = weights.get("lm_head", weights["embed"])
     all_logits, all_hidden = [], []
-    for (b, t), hg, idx in zip(shapes, jnp.split(hidden, splits), group_indices):
+    for (b, t), hg, sg, idx in zip(shapes, jnp.split(hidden, splits), jnp.split(states, splits), group_indices):
         hg = hg.reshape(b, t, -1)
         selected = hg if idx is None else jnp.take_along_axis(hg, idx[:, :, None], axis=1)
         all_logits.append(linear(selected, head).astype(jnp.float32))
-        all_hidden.append(hg)
+        all_hidden.append(sg.reshape(b, t, -1))
     cache = PagedKVCache(k=new_k, v=new_v)
     if grouped:
         return tuple(all_logits), tuple(all_hidden), cache

@@ -27,7 +27,8 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     positions: jax.Array, block_tables: jax.Array, *, sliding_window: int | None = None,
-                    scale: float | None = None, pages_per_tile: int = 8) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    scale: float | None = None, pages_per_tile: int = 8, query_positions: jax.Array | None = None,
+                    return_lse: bool = False) -> tuple[jax.Array, ...]:
     """Writes this call's K/V into the pools, then attends causally over each row's pages.
 
     q [b, t, h, e]; k, v [b, t, kv, e]; positions [b, t] (-1 = padding, which writes nothing).
@@ -37,7 +38,11 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array
     only as far as the largest position in the batch: the program's shape does not depend on
     sequence lengths (no recompiles as they grow), and short sequences read only a few pages.
 
-    Returns (out [b, t, h, e], k_pages, v_pages). The pools ride through the loop's carry and
+    query_positions [b, t] (default: positions) decouples what the queries see from where k, v
+    are written (a drafter's block reads a context it does not write); return_lse adds each
+    query's log-sum-exp of scores [b, t, h] (to merge with attention over other keys).
+
+    Returns (out [b, t, h, e], k_pages, v_pages[, lse]). The pools ride through the loop's carry and
     the write happens inside the loop body (repeated each tile: it is idempotent and tiny).
     Every other arrangement tried (write before the loop, after it, a loop closing over the
     pools) made XLA:CPU copy each layer's whole pool on every step to keep the old one alive.
@@ -50,8 +55,10 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array
     if scale is None:
         scale = e ** -0.5
     qg = (q.astype(jnp.float32) * scale).reshape(b, t, kv_heads, g, e)
-    q_pos = positions[:, None, None, :, None]  # [b, 1, 1, t, 1]
-    num_tiles = jnp.max(positions) // tile + 1  # tiles holding a position some query sees
+    if query_positions is None:
+        query_positions = positions
+    q_pos = query_positions[:, None, None, :, None]  # [b, 1, 1, t, 1]
+    num_tiles = jnp.max(query_positions) // tile + 1  # tiles holding a position some query sees
 
     def tile_step(i, carry):
         k_pool, v_pool, m, l, acc = carry  # running max / denominator [b,k,g,t], numerator [b,k,g,t,e]
@@ -73,7 +80,10 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array
 
     init = (k_pages, v_pages, jnp.full((b, kv_heads, g, t), _MASKED, jnp.float32),
             jnp.zeros((b, kv_heads, g, t), jnp.float32), jnp.zeros((b, kv_heads, g, t, e), jnp.float32))
-    k_pages, v_pages, _, l, acc = jax.lax.fori_loop(0, num_tiles, tile_step, init)
+    k_pages, v_pages, m, l, acc = jax.lax.fori_loop(0, num_tiles, tile_step, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # padding rows (nothing visible) give 0
     out = jnp.einsum("bkgte->btkge", out).reshape(b, t, h, e).astype(q.dtype)
+    if return_lse:
+        lse = jnp.einsum("bkgt->btkg", m + jnp.log(jnp.maximum(l, 1e-30))).reshape(b, t, h)
+        return out, k_pages, v_pages, lse
     return out, k_pages, v_pages
