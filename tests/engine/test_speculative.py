@@ -223,3 +223,19 @@ def test_dspark_paged_drafts_match_dense_reference(tiny_llama_dir, dspark_dir, p
     assert int(num[0]) == int(dense.num_drafts[0])
     llm.engine.abort("r")
     assert_no_leak(llm)
+
+
+@pytest.mark.slow
+def test_ngram_on_megakernel_verify_block(tiny_llama_dir, prompts, reference):
+    """backend='megakernel' verifies drafts with the kernel's verify block (Pallas interpret mode)."""
+    llm = LLM(model=str(tiny_llama_dir[0]), backend="megakernel",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **ENGINE)
+    assert greedy_ids(llm, prompts[:2], max_tokens=10) == [r[:10] for r in reference[:2]]
+    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    assert_no_leak(llm)
+
+
+def test_dspark_refuses_megakernel(tiny_llama_dir, dspark_dir):
+    with pytest.raises(InvalidInputError, match="megakernel"):
+        LLM(model=str(tiny_llama_dir[0]), backend="megakernel",
+            speculative_config={"method": "dspark", "model": str(dspark_dir)}, **ENGINE)

@@ -144,6 +144,9 @@ class LLM:
         if backend not in BACKENDS:
             raise InvalidInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
         eos = tuple(dict.fromkeys(tuple(self.tokenizer.eos_token_ids) + tuple(self.cfg.eos_token_ids)))
+        if spec.method == "dspark" and backend == "megakernel":
+            raise InvalidInputError("the DSpark drafter needs the target's hidden states, which the megakernel "
+                                    "backend does not return: use backend 'xla' or another speculative method")
         drafter, draft_params, spec = self._load_drafter(spec, progress)
         runner = ModelRunner(self.model.family, self.cfg, self.model.weights, num_pages=num_pages,
                              page_size=page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len,

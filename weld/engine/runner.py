@@ -134,7 +134,8 @@ def _verify(forward, drafter, weights, cache, draft_params, draft_state, tokens,
     fed = live[:, None] & (slot <= num_drafts[:, None])
     fed_positions = jnp.where(fed, positions[:, None] + slot, -1)
     capture = drafter.capture_layers if drafter is not None and drafter.observes_verify else ()
-    logits, features, cache = forward(weights, cfg, tokens, fed_positions, cache, batch, capture_layers=capture)
+    logits, features, cache = forward(weights, cfg, tokens, fed_positions, cache, batch,
+                                      **({"capture_layers": capture} if capture else {}))
     if capture:
         draft_state = drafter.observe(draft_params, draft_state, (tokens,), (fed_positions,), (block_tables,),
                                       (jnp.zeros((b,), jnp.int32),), (features,))
@@ -249,7 +250,8 @@ class ModelRunner:
         self._step = jax.jit(functools.partial(_step, family.forward, drafter),
                              static_argnames=("cfg", "num_top", "with_prompt_logprobs"),
                              donate_argnames=("cache", "draft_state"))
-        self._verify = jax.jit(functools.partial(_verify, family.forward, drafter),
+        # The verification block runs where decode runs: XLA, or the megakernel's verify variant.
+        self._verify = jax.jit(functools.partial(_verify, decode_forward(family, cfg, backend), drafter),
                                static_argnames=("cfg", "num_top"), donate_argnames=("cache", "draft_state"))
         self._decode = jax.jit(functools.partial(_decode, decode_forward(family, cfg, backend)),
                                static_argnames=("cfg", "steps", "num_top"), donate_argnames=("cache",))
