@@ -74,7 +74,7 @@ def test_draft_model_equal_to_target_accepts_everything(tiny_llama_dir, prompts,
     accepted (which proves the draft cache stays in step with the target's), outputs unchanged."""
     llm = LLM(model=str(tiny_llama_dir[0]),
               speculative_config={"method": "draft_model", "model": str(tiny_llama_dir[0]),
-                                  "num_speculative_tokens": 3}, **ENGINE)
+                                  "num_speculative_tokens": 3, "rounds_per_call": 3}, **ENGINE)
     assert greedy_ids(llm, prompts) == reference
     stats = llm.engine.stats()
     assert stats["spec_num_draft_tokens"] > 0
@@ -93,10 +93,21 @@ def test_different_draft_model_keeps_outputs(tiny_llama_dir, tiny_draft_dir, pro
     assert_no_leak(llm)
 
 
-def test_mixed_speculative_and_plain_rows(ngram, plain, prompts):
+@pytest.fixture(scope="module")
+def self_draft(tiny_llama_dir):
+    """The target as its own draft model, 3 rounds per call: every draft is accepted, so stops
+    and budgets must cut inside accepted blocks, on device."""
+    return LLM(model=str(tiny_llama_dir[0]),
+               speculative_config={"method": "draft_model", "model": str(tiny_llama_dir[0]),
+                                   "num_speculative_tokens": 3, "rounds_per_call": 3}, **ENGINE)
+
+
+@pytest.mark.parametrize("engine", ["ngram", "self_draft"])
+def test_mixed_speculative_and_plain_rows(engine, request, plain, prompts):
     """Penalised requests send no drafts but share the verification batch; each request's output
-    equals its output without speculation, and stop ids and max_tokens cut drafts correctly."""
-    llm = ngram
+    equals its output without speculation, and stop ids, min_tokens and max_tokens cut drafts
+    correctly."""
+    llm = request.getfixturevalue(engine)
     params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3, ignore_eos=True),
               SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
@@ -105,6 +116,9 @@ def test_mixed_speculative_and_plain_rows(ngram, plain, prompts):
     stop_at = greedy_ids(plain, [prompts[0]], 20)[0][5]
     requests.append(({"prompt_token_ids": prompts[0]},
                      SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_at], ignore_eos=True)))
+    requests.append(({"prompt_token_ids": prompts[0]},  # the stop id is banned until 8 tokens are out
+                     SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_at], min_tokens=8,
+                                    ignore_eos=True)))
 
     def run(engine):
         outs = engine.generate([r for r, _ in requests], [p for _, p in requests], use_tqdm=False)
@@ -113,7 +127,8 @@ def test_mixed_speculative_and_plain_rows(ngram, plain, prompts):
     together = run(llm)
     assert together == run(plain)
     assert len(together[2][0]) == 7 and together[2][1] == "length"
-    assert together[-1][0][-1] == stop_at and together[-1][1] == "stop"
+    assert together[-2][0][-1] == stop_at and together[-2][1] == "stop"
+    assert len(together[-1][0]) >= 8
     assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
     assert_no_leak(llm)
 
@@ -154,6 +169,7 @@ def test_sampled_speculation_is_seed_reproducible(ngram, prompts):
     ({"method": "draft_model"}, "draft model"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),
     ({"method": "ngram", "k": 3}, "unknown"),
+    ({"method": "ngram", "rounds_per_call": 2}, "rounds_per_call"),
 ])
 def test_bad_speculative_config(tiny_llama_dir, config, message):
     with pytest.raises(InvalidInputError, match=message):
@@ -178,7 +194,8 @@ def dspark_dir(tmp_path_factory, plain):
 
 def test_dspark_greedy_equals_plain(tiny_llama_dir, dspark_dir, prompts, reference):
     llm = LLM(model=str(tiny_llama_dir[0]), speculative_config={"method": "dspark", "model": str(dspark_dir),
-                                                                 "confidence_threshold": 0.0}, **ENGINE)
+                                                                 "confidence_threshold": 0.0, "rounds_per_call": 2},
+              **ENGINE)
     assert llm.engine.scheduler.num_spec_tokens == 3  # the drafter's block size
     assert greedy_ids(llm, prompts) == reference
     stats = llm.engine.stats()

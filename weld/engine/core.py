@@ -209,14 +209,13 @@ class EngineCore:
         return drafts, num_drafts
 
     def _count_acceptance(self, result: StepResult) -> None:
-        for sent, ids in zip(result.num_drafts, result.token_ids):
+        for sent, accepted in zip(result.num_drafts.reshape(-1), result.num_accepted.reshape(-1)):
             if sent <= 0:
                 continue
-            accepted = int(np.sum(ids >= 0)) - 1
             self.spec_steps += 1
             for j in range(int(sent)):
                 self.spec_drafted_per_position[j] += 1
-                self.spec_accepted_per_position[j] += j < accepted
+                self.spec_accepted_per_position[j] += bool(j < accepted)
 
     def _token_bitmask(self, plan, owners: list[_Request]) -> np.ndarray | None:
         """int32 [entries, ceil(vocab / 32)]: each constrained entry's allowed next tokens, all

@@ -39,10 +39,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     confidence_threshold: float | None = None  # DSpark: None = the drafter's own default
+    rounds_per_call: int | None = None  # device drafters: rounds per device call (None: from steps_per_call)
 
     METHODS = ("ngram", "draft_model", "dspark")
     KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-            "confidence_threshold")
+            "confidence_threshold", "rounds_per_call")
 
     @classmethod
     def parse(cls, config: dict[str, Any] | None) -> "SpeculativeConfig":
@@ -67,7 +68,19 @@ class SpeculativeConfig:
         threshold = config.get("confidence_threshold")
         if threshold is not None and not (isinstance(threshold, (int, float)) and 0 <= threshold <= 1):
             raise InvalidInputError(f"confidence_threshold must lie in [0, 1], got {threshold!r}")
-        return cls(method, k, config.get("model"), lo, hi, threshold)
+        rounds = config.get("rounds_per_call")
+        if rounds is not None and (not isinstance(rounds, int) or not 1 <= rounds <= 64):
+            raise InvalidInputError(f"rounds_per_call must be an integer in [1, 64], got {rounds!r}")
+        if method == "ngram" and rounds not in (None, 1):
+            raise InvalidInputError("n-gram drafts are made on the host between calls: rounds_per_call must be 1")
+        return cls(method, k, config.get("model"), lo, hi, threshold, rounds)
+
+    def rounds(self, steps_per_call: int) -> int:
+        """Rounds per device call: 1 for host drafts; else as given, or as many as fit in
+        steps_per_call tokens at k + 1 per round."""
+        if self.method in (None, "ngram"):
+            return 1
+        return self.rounds_per_call or max(1, steps_per_call // (self.k + 1))
 
     def host_proposer(self):
         if self.method == "ngram":
@@ -151,10 +164,12 @@ class LLM:
         runner = ModelRunner(self.model.family, self.cfg, self.model.weights, num_pages=num_pages,
                              page_size=page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len,
                              steps_per_call=steps_per_call, eos_token_ids=eos, backend=backend,
-                             drafter=drafter, draft_params=draft_params, num_spec_tokens=spec.k)
+                             drafter=drafter, draft_params=draft_params, num_spec_tokens=spec.k,
+                             spec_rounds=spec.rounds(steps_per_call))
         scheduler = Scheduler(BlockManager(num_pages, page_size, enable_prefix_caching), max_num_seqs,
                               max_num_batched_tokens, max_model_len=self.max_model_len,
-                              steps_per_call=steps_per_call, num_spec_tokens=spec.k)
+                              steps_per_call=steps_per_call, num_spec_tokens=spec.k,
+                              spec_rounds=spec.rounds(steps_per_call))
         self.engine = EngineCore(runner, self.tokenizer, scheduler, max_model_len=self.max_model_len,
                                  eos_token_ids=eos, proposer=spec.host_proposer())
         self._counter = itertools.count()

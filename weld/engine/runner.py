@@ -44,7 +44,9 @@ class StepResult:
     prompt_ranks: np.ndarray | None = None  # [n, t]
     prompt_top_ids: np.ndarray | None = None  # [n, t, MAX_LOGPROBS]
     prompt_top_logprobs: np.ndarray | None = None  # [n, t, MAX_LOGPROBS]
-    num_drafts: np.ndarray | None = None  # [n] drafts each row sent for verification (verify steps)
+    # Verify steps, per round: drafts each row sent and how many were accepted (-1: not in that round).
+    num_drafts: np.ndarray | None = None  # [n, rounds]
+    num_accepted: np.ndarray | None = None  # [n, rounds]
 
 
 @jax.tree_util.register_dataclass
@@ -102,56 +104,106 @@ def _step(forward, drafter, weights, cache, draft_params, draft_state, tokens, p
 
 
 def _verify(forward, drafter, weights, cache, draft_params, draft_state, tokens, positions, num_drafts,
-            block_tables, sampling, stop, penalties, token_bitmask, *, cfg, num_top: int):
-    """One speculative step: each row's last token and its drafts scored in one forward, and the
-    drafts accepted or rejected on device (`weld.engine.spec.acceptance.rejection_accept`:
-    greedy rows keep the prefix equal to the target's argmax, sampled rows are verified by exact
-    rejection sampling, so the output is distributed exactly as without speculation).
+            block_tables, sampling, stop, penalties, token_bitmask, *, cfg, num_top: int, rounds: int):
+    """Up to `rounds` speculative rounds in one device call. A round scores each row's last token
+    and its drafts in one forward and accepts or rejects them on device
+    (`weld.engine.spec.acceptance.rejection_accept`: greedy rows keep the prefix equal to the
+    target's argmax, sampled rows are verified by exact rejection sampling, so the output is
+    distributed exactly as without speculation).
 
     tokens [b, k+1]: each row's last token (not yet in the cache), then its drafts from a host
-    proposer (n-gram), ignored past num_drafts [b]. With a device drafter (a draft model, the
-    DSpark drafter), the drafts are its greedy tokens, made here, and a row sends at most as
-    many as both the host's num_drafts and the drafter allow. positions [b]: the last token's
-    position.
-    A row with no drafts is a plain decode step. Rejected slots leave K/V past the row's new
+    proposer (n-gram; then rounds is 1), ignored past num_drafts [b]. With a device drafter (a
+    draft model, the DSpark drafter), each round's drafts are its greedy tokens, made here, and
+    a row sends at most as many as both num_drafts and the drafter allow. positions [b]: the
+    last token's position. stop.max_steps [b]: tokens the row may produce in this call (its
+    pages hold that many slots); a round never feeds a row past them.
+    A row with no drafts takes a plain decode step. Rejected slots leave K/V past the row's new
     length; they are never read before being overwritten (every forward writes before it reads).
-    Penalties and grammar masks apply to slot 0 (rows using them are sent without drafts);
-    min_tokens bans EOS and stop ids in every slot before the row's minimum.
-    Returns the caches, the emitted ids [b, k+1] (accepted drafts, then the target's correction
-    or bonus token, then -1), and the raw logprobs of the emitted ids.
+    A row ends on EOS, a stop id or its budget, as in the fused decode; tokens after its end
+    are dropped. Penalties and grammar masks apply to slot 0 (rows using them send no drafts;
+    a grammar row has a budget of 1), min_tokens bans EOS and stop ids in every slot before
+    the row's minimum.
+    Returns the caches, the emitted ids [b, rounds * (k+1)] (each row's tokens in order, then
+    -1), their raw logprobs, and per round the drafts each row sent and how many were accepted
+    ([b, rounds] each; -1 where the row did not take part).
     """
     from weld.engine.spec.acceptance import rejection_accept
 
     b, s = tokens.shape
-    live = stop.max_steps > 0
+    width = rounds * s
     batch = AttentionBatch(block_tables=block_tables)
-    if drafter is not None:
-        draft_state, drafted, wanted = drafter.propose(draft_params, draft_state, weights, tokens[:, 0], positions,
-                                                       block_tables, stop.max_steps, s - 1)
-        tokens = jnp.concatenate([tokens[:, :1], drafted], axis=1)
-        num_drafts = jnp.minimum(num_drafts, wanted)
+    banned = stop.banned_ids()
+    first_allowed = None if token_bitmask is None else unpack_bitmask(token_bitmask, cfg.vocab_size)
     slot = jnp.arange(s, dtype=jnp.int32)[None, :]
-    fed = live[:, None] & (slot <= num_drafts[:, None])
-    fed_positions = jnp.where(fed, positions[:, None] + slot, -1)
+    rows = jnp.arange(b)[:, None]
     capture = drafter.capture_layers if drafter is not None and drafter.observes_verify else ()
-    logits, features, cache = forward(weights, cfg, tokens, fed_positions, cache, batch,
-                                      **({"capture_layers": capture} if capture else {}))
-    if capture:
-        draft_state = drafter.observe(draft_params, draft_state, (tokens,), (fed_positions,), (block_tables,),
-                                      (jnp.zeros((b,), jnp.int32),), (features,))
-    v = logits.shape[-1]
-    scores = logits
-    if penalties is not None:
-        scores = scores.at[:, 0].set(apply_penalties(scores[:, 0], penalties))
-    ban = (stop.num_output[:, None] + slot) < stop.min_tokens[:, None]
-    scores = ban_tokens(scores.reshape(b * s, v), jnp.repeat(stop.banned_ids(), s, axis=0),
-                        ban.reshape(-1)).reshape(b, s, v)
-    if token_bitmask is not None:
-        scores = scores.at[:, 0].set(apply_allowed(scores[:, 0], unpack_bitmask(token_bitmask, v)))
-    _, emitted = rejection_accept(scores, tokens[:, 1:], num_drafts, sampling)
-    emitted = jnp.where(live[:, None], emitted, -1)
-    chosen = token_logprobs(logits, jnp.maximum(emitted, 0), num_top) if num_top else None
-    return cache, draft_state, emitted, chosen, num_drafts
+    out_lp = (jnp.zeros((b, width), jnp.float32), jnp.zeros((b, width), jnp.int32),
+              jnp.zeros((b, width, num_top), jnp.int32), jnp.zeros((b, width, num_top), jnp.float32))
+    history = (jnp.full((b, rounds), -1, jnp.int32), jnp.full((b, rounds), -1, jnp.int32))
+
+    def cond(carry):
+        r, done = carry[0], carry[4]
+        return (r < rounds) & ~jnp.all(done)
+
+    def body(carry):
+        r, cache, draft_state, last, done, made, out_ids, out_lp, history, pen = carry
+        live = ~done
+        budget = jnp.where(live, stop.max_steps - made, 0)  # slots the row still owns
+        pos = positions + made
+        feed = tokens
+        sent = num_drafts  # the most each row may send per round (host drafts: one round only)
+        if drafter is not None:
+            draft_state, drafted, wanted = drafter.propose(draft_params, draft_state, weights, last, pos,
+                                                           block_tables, budget, s - 1)
+            feed = jnp.concatenate([last[:, None], drafted], axis=1)
+            sent = jnp.minimum(sent, wanted)
+        else:
+            feed = feed.at[:, 0].set(last)
+        sent = jnp.where(live, jnp.clip(jnp.minimum(sent, budget - 1), 0, s - 1), 0)
+        fed_positions = jnp.where(live[:, None] & (slot <= sent[:, None]), pos[:, None] + slot, -1)
+        logits, features, cache = forward(weights, cfg, feed, fed_positions, cache, batch,
+                                          **({"capture_layers": capture} if capture else {}))
+        if capture:
+            draft_state = drafter.observe(draft_params, draft_state, (feed,), (fed_positions,), (block_tables,),
+                                          (jnp.zeros((b,), jnp.int32),), (features,))
+        v = logits.shape[-1]
+        scores = logits
+        if pen is not None:
+            scores = scores.at[:, 0].set(apply_penalties(scores[:, 0], pen))
+        num_out = stop.num_output + made
+        ban = (num_out[:, None] + slot) < stop.min_tokens[:, None]
+        scores = ban_tokens(scores.reshape(b * s, v), jnp.repeat(banned, s, axis=0), ban.reshape(-1)).reshape(b, s, v)
+        if first_allowed is not None:
+            scores = scores.at[:, 0].set(apply_allowed(scores[:, 0], first_allowed | (r > 0)))
+        accepted, emitted = rejection_accept(scores, feed[:, 1:], sent,
+                                             dataclasses.replace(sampling, position=pos + 1))
+        # Where the row ends: the first EOS / stop id (once min_tokens is met), or its budget.
+        count = jnp.minimum(accepted + 1, budget)
+        is_stop = ((jnp.isin(emitted, stop.eos_ids) & ~stop.ignore_eos[:, None])
+                   | jnp.any(emitted[:, :, None] == stop.stop_ids[:, None, :], axis=-1))
+        is_stop &= (num_out[:, None] + slot + 1 > stop.min_tokens[:, None]) & (slot < count[:, None])
+        first_stop = jnp.min(jnp.where(is_stop, slot, s), axis=1)
+        count = jnp.where(live, jnp.minimum(count, first_stop + 1), 0)
+        keep = slot < count[:, None]
+        target = jnp.where(keep, made[:, None] + slot, width)  # out of bounds: dropped
+        out_ids = out_ids.at[rows, target].set(emitted, mode="drop")
+        if num_top:
+            chosen = token_logprobs(logits, jnp.maximum(emitted, 0), num_top)
+            out_lp = tuple(buf.at[rows, target].set(x, mode="drop") for buf, x in zip(out_lp, chosen))
+        if pen is not None:
+            ids = jnp.where(keep, emitted, v)
+            pen = dataclasses.replace(pen, counts=pen.counts.at[rows, ids].add(1, mode="drop"))
+        history = (history[0].at[:, r].set(jnp.where(live, sent, -1)),
+                   history[1].at[:, r].set(jnp.where(live, jnp.minimum(accepted, sent), -1)))
+        last = jnp.where(live, jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0], last)
+        made = made + count
+        done = done | (first_stop < count) | (made >= stop.max_steps)
+        return r + 1, cache, draft_state, last, done, made, out_ids, out_lp, history, pen
+
+    carry = (jnp.int32(0), cache, draft_state, tokens[:, 0], stop.max_steps <= 0, jnp.zeros((b,), jnp.int32),
+             jnp.full((b, width), -1, jnp.int32), out_lp, history, penalties)
+    _, cache, draft_state, _, _, _, out_ids, out_lp, history, _ = jax.lax.while_loop(cond, body, carry)
+    return cache, draft_state, out_ids, (out_lp if num_top else None), history
 
 
 def _decode(forward, weights, cache, tokens, positions, block_tables, sampling, stop, penalties, token_bitmask, *,
@@ -231,7 +283,8 @@ class ModelRunner:
 
     def __init__(self, family: ModuleType, cfg: Any, weights: Any, *, num_pages: int, page_size: int,
                  kv_dtype: Any, max_model_len: int, steps_per_call: int = 8, eos_token_ids: tuple[int, ...] = (),
-                 backend: str = "xla", drafter: Any = None, draft_params: Any = None, num_spec_tokens: int = 0):
+                 backend: str = "xla", drafter: Any = None, draft_params: Any = None, num_spec_tokens: int = 0,
+                 spec_rounds: int = 1):
         """drafter: a device drafter (`weld.engine.spec.drafters`) with its weights draft_params,
         or None; its state gets pools of its own over the same pages, so block tables serve both."""
         self.family = family
@@ -244,6 +297,7 @@ class ModelRunner:
         self.draft_params = draft_params
         self.draft_state = drafter.init_state(num_pages, page_size, kv_dtype) if drafter is not None else None
         self.num_spec_tokens = num_spec_tokens
+        self.spec_rounds = spec_rounds  # speculative rounds per device call (host drafts: 1)
         self._programs: set[tuple] = set()
         self.steps_per_call = steps_per_call
         self.eos_token_ids = np.asarray(sorted(set(eos_token_ids)) or [-1], np.int32)
@@ -252,7 +306,7 @@ class ModelRunner:
                              donate_argnames=("cache", "draft_state"))
         # The verification block runs where decode runs: XLA, or the megakernel's verify variant.
         self._verify = jax.jit(functools.partial(_verify, decode_forward(family, cfg, backend), drafter),
-                               static_argnames=("cfg", "num_top"), donate_argnames=("cache", "draft_state"))
+                               static_argnames=("cfg", "num_top", "rounds"), donate_argnames=("cache", "draft_state"))
         self._decode = jax.jit(functools.partial(_decode, decode_forward(family, cfg, backend)),
                                static_argnames=("cfg", "steps", "num_top"), donate_argnames=("cache",))
 
@@ -285,25 +339,25 @@ class ModelRunner:
         stop = self._stop_arrays(entries, rows, b)
         penalties = _penalty_arrays(entries, rows, b, self.cfg.vocab_size)
         bitmask = self._bitmask_rows(token_bitmask, rows, b)
-        sent = None
+        history = None
         if plan.kind == "decode":
             cache, ids, chosen, prompt = self._run_decode(entries, b, block_tables, sampling, stop, penalties,
                                                           num_top, bitmask)
         elif plan.kind == "verify":
-            cache, self.draft_state, ids, chosen, sent = self._run_verify(
+            cache, self.draft_state, ids, chosen, history = self._run_verify(
                 entries, b, block_tables, sampling, stop, penalties, num_top, bitmask, drafts, num_drafts)
             prompt = None
         else:
             cache, self.draft_state, ids, chosen, prompt = self._run_prefill(
                 plan, bp, block_tables, sampling, stop, penalties, num_top, want_prompt_logprobs, bitmask)
         self.cache = cache
-        ids, chosen, prompt, sent = jax.device_get((ids, chosen, prompt, sent))
+        ids, chosen, prompt, history = jax.device_get((ids, chosen, prompt, history))
         rows = np.asarray(rows)
         result = StepResult(token_ids=ids[rows], logprobs=None, ranks=None, top_ids=None, top_logprobs=None)
         if chosen is not None:
             result.logprobs, result.ranks, result.top_ids, result.top_logprobs = (x[rows] for x in chosen)
-        if plan.kind == "verify":
-            result.num_drafts = sent[rows]
+        if history is not None:
+            result.num_drafts, result.num_accepted = (x[rows] for x in history)
         if prompt is not None:  # prompt chunks only: entry i < num_prefill is row i
             (result.prompt_logprobs, result.prompt_ranks, result.prompt_top_ids,
              result.prompt_top_logprobs) = (x[:plan.num_prefill] for x in prompt)
@@ -362,14 +416,15 @@ class ModelRunner:
         for i, e in enumerate(entries):
             tokens[i, 0] = e.seq.token_at(e.start)
             positions[i] = e.start
-            sent[i] = min(int(num_drafts[i]) if num_drafts is not None else 0, e.max_steps - 1, k)
+            sent[i] = min(int(num_drafts[i]) if num_drafts is not None else 0, k)
             if drafts is not None and self.drafter is None:
                 tokens[i, 1:1 + sent[i]] = drafts[i, :sent[i]]
-        self._programs.add(("verify", b, k, stop.stop_ids.shape[1], _penalty_key(penalties), num_top,
+        rounds = self.spec_rounds
+        self._programs.add(("verify", b, k, rounds, stop.stop_ids.shape[1], _penalty_key(penalties), num_top,
                             bitmask is not None))
         return self._verify(self.weights, self.cache, self.draft_params, self.draft_state, jnp.asarray(tokens),
                             jnp.asarray(positions), jnp.asarray(sent), jnp.asarray(block_tables), sampling, stop,
-                            penalties, bitmask, cfg=self.cfg, num_top=num_top)
+                            penalties, bitmask, cfg=self.cfg, num_top=num_top, rounds=rounds)
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, progress: bool | None = None) -> int:
         """Compiles every program shape the scheduler can ask for under these limits (with default

@@ -9,8 +9,9 @@ Policy (vLLM v1 style, with weld's fused decode):
   far as the sequence's token limit allows. A sequence with structured outputs decodes one
   token per call (its grammar's token mask is recomputed on the host after every token).
 - With speculative decoding (`num_spec_tokens` k > 0), that call is a verification instead:
-  every running sequence gets slots for k + 1 tokens (its last token and up to k drafts), and
-  the engine gives back the slots of rejected drafts afterwards (`BlockManager.trim`).
+  every running sequence gets slots for `spec_rounds` rounds of k + 1 tokens (its last token
+  and up to k drafts each), and the engine gives back the slots of rejected drafts afterwards
+  (`BlockManager.trim`).
 - When pages run out for even one decode step, the newest running sequence is preempted by
   recompute: its pages are freed and it goes back to the waiting queue, keeping its tokens.
   A step that preempted admits no new prompt.
@@ -61,7 +62,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None = None, steps_per_call: int = 1, num_spec_tokens: int = 0):
+                 max_model_len: int | None = None, steps_per_call: int = 1, num_spec_tokens: int = 0,
+                 spec_rounds: int = 1):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be >= 1")
@@ -71,6 +73,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.steps_per_call = steps_per_call
         self.num_spec_tokens = num_spec_tokens
+        self.spec_rounds = spec_rounds
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -92,7 +95,7 @@ class Scheduler:
             if prefill:
                 return SchedulerOutput("mixed" if decode else "prefill", prefill + decode, len(prefill))
         if self.num_spec_tokens:
-            decode = self._schedule_decode(max_steps=self.num_spec_tokens + 1)
+            decode = self._schedule_decode(max_steps=self.spec_rounds * (self.num_spec_tokens + 1))
             if decode:
                 return SchedulerOutput("verify", decode)
         else:
