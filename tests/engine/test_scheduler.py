@@ -27,6 +27,52 @@ def test_block_manager_allocates_and_frees():
     assert bm.num_free_pages == 4 and s.block_table == []
 
 
+def test_trim_gives_back_pages_past_the_tokens_kept():
+    """Rejected speculative drafts: slots past the kept tokens go back, computed pages never."""
+    bm = BlockManager(num_pages=8, page_size=4)
+    s = seq(6)
+    bm.allocate(s, 6 + 8)  # the last token and 8 draft slots: 4 pages
+    s.num_computed_tokens = 5
+    assert len(s.block_table) == 4 and bm.num_free_pages == 4
+    bm.trim(s, 7)  # 2 of the drafts were kept: positions 0..6 need 2 pages
+    assert len(s.block_table) == 2 and bm.num_free_pages == 6
+    s.num_computed_tokens = 8
+    bm.trim(s, 3)  # never below the computed tokens
+    assert len(s.block_table) == 2
+    bm.free(s)
+    assert bm.num_free_pages == 8
+
+
+def sched_verify(k: int, rounds: int) -> Scheduler:
+    return Scheduler(BlockManager(num_pages=64, page_size=4), max_num_seqs=4, max_num_batched_tokens=64,
+                     num_spec_tokens=k, spec_rounds=rounds)
+
+
+@pytest.mark.parametrize("k, rounds", [(3, 1), (2, 3)])
+def test_speculative_decode_steps_are_verify_plans_with_room_for_every_round(k, rounds):
+    sched = sched_verify(k, rounds)
+    s = Sequence("r", list(range(5)), SamplingParams(max_tokens=100))
+    sched.add(s)
+    plan = sched.schedule()
+    assert plan.kind == "prefill"
+    s.num_computed_tokens = 5
+    s.output_token_ids.append(1)
+    plan = sched.schedule()
+    assert plan.kind == "verify" and plan.entries[0].max_steps == rounds * (k + 1)
+    # every slot a round may write (positions 5 .. 5 + rounds * (k + 1) - 1) has a page
+    assert len(s.block_table) * 4 >= 5 + rounds * (k + 1)
+
+
+def test_speculative_budget_stops_at_max_tokens():
+    sched = sched_verify(4, 2)
+    s = Sequence("r", list(range(5)), SamplingParams(max_tokens=3))
+    sched.add(s)
+    sched.schedule()
+    s.num_computed_tokens = 5
+    s.output_token_ids.append(1)
+    assert sched.schedule().entries[0].max_steps == 2  # 2 tokens left to produce
+
+
 def run_to_completion(sched: Scheduler, max_steps: int = 1000, new_tokens: int = 3):
     """Drives the scheduler like the engine does, appending a dummy token on each sample."""
     plans = []

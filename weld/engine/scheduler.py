@@ -155,10 +155,11 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:
                 continue  # preempted to make room for an older sequence
-            # Feeding the last token and k - 1 sampled ones writes k positions from num_tokens - 1.
+            # k steps feed the last token and k - 1 sampled ones: k positions from num_tokens - 1,
+            # and produce k tokens, no more than the sequence may still have.
             # A constrained sequence decodes one token per call: its mask changes after each one.
             limit = 1 if seq.params.structured_outputs is not None else max_steps
-            steps = max(1, min(limit, self._token_limit(seq) - seq.num_tokens + 1))
+            steps = max(1, min(limit, self._token_limit(seq) - seq.num_tokens))
             if not bm.can_allocate(seq, seq.num_tokens + steps - 1):
                 steps = 1
             while not bm.can_allocate(seq, seq.num_tokens):
