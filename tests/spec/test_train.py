@@ -44,8 +44,8 @@ def test_a_few_steps_lower_the_loss():
     sequences = rng.integers(0, TARGET.vocab_size, (6, 24))  # any text: the target's distribution is the teacher
     data = train.build_dataset(weights, TARGET, CFG, sequences.tolist(), [5] * 6, progress=False)
     assert data.features.shape == (6, 32, 3 * TARGET.hidden_size)
-    params = dspark.init_params(CFG, seed=0)
-    settings = train.TrainConfig(steps=30, lr=3e-3, warmup=5, batch_size=4, anchors=8)
+    params = dspark.init_params(CFG, seed=0, target_weights=weights)  # as `weld train-draft` starts
+    settings = train.TrainConfig(steps=60, lr=3e-3, warmup=5, batch_size=4, anchors=8)
     # Each step's metrics are of the params before its update: step 0 measures the fresh drafter.
     _, history = train.train(params, CFG, weights, data, settings, progress=False, log_every=1)
     first, last = history[:3], history[-5:]

@@ -147,9 +147,11 @@ def weight_specs(cfg: DraftConfig) -> dict:
     }
 
 
-def init_params(cfg: DraftConfig, seed: int = 0, dtype: Any = jnp.float32) -> dict:
+def init_params(cfg: DraftConfig, seed: int = 0, dtype: Any = jnp.float32, target_weights: dict | None = None) -> dict:
     """Fresh weights for training: norms 1, the Markov bias and confidence 0 (the drafter starts as
-    a plain parallel drafter at confidence 1/2), matrices N(0, 1 / fan_in), the mask vector small."""
+    a plain parallel drafter at confidence 1/2), matrices N(0, 1 / fan_in), the mask vector small.
+    With target_weights, the final norm is scaled so the first logits through the shared LM head
+    have unit spread (a random direction at the target's own scale saturates the softmax)."""
     rng = np.random.default_rng(seed)
 
     def init(_, spec: WeightSpec):
@@ -163,7 +165,12 @@ def init_params(cfg: DraftConfig, seed: int = 0, dtype: Any = jnp.float32) -> di
             x = rng.standard_normal(spec.shape) / np.sqrt(spec.shape[-1])
         return jnp.asarray(x, dtype)
 
-    return map_specs(init, weight_specs(cfg))
+    params = map_specs(init, weight_specs(cfg))
+    if target_weights is not None:  # logit = H h, h of unit RMS: its spread is ~ sqrt(d) * rms(H)
+        head = np.asarray(lm_head(target_weights), np.float32)
+        scale = 1.0 / (np.sqrt(cfg.hidden_size) * np.sqrt(np.mean(head * head)))
+        params["final_norm"] = jnp.full((cfg.hidden_size,), scale, dtype)
+    return params
 
 
 # ----- forward -----

@@ -297,7 +297,7 @@ def train_draft(model: str | None, data_path: str, out: str, *, train_cfg: Train
     eval_data, train_data = data.subset(order[:num_eval]), data.subset(order[num_eval:])
     log(f"{len(train_data)} training / {len(eval_data)} held-out sequences, {generated} generated tokens; "
         f"drafter: {cfg.num_layers} layer(s), k={cfg.block_size}, target layers {list(cfg.target_layers)}")
-    params = dspark.init_params(cfg, seed=train_cfg.seed)
+    params = dspark.init_params(cfg, seed=train_cfg.seed, target_weights=target_weights)
     before = evaluate(params, cfg, target_weights, eval_data) if num_eval else {}
     params, history = train(params, cfg, target_weights, train_data, train_cfg, progress=progress)
     after = evaluate(params, cfg, target_weights, eval_data) if num_eval else {}
