@@ -111,8 +111,8 @@ class DSparkDrafter:
         k_pools, v_pools = list(state.k), list(state.v)
         for i, lw in enumerate(params["layers"]):
             y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-            q = dspark._rope(cfg, linear(y, lw["wq"]).reshape(b, s, h, e), slot_positions)
-            keys = dspark._rope(cfg, linear(y, lw["wk"]).reshape(b, s, kv, e), slot_positions)
+            q = dspark.rope(cfg, linear(y, lw["wq"]).reshape(b, s, h, e), slot_positions)
+            keys = dspark.rope(cfg, linear(y, lw["wk"]).reshape(b, s, kv, e), slot_positions)
             values = linear(y, lw["wv"]).reshape(b, s, kv, e)
             out_ctx, k_pools[i], v_pools[i], lse_ctx = paged_attention(
                 q, keys, values, k_pools[i], v_pools[i], no_write, tables, query_positions=sees_before,

@@ -175,7 +175,8 @@ def init_params(cfg: DraftConfig, seed: int = 0, dtype: Any = jnp.float32, targe
 
 # ----- forward -----
 
-def _rope(cfg: DraftConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
+def rope(cfg: DraftConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """The drafter's rotary embedding of x [b, t, heads, e] at positions [b, t] (plain, theta from cfg)."""
     inv_freq, mscale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, RopeScaling(), 1)
     return apply_rope(x, positions, inv_freq, mscale)
 
@@ -191,7 +192,7 @@ def context_kv(params: dict, cfg: DraftConfig, context: jax.Array,
     [b, c] (rotary applied): what a runner may cache per token instead of c."""
     b, c, _ = context.shape
     kv, e = cfg.num_kv_heads, cfg.head_dim
-    return [(_rope(cfg, linear(context, lw["wk"]).reshape(b, c, kv, e), positions),
+    return [(rope(cfg, linear(context, lw["wk"]).reshape(b, c, kv, e), positions),
              linear(context, lw["wv"]).reshape(b, c, kv, e)) for lw in params["layers"]]
 
 
@@ -216,8 +217,8 @@ def backbone(params: dict, cfg: DraftConfig, embed: jax.Array, ctx_kv: list, ctx
     visible = jnp.concatenate([sees_context, sees_slot], axis=2)  # [b, n*s, c + n*s]
     for lw, (ctx_k, ctx_v) in zip(params["layers"], ctx_kv):
         y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-        q = _rope(cfg, linear(y, lw["wq"]).reshape(b, n * s, h, e), slot_positions)
-        k = _rope(cfg, linear(y, lw["wk"]).reshape(b, n * s, kv, e), slot_positions)
+        q = rope(cfg, linear(y, lw["wq"]).reshape(b, n * s, h, e), slot_positions)
+        k = rope(cfg, linear(y, lw["wk"]).reshape(b, n * s, kv, e), slot_positions)
         v = linear(y, lw["wv"]).reshape(b, n * s, kv, e)
         keys = jnp.concatenate([ctx_k.astype(k.dtype), k], axis=1)
         values = jnp.concatenate([ctx_v.astype(v.dtype), v], axis=1)
