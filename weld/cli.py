@@ -1,6 +1,8 @@
 """The `weld` command line: generate, chat, serve, bench, train-draft.
 
-Thin: each command parses flags, builds an `LLM` and prints. Errors caused by the user (a
+Thin: each command parses flags, builds an `LLM` and prints. The speculative decoding flags
+(--spec, --spec-k, --draft, --spec-ngram-min/max) are defined once, in `weld.bench`, for
+generate, chat, serve and bench alike. Errors caused by the user (a
 missing model file, a bad flag value, an over-long prompt) print one line on stderr and exit
 with status 1; bugs keep their traceback.
 """
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weld", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     from weld import __version__
+    from weld import bench as bench_module  # light at import: numpy and flags only
 
     parser.add_argument("--version", action="version", version=f"weld {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -62,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", metavar="PROMPT", help="the text to continue; '-' reads it from stdin")
     _model_flags(gen)
     _sampling_flags(gen, max_tokens=128)
+    bench_module.add_speculative_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal, with the model's chat template",
@@ -71,9 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     _model_flags(chat)
     _sampling_flags(chat, max_tokens=512)
+    bench_module.add_speculative_arguments(chat)
     chat.set_defaults(func=cmd_chat)
-
-    from weld import bench as bench_module  # light at import: numpy and flags only
 
     bench = sub.add_parser("bench", help="offline throughput: decode tok/s per batch size, prefill, TTFT, "
                                          "fraction of the bandwidth floor; optionally vs HF and llama.cpp",
@@ -87,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "/health, /version. SIGTERM finishes the requests in flight, then exits.")
     _model_flags(serve)
     _serve_flags(serve)
+    bench_module.add_speculative_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     draft = sub.add_parser("train-draft", help="train a DSpark drafter for speculative decoding by self-distillation",
@@ -149,11 +153,19 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    help="uvicorn's log level (default: info)")
 
 
+def _speculative_config(args: argparse.Namespace) -> dict | None:
+    """--spec and its companions (defined with `weld bench`'s flags) as LLM's speculative_config."""
+    from weld.bench import speculative_config
+
+    return speculative_config(args)
+
+
 def _make_llm(args: argparse.Namespace):
     from weld.engine.llm import LLM
 
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              kv_cache_memory_gb=args.kv_cache_memory_gb, backend=args.backend, progress=None)
+              kv_cache_memory_gb=args.kv_cache_memory_gb, backend=args.backend,
+              speculative_config=_speculative_config(args), progress=None)
     llm.warmup()
     return llm
 
@@ -229,10 +241,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_waiting < 0 or args.max_num_seqs < 1:
         raise InvalidInputError("--max-waiting must be >= 0 and --max-num-seqs >= 1")
+    spec = _speculative_config(args)
     engine = AsyncLLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                       kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, steps_per_call=args.steps_per_call,
-                      backend=args.backend, progress=None)
+                      backend=args.backend, speculative_config=spec, progress=None)
     warmup(engine)
     source = engine.llm.model.source
     config = ServerConfig(served_model_name=args.served_model_name or source.name,

@@ -132,3 +132,120 @@ def test_llama_cpp_batch_rows_match_single_runs():
         assert together[1] == engine.generate([q[:5]], 6)[0]
     finally:
         engine.close()
+
+
+# ----- weld bench --spec: plain and speculative weld on the same text prompts -----
+
+# Copy-heavy prompts in the tiny tokenizer's corpus: n-gram lookup finds their phrases again.
+COPY_PROMPTS = [
+    "Repeat: The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.",
+    "Copy: def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b".replace("\n", " "),
+    "Once upon a time there was a small model that wrote tests. Once upon a time there was a small model",
+]
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def test_speculative_run_reports_both_engines_and_the_engine_acceptance(tiny_llama_dir, tmp_path):
+    """Both engines run the file's prompts (batch 1; grouping at larger batches is unit-tested
+    below); the speculative figures are exactly the counters of an engine that generates the same
+    prompts one at a time, and the token counts are the tokens those generations produced
+    (stopping at EOS)."""
+    from weld import LLM, SamplingParams
+
+    directory, _ = tiny_llama_dir
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(COPY_PROMPTS) + "\n\n")  # the blank line is skipped
+    out = tmp_path / "bench.json"
+    # --prefill-len 24 falls in the prompts' token bucket (32): no extra program to compile
+    proc = weld("bench", "--model", str(directory), "--spec", "ngram", "--spec-k", "3", "--prompts", str(prompts),
+                "--batch-sizes", "1", "--output-len", "16", "--prefill-len", "24", "--runs", "1",
+                "--bandwidth-gb", "0.05", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "speculative decoding: ngram" in proc.stdout and "mean accepted len" in proc.stdout
+    result = json.loads(out.read_text())
+    assert list(result["engines"]) == ["weld", bench.SPEC_ENGINE] and result["ratios"] == {}
+    assert result["workload"]["num_prompts"] == 3 and result["workload"]["stop_at_eos"]
+    spec = result["speculative"]
+    assert spec["config"] == SPEC
+
+    # The reference engine has the bench engines' shapes, so it reuses their compiled programs.
+    info = result["engines"][bench.SPEC_ENGINE]
+    llm = LLM(model=str(directory), max_model_len=info["max_model_len"], max_num_seqs=1, page_size=info["page_size"],
+              num_pages=info["num_pages"], enable_prefix_caching=False, speculative_config=SPEC)
+    params = SamplingParams(max_tokens=16, temperature=0)
+    produced = sum(len(llm.generate(p, params)[0].outputs[0].token_ids) for p in COPY_PROMPTS)
+    stats = llm.engine.spec_stats()
+    assert stats["spec_num_accepted_tokens"] > 0, "copy prompts should get drafts accepted"
+
+    row = spec["per_batch"]["1"]
+    assert row["outputs_equal"], "greedy speculation must give the plain tokens"
+    for name in ("weld", bench.SPEC_ENGINE):
+        d = result["engines"][name]["decode"]["1"]
+        assert d["tokens_full"] == [produced] and d["tokens_one"] == [3] and d["groups"] == 3
+        t_full, t_one = d["t_full_s"][0], d["t_one_s"][0]
+        assert d["tok_s"] == pytest.approx((produced - 3) / (t_full - t_one) if t_full > t_one else None)
+    assert row["plain_tok_s"] == result["engines"]["weld"]["decode"]["1"]["tok_s"]
+    assert row["speedup"] == pytest.approx(row["spec_tok_s"] / row["plain_tok_s"])
+    acc = row["acceptance"]
+    assert (acc["num_drafts"], acc["num_draft_tokens"], acc["num_accepted_tokens"]) == (
+        stats["spec_num_drafts"], stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"])
+    assert acc["accepted_per_position"] == stats["spec_accepted_per_position"]
+    assert acc["drafted_per_position"] == stats["spec_drafted_per_position"]
+    assert acc["mean_acceptance_length"] == pytest.approx(1 + acc["num_accepted_tokens"] / acc["num_drafts"])
+    assert acc["per_position_rate"] == pytest.approx(
+        [a / d for a, d in zip(stats["spec_accepted_per_position"], stats["spec_drafted_per_position"])])
+
+
+def bench_args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--chat"], "--chat is for --prompts"),
+    (["--ignore-eos"], "--ignore-eos is for --prompts"),
+    (["--prompts", "{file}", "--vs", "hf"], "--prompts runs weld only"),
+    (["--prompts", "{file}", "--batch-sizes", "1,4"], "batch 4 exceeds the 3 prompts"),
+    (["--prompts", "{empty}"], "holds no prompt"),
+    (["--prompts", "/nonexistent/prompts.txt"], "no such file"),
+    (["--spec", "draft"], "--spec draft needs --draft"),
+    (["--spec", "ngram", "--spec-k", "99"], "num_speculative_tokens"),  # the engine's own check, before loading
+])
+def test_bad_text_and_speculative_flags(flags, needle, tmp_path):
+    (tmp_path / "p.txt").write_text("\n".join(COPY_PROMPTS))
+    (tmp_path / "empty.txt").write_text("\n \n")
+    flags = [f.format(file=tmp_path / "p.txt", empty=tmp_path / "empty.txt") for f in flags]
+    with pytest.raises(bench.InvalidInputError, match=needle):
+        bench.config_from_args(bench_args("--bandwidth-gb", "0.01", *flags))
+
+
+def test_default_batch_sizes_are_small_for_speculation_and_text(tmp_path):
+    (tmp_path / "p.txt").write_text("\n".join(COPY_PROMPTS * 2))
+    assert bench.config_from_args(bench_args()).batch_sizes == (1, 4, 16, 64)
+    assert bench.config_from_args(bench_args("--spec", "ngram")).batch_sizes == (1, 4)
+    cfg = bench.config_from_args(bench_args("--prompts", str(tmp_path / "p.txt"), "--chat"))
+    assert cfg.batch_sizes == (1, 4) and cfg.spec is None and cfg.chat and not cfg.ignore_eos
+
+
+def test_text_prompts_run_in_groups_of_the_batch_size():
+    prompts = [[i] for i in range(5)]
+    assert bench.workload(prompts, 2, text=True) == [[[0], [1]], [[2], [3]], [[4]]]
+    assert bench.workload(prompts, 1, text=True) == [[[i]] for i in range(5)]
+    assert bench.workload(prompts, 3, text=False) == [[[0], [1], [2]]]  # random prompts: one batch
+
+
+def test_acceptance_figures_by_hand():
+    before = {"spec_num_drafts": 1, "spec_num_draft_tokens": 3, "spec_num_accepted_tokens": 1,
+              "spec_drafted_per_position": [1, 1, 1], "spec_accepted_per_position": [1, 0, 0]}
+    after = {"spec_num_drafts": 5, "spec_num_draft_tokens": 13, "spec_num_accepted_tokens": 6,
+             "spec_drafted_per_position": [5, 4, 4], "spec_accepted_per_position": [4, 1, 1]}
+    delta = bench.spec_delta(before, after)
+    assert delta == {"spec_num_drafts": 4, "spec_num_draft_tokens": 10, "spec_num_accepted_tokens": 5,
+                     "spec_drafted_per_position": [4, 3, 3], "spec_accepted_per_position": [3, 1, 1]}
+    twice = bench.spec_add(bench.spec_add(None, delta), delta)
+    assert twice["spec_num_drafts"] == 8 and twice["spec_accepted_per_position"] == [6, 2, 2]
+    acc = bench.acceptance(twice)
+    # 8 verification steps emitted 8 + 10 tokens: 2.25 per step; 10 of 20 drafts accepted
+    assert acc["mean_acceptance_length"] == pytest.approx(2.25) and acc["acceptance_rate"] == pytest.approx(0.5)
+    assert acc["per_position_rate"] == pytest.approx([0.75, 1 / 3, 1 / 3])

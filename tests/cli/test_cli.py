@@ -1,7 +1,9 @@
-"""The `weld` command line, run as a subprocess: help, a real generate and chat, and bad input."""
+"""The `weld` command line, run as a subprocess: help, a real generate and chat, and bad input; the
+speculative decoding flags, parsed in-process."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -9,6 +11,8 @@ import sys
 
 import pytest
 
+from weld import bench, cli
+from weld.utils.errors import InvalidInputError, WeldError
 from weld.weights import default_model_path
 
 
@@ -82,3 +86,80 @@ def test_empty_and_overlong_prompts(tiny_llama_dir):
     assert_clean_error(weld("generate", "", "--model", str(directory)), "empty")
     assert_clean_error(weld("generate", "The quick brown fox " * 40, "--model", str(directory),
                             "--max-model-len", "16"), "max_model_len")
+
+
+# ----- speculative decoding flags: one definition (weld.bench), the same on every command -----
+
+SPEC_COMMANDS = {"generate": ["generate", "hello"], "chat": ["chat"], "serve": ["serve"], "bench": ["bench"]}
+
+
+def parse(command: str, *flags: str):
+    return cli.build_parser().parse_args([*SPEC_COMMANDS[command], *flags])
+
+
+@pytest.mark.parametrize("command", list(SPEC_COMMANDS))
+@pytest.mark.parametrize("flags,expected", [
+    ([], None),
+    (["--spec", "ngram"], {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                           "prompt_lookup_max": 3}),
+    (["--spec", "ngram", "--spec-k", "2", "--spec-ngram-min", "2", "--spec-ngram-max", "5"],
+     {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 5}),
+    (["--spec", "draft", "--draft", "small.gguf"], {"method": "draft_model", "num_speculative_tokens": 4,
+                                                    "model": "small.gguf"}),
+    (["--spec", "dspark", "--draft", "drafter/", "--spec-k", "8"], {"method": "dspark", "num_speculative_tokens": 8,
+                                                                    "model": "drafter/"}),
+])
+def test_flags_map_to_speculative_config(command, flags, expected):
+    assert bench.speculative_config(parse(command, *flags)) == expected
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--draft", "small.gguf"], "--draft needs --spec"),
+    (["--spec-k", "3"], "--spec-k needs --spec"),
+    (["--spec-ngram-max", "4"], "--spec-ngram-max needs --spec"),
+    (["--spec", "draft"], "--spec draft needs --draft PATH"),
+    (["--spec", "dspark"], "--spec dspark needs --draft PATH"),
+    (["--spec", "ngram", "--draft", "small.gguf"], "--draft is for --spec draft or --spec dspark"),
+    (["--spec", "draft", "--draft", "x", "--spec-ngram-min", "2"], "--spec-ngram-min is for --spec ngram"),
+    (["--spec", "ngram", "--spec-ngram-min", "4"], "got 4 and 3"),
+    (["--spec", "ngram", "--spec-k", "0"], "--spec-k must be >= 1"),
+])
+def test_bad_combinations(flags, needle):
+    with pytest.raises(InvalidInputError, match=needle):
+        bench.speculative_config(parse("generate", *flags))
+
+
+def test_unknown_method_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit):
+        parse("chat", "--spec", "eagle")
+    assert "invalid choice: 'eagle'" in capsys.readouterr().err
+
+
+class Recorded(WeldError):
+    """Raised by the stand-in engines once they have the kwargs (nothing is loaded)."""
+
+
+@pytest.mark.parametrize("command,module,attr", [
+    ("generate", "weld.engine.llm", "LLM"),
+    ("chat", "weld.engine.llm", "LLM"),
+    ("serve", "weld.engine.async_llm", "AsyncLLM"),
+])
+def test_commands_pass_the_config_to_the_engine(command, module, attr, monkeypatch):
+    seen = {}
+
+    def engine(**kwargs):
+        seen.update(kwargs)
+        raise Recorded("recorded")
+
+    monkeypatch.setattr(importlib.import_module(module), attr, engine)
+    assert cli.main([*SPEC_COMMANDS[command], "--spec", "ngram", "--spec-k", "3", "--spec-ngram-max", "2"]) == 1
+    assert seen["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                          "prompt_lookup_max": 2}
+    seen.clear()
+    assert cli.main(SPEC_COMMANDS[command]) == 1
+    assert seen["speculative_config"] is None
+
+
+def test_one_line_errors_from_the_command_line():
+    assert_clean_error(weld("serve", "--draft", "small.gguf"), "--draft needs --spec ngram, draft or dspark")
+    assert_clean_error(weld("generate", "hello", "--spec", "draft"), "--spec draft needs --draft PATH")
