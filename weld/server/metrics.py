@@ -11,6 +11,15 @@ server, as the stream goes by:
 - queue time: arrival to the start of the engine step that produced the request's first output
   (for a prompt prefilled in one step, the moment it left the waiting queue);
 - end-to-end latency: arrival to the final output.
+
+With speculative decoding on (the engine's stats carry `spec_*` keys), vLLM's speculative
+counters appear too: `spec_decode_num_drafts` (row-steps that verified at least one draft),
+`spec_decode_num_draft_tokens`, `spec_decode_num_accepted_tokens` and
+`spec_decode_num_accepted_tokens_per_pos` (label `position`, from 0). weld adds
+`spec_decode_num_draft_tokens_per_pos` (an n-gram proposal may fill fewer than k slots, so the
+rate of slot j is accepted / drafted in that slot) and the gauge
+`spec_decode_mean_acceptance_length` (1 + accepted / drafts since the start; 0 before any draft).
+Without speculation these series are absent, as in vLLM.
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ class Metrics:
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Generated tokens per request.", _TOKEN_BUCKETS)
         self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        self._spec: _SpecMetrics | None = None  # made at the first stats with speculative counters
 
     def update_from_stats(self, stats: dict[str, Any]) -> None:
         self.num_requests_running.set(stats["running"])
@@ -77,13 +87,59 @@ class Metrics:
         pages = stats["num_pages"]
         self.kv_cache_usage_perc.set((pages - stats["num_free_pages"]) / pages if pages else 0.0)
         for key in self._seen:
-            delta = stats[key] - self._seen[key]
-            if delta > 0:
-                getattr(self, key).inc(delta)
-                self._seen[key] = stats[key]
+            self._seen[key] = _advance(getattr(self, key), self._seen[key], stats[key])
+        if "spec_num_drafts" in stats:
+            if self._spec is None:
+                self._spec = _SpecMetrics(self.registry, self.model_name)
+            self._spec.update(stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _advance(counter: Any, seen: float, value: float) -> float:
+    """Moves a Prometheus counter up to the engine's cumulative `value`; returns what it now shows."""
+    if value > seen:
+        counter.inc(value - seen)
+        return value
+    return seen
+
+
+class _SpecMetrics:
+    """Speculative decoding counters, mirrored from the engine's cumulative `spec_*` stats."""
+
+    # metric name -> the engine's stats key
+    COUNTERS = {"spec_decode_num_drafts": "spec_num_drafts",
+                "spec_decode_num_draft_tokens": "spec_num_draft_tokens",
+                "spec_decode_num_accepted_tokens": "spec_num_accepted_tokens"}
+    PER_POSITION = {"spec_decode_num_accepted_tokens_per_pos": "spec_accepted_per_position",
+                    "spec_decode_num_draft_tokens_per_pos": "spec_drafted_per_position"}
+    DOCS = {"spec_decode_num_drafts": "Number of spec decoding drafts (row-steps that verified drafted tokens).",
+            "spec_decode_num_draft_tokens": "Number of draft tokens.",
+            "spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+            "spec_decode_num_accepted_tokens_per_pos": "Accepted tokens per draft position.",
+            "spec_decode_num_draft_tokens_per_pos": "Draft tokens per draft position."}
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        self.model_name = model_name
+        self.counters = {name: Counter(PREFIX + name, self.DOCS[name], ["model_name"], registry=registry)
+                         .labels(model_name) for name in self.COUNTERS}
+        self.per_position = {name: Counter(PREFIX + name, self.DOCS[name], ["model_name", "position"],
+                                           registry=registry) for name in self.PER_POSITION}
+        self.mean_acceptance_length = Gauge(
+            PREFIX + "spec_decode_mean_acceptance_length",
+            "Mean tokens per verification step that sent drafts (1 + accepted / drafts), since the start.",
+            ["model_name"], registry=registry).labels(model_name)
+        self.seen: dict[Any, float] = {}
+
+    def update(self, stats: dict[str, Any]) -> None:
+        for name, key in self.COUNTERS.items():
+            self.seen[name] = _advance(self.counters[name], self.seen.get(name, 0), stats[key])
+        for name, key in self.PER_POSITION.items():
+            for position, value in enumerate(stats[key]):
+                child = self.per_position[name].labels(self.model_name, str(position))
+                self.seen[name, position] = _advance(child, self.seen.get((name, position), 0), value)
+        self.mean_acceptance_length.set(stats["spec_mean_acceptance_length"] or 0.0)
 
 
 class RequestTimer:
