@@ -57,7 +57,7 @@ class _Request:
 class EngineCore:
     """proposer: speculative decoding's host-side proposer (`.propose(token_ids) -> drafts`, e.g.
     n-gram lookup), or None: then, when the scheduler speculates (num_spec_tokens > 0), the
-    runner's draft model drafts on the device."""
+    runner's device drafter (a draft model or the DSpark drafter) drafts."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, scheduler: Scheduler, *,
                  max_model_len: int, eos_token_ids: tuple[int, ...], proposer: Any = None):
@@ -200,7 +200,7 @@ class EngineCore:
             seq = entry.seq
             if seq.params.penalized or request.completions[seq.index].matcher is not None:
                 continue
-            if self.proposer is None:  # the draft model drafts on the device
+            if self.proposer is None:  # the device drafter drafts (and may send fewer)
                 num_drafts[i] = k
                 continue
             proposal = self.proposer.propose(seq.token_ids())[:k]
