@@ -161,6 +161,8 @@ class LLM:
             raise InvalidInputError("the DSpark drafter needs the target's hidden states, which the megakernel "
                                     "backend does not return: use backend 'xla' or another speculative method")
         drafter, draft_params, spec = self._load_drafter(spec, progress)
+        if backend == "xla" and hasattr(self.model.family, "fuse_projections"):
+            self.model.family.fuse_projections(self.model.weights)  # one q/k/v and one gate/up matmul
         runner = ModelRunner(self.model.family, self.cfg, self.model.weights, num_pages=num_pages,
                              page_size=page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len,
                              steps_per_call=steps_per_call, eos_token_ids=eos, backend=backend,

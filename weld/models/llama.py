@@ -307,6 +307,45 @@ def _rope_tables(cfg: Config):
     return inv_freq, mscale
 
 
+def fuse_projections(weights: dict) -> dict:
+    """Concatenates each layer's q/k/v projections (and biases) into one `wqkv` [q + 2 kv, d]
+    (`bqkv`) and gate/up into one `w_gate_up` [2 f, d], in place, layer by layer (the old
+    matrices are dropped as the new ones are made, so memory peaks one layer above the model).
+
+    Same model, fewer and wider matmuls: on the 2-core CPU box a batch-1 decode step is ~12%
+    faster (benchmarks/results/cpu_matmul_2026-11-30.md). `forward` and the helpers below take
+    either form. Not for the megakernel, whose weight stream names the separate matrices, nor
+    for weights sharded along their output dimension (q, k and v would mix across shards).
+    """
+    for lw in weights["layers"]:
+        if "wq" in lw:
+            lw["wqkv"] = jnp.concatenate([lw.pop("wq"), lw.pop("wk"), lw.pop("wv")])
+            if "bq" in lw:
+                lw["bqkv"] = jnp.concatenate([lw.pop("bq"), lw.pop("bk"), lw.pop("bv")])
+        if "w_gate" in lw:
+            lw["w_gate_up"] = jnp.concatenate([lw.pop("w_gate"), lw.pop("w_up")])
+        jax.block_until_ready(lw)
+    return weights
+
+
+def qkv_projections(lw: dict, y: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [..., h * e], k and v [..., kv * e] of the normed input y, from fused or separate weights."""
+    if "wqkv" in lw:
+        qkv = linear(y, lw["wqkv"], lw.get("bqkv"))
+        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return qkv[..., :qd], qkv[..., qd:qd + kd], qkv[..., qd + kd:]
+    return linear(y, lw["wq"], lw.get("bq")), linear(y, lw["wk"], lw.get("bk")), linear(y, lw["wv"], lw.get("bv"))
+
+
+def mlp(lw: dict, y: jax.Array) -> jax.Array:
+    """The SwiGLU MLP of the normed input y, from a fused gate/up matrix or separate ones."""
+    if "w_gate_up" in lw:
+        gate_up = linear(y, lw["w_gate_up"])
+        f = gate_up.shape[-1] // 2
+        return linear(jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:], lw["w_down"])
+    return swiglu(y, lw["w_gate"], lw["w_up"], lw["w_down"])
+
+
 def forward(weights: dict, cfg: Config, tokens, positions, cache: PagedKVCache, batch: AttentionBatch,
             logits_indices=None, capture_layers: tuple[int, ...] = ()):
     """One forward pass over padded token chunks on the paged cache.
@@ -341,9 +380,8 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: PagedKVCache, 
     captured = {}
     for i, lw in enumerate(weights["layers"]):
         y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-        q = linear(y, lw["wq"], lw.get("bq")).reshape(1, -1, h, e)
-        k = linear(y, lw["wk"], lw.get("bk")).reshape(1, -1, kvh, e)
-        v = linear(y, lw["wv"], lw.get("bv")).reshape(1, -1, kvh, e)
+        q, k, v = qkv_projections(lw, y, cfg)
+        q, k, v = q.reshape(1, -1, h, e), k.reshape(1, -1, kvh, e), v.reshape(1, -1, kvh, e)
         if cfg.qk_norm:
             q = rms_norm(q, lw["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, lw["k_norm"], cfg.rms_norm_eps)
@@ -362,8 +400,7 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: PagedKVCache, 
         new_v.append(v_pages)
         attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
         x = x + linear(attn, lw["wo"], lw.get("bo"))
-        y = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
-        x = x + swiglu(y, lw["w_gate"], lw["w_up"], lw["w_down"])
+        x = x + mlp(lw, rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps))
         if i in capture_layers:
             captured[i] = x
     if len(captured) != len(capture_layers):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from weld.models import llama
-from weld.models.common.layers import apply_rope, linear, rms_norm, swiglu
+from weld.models.common.layers import apply_rope, linear, rms_norm
 
 _MASKED = -1e30
 
@@ -61,16 +61,15 @@ def target_hidden_states(weights: dict, cfg: llama.Config, tokens: jax.Array,
     selected = []
     for i, lw in enumerate(weights["layers"]):
         y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-        q = linear(y, lw["wq"], lw.get("bq")).reshape(b, t, h, e)
-        k = linear(y, lw["wk"], lw.get("bk")).reshape(b, t, kv_heads, e)
-        v = linear(y, lw["wv"], lw.get("bv")).reshape(b, t, kv_heads, e)
+        q, k, v = llama.qkv_projections(lw, y, cfg)
+        q, k, v = q.reshape(b, t, h, e), k.reshape(b, t, kv_heads, e), v.reshape(b, t, kv_heads, e)
         if cfg.qk_norm:
             q = rms_norm(q, lw["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, lw["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, positions, inv_freq, mscale)
         k = apply_rope(k, positions, inv_freq, mscale)
         x = x + linear(masked_attention(q, k, v, _causal_mask(t, cfg.window_for(i))), lw["wo"], lw.get("bo"))
-        x = x + swiglu(rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps), lw["w_gate"], lw["w_up"], lw["w_down"])
+        x = x + llama.mlp(lw, rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps))
         if i in layers:
             selected.append((layers.index(i), x))
     if len(selected) != len(layers):

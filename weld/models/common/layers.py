@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +22,31 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
+# XLA:CPU's dot runs matrix-vector products near memory speed, but at 2..64 rows it packs the
+# whole weight matrix on every call and reaches only 3-6 GB/s on the 2-core AVX2 box
+# (benchmarks/results/cpu_matmul_2026-11-30.md). Written as a multiply + reduction over the
+# contiguous `in` axis, XLA:CPU hands it to YNNPACK, which streams the weights once: 1.5-1.7x
+# faster from 2 to 32 rows, even at 64. WELD_CPU_SMALL_MATMUL=dot turns it off.
+SMALL_MATMUL_ROWS = (2, 64)
+
+
+def _reduce_matmul(rows: int, x: jax.Array, w: jax.Array) -> bool:
+    lo, hi = SMALL_MATMUL_ROWS
+    return (lo <= rows <= hi and x.dtype == w.dtype and jax.default_backend() == "cpu"
+            and os.environ.get("WELD_CPU_SMALL_MATMUL", "reduce") != "dot")
+
+
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     """x @ w.T for w stored [out, in] (the HF / GGUF layout, so loading copies nothing)."""
-    y = jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
+    rows = math.prod(x.shape[:-1])
+    if _reduce_matmul(rows, x, w):
+        # The barrier over (x, w) gives every call its own x: without it XLA merges the
+        # broadcasts of an x shared by two projections (q/k/v, gate/up) and materializes
+        # an [out, rows, in] tensor, which is ~100x slower.
+        xs, ws = jax.lax.optimization_barrier((x.reshape(rows, x.shape[-1]), w))
+        y = jnp.sum(ws[:, None, :] * xs[None], axis=-1).T.reshape(x.shape[:-1] + (w.shape[0],))
+    else:
+        y = jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
     if b is not None:
         y = y + b.astype(y.dtype)
     return y

@@ -1,0 +1,93 @@
+"""linear's two CPU forms (a dot, and a multiply + reduction for 2..64 rows) and fused projections."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from weld.models import llama
+from weld.models.common import layers
+from weld.models.common.spec import random_weights
+
+
+def _hlo(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 65])
+def test_linear_matches_numpy_at_every_row_count(rows):
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 96), np.float32)
+    w = rng.standard_normal((40, 96), np.float32)
+    b = rng.standard_normal(40).astype(np.float32)
+    got = np.asarray(jax.jit(layers.linear)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b)))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64) + b, rtol=1e-5, atol=1e-4)
+
+
+def test_small_row_counts_reduce_and_others_dot(monkeypatch):
+    """2..64 rows take the multiply + reduction (no dot in the program); 1 and 65 rows a dot;
+    WELD_CPU_SMALL_MATMUL=dot puts the dot back."""
+    w = jnp.ones((40, 96), jnp.float32)
+    kinds = {}
+    for rows in (1, 2, 64, 65):
+        kinds[rows] = " dot(" in _hlo(layers.linear, jnp.ones((rows, 96), jnp.float32), w)
+    assert kinds == {1: True, 2: False, 64: False, 65: True}
+    monkeypatch.setenv("WELD_CPU_SMALL_MATMUL", "dot")
+    assert " dot(" in _hlo(layers.linear, jnp.ones((16, 96), jnp.float32), w)
+
+
+def test_projections_sharing_an_input_keep_their_broadcasts_fused():
+    """Two projections of one normed x (gate and up): neither may materialize the [out, rows, in]
+    product, which XLA does when it merges their broadcasts (~100x slower)."""
+    x = jnp.ones((16, 576), jnp.float32)  # SmolLM2's MLP shapes (compiled, not run)
+    gate, up, down = jnp.ones((1536, 576)), jnp.ones((1536, 576)), jnp.ones((576, 1536))
+
+    def mlp(x, gate, up, down):
+        return layers.swiglu(layers.rms_norm(x, jnp.ones(576), 1e-6), gate, up, down)
+
+    text = _hlo(mlp, x, gate, up, down)
+    materialized = [line for line in text.splitlines() if re.search(r"= f32\[1536,16,576\]\S* fusion\(", line)]
+    assert not materialized
+
+
+CONFIGS = {
+    "llama": llama.Config(architecture="llama", vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2,
+                          num_heads=6, num_kv_heads=2, head_dim=8),
+    "qwen": llama.Config(architecture="qwen3", vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=12, qkv_bias=True, qk_norm=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_projections_compute_the_same_model(name):
+    from weld.engine.spec import features
+
+    cfg = CONFIGS[name]
+    weights = random_weights(llama.weight_specs(cfg), seed=3, scale=0.5)
+    fused = {**weights, "layers": [dict(lw) for lw in weights["layers"]]}
+    llama.fuse_projections(fused)
+    assert sorted(fused["layers"][0]) == sorted(
+        {"attn_norm", "mlp_norm", "wo", "w_down", "wqkv", "w_gate_up"} | ({"bqkv", "q_norm", "k_norm"} if name == "qwen" else set()))
+    assert "wq" in weights["layers"][0]  # only the copied layer dicts changed
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 7)), jnp.int32)
+    hidden = jax.jit(features.target_hidden_states, static_argnums=(1, 3))
+    for t in (1, 7):  # one row per sequence (a dot) and 21 rows (the reduction)
+        ref = hidden(weights, cfg, tokens[:, :t], (0,))
+        got = hidden(fused, cfg, tokens[:, :t], (0,))
+        for a, b in zip(ref, got):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["xla", "megakernel"])
+def test_engine_fuses_projections_only_on_xla(tiny_llama_dir, backend):
+    """The megakernel streams the separate matrices by name, so its engine keeps them."""
+    from weld.engine.llm import LLM
+
+    llm = LLM(model=str(tiny_llama_dir[0]), backend=backend, max_model_len=64, kv_cache_memory_gb=0.01)
+    keys = set(llm.model.weights["layers"][0])
+    assert ({"wqkv", "w_gate_up"} <= keys) == (backend == "xla")
+    assert ({"wq", "wk", "wv", "w_gate", "w_up"} <= keys) == (backend == "megakernel")
