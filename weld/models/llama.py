@@ -313,7 +313,7 @@ def fuse_projections(weights: dict) -> dict:
     matrices are dropped as the new ones are made, so memory peaks one layer above the model).
 
     Same model, fewer and wider matmuls: on the 2-core CPU box a batch-1 decode step is ~12%
-    faster (benchmarks/results/cpu_matmul_2026-11-30.md). `forward` and the helpers below take
+    faster (benchmarks/results/cpu_decode_2026-11-30.md). `forward` and the helpers below take
     either form. Not for the megakernel, whose weight stream names the separate matrices, nor
     for weights sharded along their output dimension (q, k and v would mix across shards).
     """
