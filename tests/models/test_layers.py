@@ -29,13 +29,14 @@ def test_linear_matches_numpy_at_every_row_count(rows):
 
 
 def test_small_row_counts_reduce_and_others_dot(monkeypatch):
-    """2..64 rows take the multiply + reduction (no dot in the program); 1 and 65 rows a dot;
-    WELD_CPU_SMALL_MATMUL=dot puts the dot back."""
+    """2..64 rows of f32 take the multiply + reduction (no dot in the program); 1 and 65 rows
+    and bf16 a dot; WELD_CPU_SMALL_MATMUL=dot puts the dot back."""
     w = jnp.ones((40, 96), jnp.float32)
     kinds = {}
     for rows in (1, 2, 64, 65):
         kinds[rows] = " dot(" in _hlo(layers.linear, jnp.ones((rows, 96), jnp.float32), w)
     assert kinds == {1: True, 2: False, 64: False, 65: True}
+    assert " dot(" in _hlo(layers.linear, jnp.ones((16, 96), jnp.bfloat16), w.astype(jnp.bfloat16))  # f32 only
     monkeypatch.setenv("WELD_CPU_SMALL_MATMUL", "dot")
     assert " dot(" in _hlo(layers.linear, jnp.ones((16, 96), jnp.float32), w)
 

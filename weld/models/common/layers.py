@@ -32,7 +32,8 @@ SMALL_MATMUL_ROWS = (2, 64)
 
 def _reduce_matmul(rows: int, x: jax.Array, w: jax.Array) -> bool:
     lo, hi = SMALL_MATMUL_ROWS
-    return (lo <= rows <= hi and x.dtype == w.dtype and jax.default_backend() == "cpu"
+    # f32 only: a bf16 reduction could accumulate in bf16, where the dot accumulates in f32.
+    return (lo <= rows <= hi and x.dtype == w.dtype == jnp.float32 and jax.default_backend() == "cpu"
             and os.environ.get("WELD_CPU_SMALL_MATMUL", "reduce") != "dot")
 
 
