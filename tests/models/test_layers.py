@@ -39,6 +39,9 @@ def test_small_row_counts_reduce_and_others_dot(monkeypatch):
     assert " dot(" in _hlo(layers.linear, jnp.ones((16, 96), jnp.bfloat16), w.astype(jnp.bfloat16))  # f32 only
     monkeypatch.setenv("WELD_CPU_SMALL_MATMUL", "dot")
     assert " dot(" in _hlo(layers.linear, jnp.ones((16, 96), jnp.float32), w)
+    monkeypatch.setenv("WELD_CPU_SMALL_MATMUL", "fast")
+    with pytest.raises(ValueError, match="WELD_CPU_SMALL_MATMUL must be 'reduce' or 'dot', got 'fast'"):
+        _hlo(layers.linear, jnp.ones((16, 96), jnp.float32), w)
 
 
 def test_projections_sharing_an_input_keep_their_broadcasts_fused():

@@ -31,10 +31,13 @@ SMALL_MATMUL_ROWS = (2, 64)
 
 
 def _reduce_matmul(rows: int, x: jax.Array, w: jax.Array) -> bool:
+    form = os.environ.get("WELD_CPU_SMALL_MATMUL", "reduce")
+    if form not in ("reduce", "dot"):
+        raise ValueError(f"WELD_CPU_SMALL_MATMUL must be 'reduce' or 'dot', got {form!r}")
     lo, hi = SMALL_MATMUL_ROWS
     # f32 only: a bf16 reduction could accumulate in bf16, where the dot accumulates in f32.
-    return (lo <= rows <= hi and x.dtype == w.dtype == jnp.float32 and jax.default_backend() == "cpu"
-            and os.environ.get("WELD_CPU_SMALL_MATMUL", "reduce") != "dot")
+    return (form == "reduce" and lo <= rows <= hi and x.dtype == w.dtype == jnp.float32
+            and jax.default_backend() == "cpu")
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
