@@ -1,5 +1,6 @@
-"""Paged attention, both score forms (all kv heads for 1-2 query rows, grouped by kv head
-beyond), against a dense numpy reference: scattered pages, padding, windows, drafter queries."""
+"""Paged attention, every form (the jnp path's all-kv-heads scores for 1-2 query rows and
+grouped scores beyond, and the native CPU kernel), against a dense numpy reference: scattered
+pages, padding, windows, drafter queries."""
 
 from __future__ import annotations
 
@@ -8,14 +9,25 @@ import pytest
 
 import jax.numpy as jnp
 
+from weld.kernels import cpu as cpu_kernels
 from weld.models.common import attention
 
 PAGE, PAGES, H, KV, E = 4, 48, 6, 2, 8
 
 
+@pytest.fixture(params=["jnp", "kernel"])
+def form(request, monkeypatch):
+    """Runs a test on the jnp path and on the native CPU kernel (WELD_CPU_KERNELS)."""
+    monkeypatch.setenv("WELD_CPU_KERNELS", "1" if request.param == "kernel" else "0")
+    if request.param == "kernel":
+        assert cpu_kernels.available(), cpu_kernels._state.get("error")  # the test machine has a compiler
+    return request.param
+
+
 def reference(q, k_pool, v_pool, tables, q_positions, window):
     """Softmax over each query's visible keys, read position by position through the block table."""
-    b, t = q_positions.shape
+    b, t, H, E = q.shape
+    PAGE, KV = k_pool.shape[1], k_pool.shape[2]
     out = np.zeros((b, t, H, E))
     lse = np.full((b, t, H), -np.inf)
     for i in range(b):
@@ -35,10 +47,26 @@ def reference(q, k_pool, v_pool, tables, q_positions, window):
     return out, lse
 
 
-@pytest.mark.parametrize("b,t,window,drafter", [(1, 1, None, False), (2, 1, None, False), (1, 2, 5, False),
-                                                (4, 1, None, False), (3, 3, 6, False), (1, 2, None, True),
-                                                (3, 2, None, True)])
-def test_both_forms_match_dense_reference(b, t, window, drafter):
+CASES = [(1, 1, None, False), (2, 1, None, False), (1, 2, 5, False), (4, 1, None, False), (3, 3, 6, False),
+         (1, 2, None, True), (3, 2, None, True)]
+
+
+@pytest.mark.parametrize("b,t,window,drafter", CASES)
+def test_every_form_matches_dense_reference(b, t, window, drafter, form):
+    check_against_reference(b, t, window, drafter, page=PAGE, heads=H, kv_heads=KV, head_dim=E)
+
+
+@pytest.mark.parametrize("b,t,window,drafter", CASES + [(16, 1, None, False), (5, 1, 20, False)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 4), (40, 8, 2)])
+def test_kernel_at_model_sizes(b, t, window, drafter, head_dim, heads, kv_heads, monkeypatch):
+    """The kernel's vector paths (head_dim 64, 128) and its generic path (40), 16-token pages."""
+    monkeypatch.setenv("WELD_CPU_KERNELS", "1")
+    check_against_reference(b, t, window, drafter, page=16, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+
+
+def check_against_reference(b, t, window, drafter, *, page, heads, kv_heads, head_dim):
+    PAGE, H, KV, E = page, heads, kv_heads, head_dim
+    PAGES = max(48, b * 12)
     rng = np.random.default_rng(b * 10 + t)
     q = rng.standard_normal((b, t, H, E)).astype(np.float32)
     k = rng.standard_normal((b, t, KV, E)).astype(np.float32)
@@ -46,7 +74,7 @@ def test_both_forms_match_dense_reference(b, t, window, drafter):
     k_pool = rng.standard_normal((PAGES, PAGE, KV, E)).astype(np.float32)
     v_pool = rng.standard_normal((PAGES, PAGE, KV, E)).astype(np.float32)
     tables = rng.permutation(PAGES)[:b * 12].reshape(b, 12).astype(np.int32)
-    start = rng.integers(3, 30, b)
+    start = rng.integers(3, 30 * PAGE // 4, b)
     positions = (start[:, None] + np.arange(t)[None]).astype(np.int32)
     if b > 2:
         positions[1, -1] = -1  # padding writes nothing and sees nothing
@@ -72,16 +100,51 @@ def test_both_forms_match_dense_reference(b, t, window, drafter):
     assert np.all(np.asarray(out)[~live] == 0)
 
 
-def test_the_form_follows_the_row_count():
-    """1-2 query rows score [b, t * heads, tile * kv heads] in one dot; 3 or more rows score
-    [b, kv heads, group, t, tile] per kv head."""
+def _program(b, t, dtype=jnp.float32):
     import jax
 
-    def program(b, t):
-        args = (jnp.zeros((b, t, H, E)), jnp.zeros((b, t, KV, E)), jnp.zeros((b, t, KV, E)),
-                jnp.zeros((PAGES, PAGE, KV, E)), jnp.zeros((PAGES, PAGE, KV, E)),
-                jnp.zeros((b, t), jnp.int32), jnp.zeros((b, 8), jnp.int32))
-        return str(jax.make_jaxpr(attention.paged_attention)(*args))
+    args = (jnp.zeros((b, t, H, E)), jnp.zeros((b, t, KV, E)), jnp.zeros((b, t, KV, E)),
+            jnp.zeros((PAGES, PAGE, KV, E), dtype), jnp.zeros((PAGES, PAGE, KV, E), dtype),
+            jnp.zeros((b, t), jnp.int32), jnp.zeros((b, 8), jnp.int32))
+    # a fresh wrapper each time: JAX caches traces per function, and the kernel switch is read when traced
+    return str(jax.make_jaxpr(lambda *a: attention.paged_attention(*a))(*args))
+
+
+def test_kernel_takes_short_f32_queries_only(monkeypatch):
+    """Decode-sized calls with f32 pools go to the kernel; prefill chunks and other dtypes keep
+    the jnp path; WELD_CPU_KERNELS=0 turns it off and any other value is an error."""
+    monkeypatch.setenv("WELD_CPU_KERNELS", "1")
+    limit = attention.CPU_KERNEL_MAX_TOKENS
+    assert "weld_paged_attention" in _program(1, 1) and "weld_paged_attention" in _program(16, limit)
+    assert "weld_paged_attention" not in _program(1, limit + 1)
+    assert "weld_paged_attention" not in _program(4, 1, jnp.bfloat16)
+    monkeypatch.setenv("WELD_CPU_KERNELS", "0")
+    assert "weld_paged_attention" not in _program(1, 1)
+    monkeypatch.setenv("WELD_CPU_KERNELS", "yes")
+    with pytest.raises(ValueError, match="WELD_CPU_KERNELS"):
+        _program(1, 1)
+
+
+def test_a_failed_build_falls_back_to_jnp(monkeypatch, tmp_path, caplog):
+    """No working compiler: one warning, and the jnp path computes the same numbers."""
+    monkeypatch.setenv("WELD_CPU_KERNELS", "1")
+    monkeypatch.setenv("WELD_KERNEL_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    with caplog.at_level("WARNING", logger="weld"):
+        assert not cpu_kernels.available()
+        assert not cpu_kernels.available()  # remembered: tried once
+    assert [r.message for r in caplog.records if "native CPU kernels unavailable" in r.message] != []
+    assert len([r for r in caplog.records if "native CPU kernels" in r.message]) == 1
+    assert "weld_paged_attention" not in _program(1, 1)
+    assert list(tmp_path.glob("*.so")) == []
+
+
+def test_the_form_follows_the_row_count(monkeypatch):
+    """1-2 query rows score [b, t * heads, tile * kv heads] in one dot; 3 or more rows score
+    [b, kv heads, group, t, tile] per kv head (the jnp path: kernels off)."""
+    monkeypatch.setenv("WELD_CPU_KERNELS", "0")
+    program = _program
 
     tile = 8 * PAGE  # the default pages_per_tile
     for b, t in [(1, 1), (2, 1), (1, 2)]:

@@ -1,4 +1,5 @@
-"""linear's two CPU forms (a dot, and a multiply + reduction for 2..64 rows) and fused projections."""
+"""linear's CPU forms (the native matrix-vector kernel for 1 row, a multiply + reduction for
+2..64 rows, a dot otherwise) and fused projections."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from weld.kernels import cpu as cpu_kernels
 from weld.models import llama
 from weld.models.common import layers
 from weld.models.common.spec import random_weights
@@ -30,9 +32,36 @@ def test_linear_matches_numpy_at_every_row_count(rows):
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64) + b, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (1, 13, 96), (1, 9, 100), (2, 12, 64), (3, 5, 8), (5, 17, 24),
+                                   (7, 4, 40), (16, 960, 576)])
+def test_native_matmul_matches_numpy(m, n, k):
+    """Every path of matmul.cc: the 8-column matrix-vector blocks, 4-column blocks of 3, 2 and
+    1 rows, single columns, and the generic loop (k not a multiple of 8)."""
+    assert cpu_kernels.available(), cpu_kernels._state.get("error")
+    rng = np.random.default_rng(m * 1000 + n + k)
+    x = rng.standard_normal((m, k), np.float32)
+    w = rng.standard_normal((n, k), np.float32)
+    got = np.asarray(jax.jit(cpu_kernels.matmul)(jnp.asarray(x), jnp.asarray(w)))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-4)
+
+
+def test_one_row_takes_the_native_kernel(monkeypatch):
+    """1 f32 row through a projection goes to weld_matmul; the LM head's width, bf16 and
+    WELD_CPU_KERNELS=0 keep the dot."""
+    monkeypatch.setenv("WELD_CPU_KERNELS", "1")
+    x = jnp.ones((1, 96), jnp.float32)
+    assert "weld_matmul" in _hlo(layers.linear, x, jnp.ones((40, 96), jnp.float32))
+    wide = jnp.ones((layers.NATIVE_MATVEC_MAX_OUT + 8, 96), jnp.float32)
+    assert "weld_matmul" not in _hlo(layers.linear, x, wide) and " dot(" in _hlo(layers.linear, x, wide)
+    assert "weld_matmul" not in _hlo(layers.linear, x.astype(jnp.bfloat16), jnp.ones((40, 96), jnp.bfloat16))
+    monkeypatch.setenv("WELD_CPU_KERNELS", "0")
+    assert " dot(" in _hlo(layers.linear, x, jnp.ones((40, 96), jnp.float32))
+
+
 def test_small_row_counts_reduce_and_others_dot(monkeypatch):
     """2..64 rows of f32 take the multiply + reduction (no dot in the program); 1 and 65 rows
-    and bf16 a dot; WELD_CPU_SMALL_MATMUL=dot puts the dot back."""
+    and bf16 a dot (native kernels off); WELD_CPU_SMALL_MATMUL=dot puts the dot back."""
+    monkeypatch.setenv("WELD_CPU_KERNELS", "0")
     w = jnp.ones((40, 96), jnp.float32)
     kinds = {}
     for rows in (1, 2, 64, 65):

@@ -5,12 +5,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from weld.kernels import cpu as cpu_kernels
+
 _MASKED = -1e30  # finite, so padding rows (nothing to attend to) stay NaN-free
 # Up to this many query rows (batch x tokens), every query head scores every kv head's keys and
 # the other heads' scores are masked: kv x the flops, but the gathered pages feed the dots as
 # they lie, with no transposed copy. On the 2-core CPU box that halves batch-1 decode attention
 # (8.2 -> 3.7 ms per step at ~160 tokens); from 4 rows on the grouped form is faster.
 ALL_KV_HEADS_ROWS = 2
+# Up to this many query tokens per row, f32 pools on the CPU go to the native kernel
+# (weld/kernels/cpu/paged_attention.cc): decode, speculative verification and drafter blocks.
+# Longer chunks (prefill) keep the jnp path, whose dots suit many queries.
+CPU_KERNEL_MAX_TOKENS = 16
 
 
 def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
@@ -55,12 +61,19 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array
     b, t, h, e = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     g = h // kv_heads
-    block_tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % pages_per_tile)))
-    tile = pages_per_tile * page_size
     if scale is None:
         scale = e ** -0.5
     if query_positions is None:
         query_positions = positions
+    if (t <= CPU_KERNEL_MAX_TOKENS and k_pages.dtype == jnp.float32 and v_pages.dtype == jnp.float32
+            and cpu_kernels.available()):
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, positions, block_tables)
+        out, lse = cpu_kernels.paged_attention(q, k_pages, v_pages, block_tables, query_positions, scale=scale,
+                                               sliding_window=sliding_window)
+        out = out.astype(q.dtype)
+        return (out, k_pages, v_pages, lse) if return_lse else (out, k_pages, v_pages)
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % pages_per_tile)))
+    tile = pages_per_tile * page_size
     num_tiles = jnp.max(query_positions) // tile + 1  # tiles holding a position some query sees
     # Rows of queries: [b, t * h] when every head scores every kv head (few rows), else
     # [b, kv, g, t] grouped by kv head.

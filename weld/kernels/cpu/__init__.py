@@ -1,0 +1,149 @@
+"""Native CPU kernels, called from jitted code through the XLA FFI.
+
+XLA:CPU leaves some decode-time work far from what the machine can do: paged attention
+(paged_attention.cc) and products of a few rows with a weight matrix (matmul.cc). These kernels are C++ sources shipped with weld and compiled on first use on
+the machine that runs them (-O3 -march=native), into ~/.cache/weld/kernels (or
+$WELD_KERNEL_CACHE_DIR). The build key covers the source, the flags, the compiler, jaxlib and the
+CPU, so a shared home directory never hands one machine another's binary.
+
+No compiler, or a failed build, is not an error: weld logs one warning and keeps the jnp path,
+which computes the same thing. WELD_CPU_KERNELS=0 turns the kernels off (read when a program is
+traced; 1, the default, turns them on).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger("weld")
+
+_SOURCES = ("paged_attention.cc", "matmul.cc")
+_HEADERS = ("parallel.h",)
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+          # lets the compiler vectorize the dot products' sums; no NaN/inf assumptions are made
+          "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
+_TARGETS = {"weld_paged_attention": "WeldPagedAttention", "weld_matmul": "WeldMatmul"}
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool once tried; "error": why not
+
+
+def enabled() -> bool:
+    """Whether programs traced now use the kernels (WELD_CPU_KERNELS, default 1)."""
+    value = os.environ.get("WELD_CPU_KERNELS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"WELD_CPU_KERNELS must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
+def available() -> bool:
+    """True when the kernels are enabled, the default backend is the CPU, and the library is built
+    and registered (built on the first call; a failure is logged once and remembered)."""
+    if not enabled() or jax.default_backend() != "cpu":
+        return False
+    with _lock:
+        if "ok" not in _state:
+            try:
+                _register(_build())
+                _state["ok"] = True
+            except Exception as e:  # no compiler, a compile error, a missing header: keep the jnp path
+                _state.update(ok=False, error=str(e))
+                log.warning("weld: native CPU kernels unavailable (%s); using the XLA path", str(e).splitlines()[0])
+        return bool(_state["ok"])
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    return cxx
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _jaxlib_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxlib")
+    except PackageNotFoundError:
+        return ""
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "weld" / "kernels"
+    return Path(os.environ.get("WELD_KERNEL_CACHE_DIR") or default)
+
+
+def _build() -> Path:
+    here = Path(__file__).parent
+    sources = [here / name for name in _SOURCES]
+    cxx = _compiler()
+    include = jax.ffi.include_dir()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256()
+    for part in [*(p.read_bytes() for p in sources), *((here / h).read_bytes() for h in _HEADERS), " ".join(_FLAGS).encode(), version.encode(),
+                 jax.__version__.encode(), _jaxlib_version().encode(),
+                 include.encode(), _cpu_id().encode(), platform.machine().encode()]:
+        key.update(part)
+        key.update(b"\0")
+    out = cache_dir() / f"weld_cpu_{key.hexdigest()[:20]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        cmd = [cxx, *_FLAGS, f"-I{include}", f"-I{here}", *map(str, sources), "-o", str(tmp_out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling {', '.join(_SOURCES)} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp_out, out)  # atomic: a concurrent build of the same key writes the same bytes
+    return out
+
+
+def _register(path: Path) -> None:
+    lib = ctypes.CDLL(str(path))
+    for target, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    _state["lib"] = lib  # keep it loaded
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                    query_positions: jax.Array, *, scale: float, sliding_window: int | None) -> tuple[jax.Array, jax.Array]:
+    """Attention of q [b, t, h, e] over each row's pages of the pools [P, page, kv, e] (all f32),
+    which already hold the new K/V. Returns (out [b, t, h, e] f32, lse [b, t, h] f32); padding
+    queries (position < 0) give 0 and an lse of -1e30, as the jnp path does."""
+    b, t, h, e = q.shape
+    call = jax.ffi.ffi_call(
+        "weld_paged_attention",
+        (jax.ShapeDtypeStruct((b, t, h, e), jnp.float32), jax.ShapeDtypeStruct((b, t, h), jnp.float32)),
+        vmap_method="sequential")
+    return call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
+                query_positions.astype(jnp.int32), window=np.int64(sliding_window or 0), scale=np.float32(scale))
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [m, k] @ w [n, k].T, f32, for the few rows of a decode step (matmul.cc)."""
+    call = jax.ffi.ffi_call("weld_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, w)

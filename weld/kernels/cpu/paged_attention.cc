@@ -1,0 +1,288 @@
+// Paged decode attention for XLA:CPU, called through the XLA FFI (weld/kernels/cpu/__init__.py
+// builds this file on the machine that runs it, with -march=native).
+//
+// XLA:CPU runs the jnp form of paged attention (weld/models/common/attention.py) as a gather of
+// whole K/V tiles into new buffers, a transposed copy and batched dots of a few rows each; at
+// batch 16 that is a third of a decode step. This kernel reads each row's pages where they lie,
+// once, for all the query heads that share a kv head, under an online softmax.
+//
+// Semantics are those of `paged_attention` for queries that read the pools (the new K/V were
+// written before the call): query (b, t, head) at position p >= 0 attends to positions
+// max(0, p - window + 1) .. p (window 0: no window) of row b, position j lying in page
+// block_tables[b, j / page_size] at row j % page_size. A query with p < 0 is padding: its output
+// is 0 and its log-sum-exp is -1e30.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kMasked = -1e30f;  // the jnp path's mask value: lse of padding rows
+
+struct Problem {
+  const float* q;        // [b, t, h, e]
+  const float* k_pool;   // [P, page, kv, e]
+  const float* v_pool;
+  const int32_t* tables;  // [b, nb]
+  const int32_t* qpos;    // [b, t]
+  float* out;             // [b, t, h, e]
+  float* lse;             // [b, t, h]
+  int64_t b, t, h, e, kv, g, pages, page_size, nb, window;
+  float scale;
+};
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Online-softmax state of one query head: running max, denominator and numerator [e].
+struct HeadState {
+  float m, l;
+  float* acc;
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// exp of 8 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial
+// (relative error ~2e-7). Inputs below -87 (masked scores) give 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// fold_page for e = 8 * N8 (a compile-time constant, so the loops over e unroll).
+template <int64_t N8>
+void fold_page_avx2(const float* __restrict qs, const float* __restrict kp, const float* __restrict vp,
+                    int64_t lo, int64_t hi, int64_t row_stride, int64_t g, HeadState* st, float* __restrict s) {
+    constexpr int64_t n8 = N8, e = 8 * N8;
+    for (int64_t gi = 0; gi < g; ++gi) {
+      HeadState& h = st[gi];
+      const float* qg = qs + gi * e;
+      // Scores, four rows at a time (independent sums hide the FMA latency).
+      int64_t r = lo;
+      for (; r + 4 <= hi; r += 4) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const float* k0 = kp + r * row_stride;
+        for (int64_t c = 0; c < n8; ++c) {
+          const __m256 qv = _mm256_loadu_ps(qg + 8 * c);
+          a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 8 * c), a0);
+          a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + row_stride + 8 * c), a1);
+          a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * row_stride + 8 * c), a2);
+          a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * row_stride + 8 * c), a3);
+        }
+        s[r] = hsum(a0), s[r + 1] = hsum(a1), s[r + 2] = hsum(a2), s[r + 3] = hsum(a3);
+      }
+      for (; r < hi; ++r) {
+        __m256 a0 = _mm256_setzero_ps();
+        for (int64_t c = 0; c < n8; ++c)
+          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(kp + r * row_stride + 8 * c), a0);
+        s[r] = hsum(a0);
+      }
+      float mx = h.m;
+      for (r = lo; r < hi; ++r) mx = std::max(mx, s[r]);
+      const float correction = std::exp(h.m - mx);
+      // Weights, 8 at a time; lanes past hi are zeroed.
+      float sum = 0.f;
+      const __m256 mv = _mm256_set1_ps(mx);
+      for (r = lo; r < hi; r += 8) {
+        const int64_t valid = std::min<int64_t>(8, hi - r);
+        __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + r), mv));
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        w = _mm256_and_ps(w, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane)));
+        _mm256_storeu_ps(s + r, w);
+        sum += hsum(w);
+      }
+      // Numerator: acc = acc * correction + sum_r w_r v_r, kept in registers over the rows.
+      __m256 acc[N8];
+      const __m256 cv = _mm256_set1_ps(correction);
+      for (int64_t c = 0; c < n8; ++c) acc[c] = _mm256_mul_ps(_mm256_loadu_ps(h.acc + 8 * c), cv);
+      for (r = lo; r < hi; ++r) {
+        const __m256 w = _mm256_set1_ps(s[r]);
+        const float* vr = vp + r * row_stride;
+        for (int64_t c = 0; c < n8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+      }
+      for (int64_t c = 0; c < n8; ++c) _mm256_storeu_ps(h.acc + 8 * c, acc[c]);
+      h.m = mx;
+      h.l = h.l * correction + sum;
+    }
+}
+#endif
+
+// Folds the rows lo..hi-1 of one page (one kv head's keys kp and values vp, rows row_stride
+// apart) into the g query heads qs [g, e] that share that kv head. s: scratch [page + 8].
+inline void fold_page(const float* __restrict qs, const float* __restrict kp, const float* __restrict vp,
+                      int64_t lo, int64_t hi, int64_t row_stride, int64_t e, int64_t g, HeadState* st,
+                      float* __restrict s) {
+#if defined(__AVX2__) && defined(__FMA__)
+  switch (e) {
+    case 64: return fold_page_avx2<8>(qs, kp, vp, lo, hi, row_stride, g, st, s);
+    case 128: return fold_page_avx2<16>(qs, kp, vp, lo, hi, row_stride, g, st, s);
+    case 96: return fold_page_avx2<12>(qs, kp, vp, lo, hi, row_stride, g, st, s);
+    case 32: return fold_page_avx2<4>(qs, kp, vp, lo, hi, row_stride, g, st, s);
+    case 256: return fold_page_avx2<32>(qs, kp, vp, lo, hi, row_stride, g, st, s);
+    default: break;
+  }
+#endif
+  for (int64_t gi = 0; gi < g; ++gi) {
+    HeadState& h = st[gi];
+    float mx = h.m;
+    for (int64_t r = lo; r < hi; ++r) {
+      s[r] = dot(qs + gi * e, kp + r * row_stride, e);
+      mx = std::max(mx, s[r]);
+    }
+    const float correction = std::exp(h.m - mx);
+    float* __restrict a = h.acc;
+    float sum = h.l * correction;
+    for (int64_t i = 0; i < e; ++i) a[i] *= correction;
+    for (int64_t r = lo; r < hi; ++r) {
+      const float w = std::exp(s[r] - mx);
+      sum += w;
+      const float* __restrict vr = vp + r * row_stride;
+      for (int64_t i = 0; i < e; ++i) a[i] += w * vr[i];
+    }
+    h.m = mx;
+    h.l = sum;
+  }
+}
+
+inline void prefetch_page(const float* p, int64_t floats) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < floats * 4; off += 64) __builtin_prefetch(c + off);
+}
+
+// One work item: query ti of row `row`, kv heads kh0..kh1-1 with their g query heads each. A
+// page holds all kv heads' rows interleaved, so an item over all kv heads reads each page once,
+// front to back (the next page is prefetched while this one is folded).
+void attend(const Problem& P, int64_t row, int64_t ti, int64_t kh0, int64_t kh1, float* scratch, HeadState* st) {
+  const int64_t e = P.e, g = P.g, nh = (kh1 - kh0) * g;
+  const int64_t qbase = (row * P.t + ti) * P.h + kh0 * g;  // first query head of this item
+  const int32_t p = P.qpos[row * P.t + ti];
+  if (p < 0) {
+    std::fill(P.out + qbase * e, P.out + (qbase + nh) * e, 0.f);
+    std::fill(P.lse + qbase, P.lse + qbase + nh, kMasked);
+    return;
+  }
+  float* acc = scratch;          // [nh, e]
+  float* qs = acc + nh * e;      // [nh, e] scaled queries
+  float* s = qs + nh * e;        // [page]
+  for (int64_t j = 0; j < nh; ++j) {
+    const float* src = P.q + (qbase + j) * e;
+    for (int64_t i = 0; i < e; ++i) qs[j * e + i] = src[i] * P.scale;
+    st[j] = HeadState{kMasked, 0.f, acc + j * e};
+  }
+  std::fill(acc, acc + nh * e, 0.f);
+  const int64_t first = P.window > 0 ? std::max<int64_t>(0, p - P.window + 1) : 0;
+  const int64_t row_stride = P.kv * e;  // between consecutive tokens of a page
+  const int64_t page_floats = P.page_size * row_stride;
+  const int64_t last_block = std::min<int64_t>(p / P.page_size, P.nb - 1);
+  auto page_of = [&](int64_t block) -> int64_t {
+    const int32_t page = P.tables[row * P.nb + block];
+    return page < 0 || page >= P.pages ? -1 : page;  // never out of range for positions a query sees
+  };
+  for (int64_t block = first / P.page_size; block <= last_block; ++block) {
+    const int64_t page = page_of(block);
+    if (block < last_block) {
+      const int64_t next = page_of(block + 1);
+      if (next >= 0) {
+        prefetch_page(P.k_pool + next * page_floats, page_floats);
+        prefetch_page(P.v_pool + next * page_floats, page_floats);
+      }
+    }
+    if (page < 0) continue;
+    const int64_t start = block * P.page_size;
+    const int64_t lo = std::max(start, first) - start;
+    const int64_t hi = std::min<int64_t>(P.page_size, p - start + 1);
+    for (int64_t kh = kh0; kh < kh1; ++kh) {
+      const float* kp = P.k_pool + page * page_floats + kh * e;
+      const float* vp = P.v_pool + page * page_floats + kh * e;
+      fold_page(qs + (kh - kh0) * g * e, kp, vp, lo, hi, row_stride, e, g, st + (kh - kh0) * g, s);
+    }
+  }
+  for (int64_t j = 0; j < nh; ++j) {
+    const float denom = std::max(st[j].l, 1e-30f);
+    float* dst = P.out + (qbase + j) * e;
+    for (int64_t i = 0; i < e; ++i) dst[i] = acc[j * e + i] / denom;
+    P.lse[qbase + j] = st[j].m + std::log(denom);
+  }
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
+                              ffi::Buffer<ffi::F32> v_pool, ffi::Buffer<ffi::S32> tables,
+                              ffi::Buffer<ffi::S32> qpos, ffi::ResultBuffer<ffi::F32> out,
+                              ffi::ResultBuffer<ffi::F32> lse, int64_t window, float scale) {
+  auto qd = q.dimensions(), kd = k_pool.dimensions(), td = tables.dimensions();
+  auto vd = v_pool.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin())) {
+    return ffi::Error::InvalidArgument("weld_paged_attention: q [b,t,h,e], pools [P,page,kv,e], tables [b,n]");
+  }
+  Problem P{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), tables.typed_data(), qpos.typed_data(),
+            out->typed_data(), lse->typed_data(), qd[0], qd[1], qd[2], qd[3], kd[2], 0, kd[0], kd[1], td[1],
+            window, scale};
+  if (kd[3] != P.e || P.kv == 0 || P.h % P.kv != 0 || td[0] != P.b) {
+    return ffi::Error::InvalidArgument("weld_paged_attention: mismatched shapes");
+  }
+  P.g = P.h / P.kv;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // Item i covers query (row, ti) and kv heads [chunk * per, (chunk + 1) * per): whole rows
+  // (every kv head: each page is read once, front to back) when there are enough of them to keep
+  // every thread busy; otherwise one item per kv head.
+  const int64_t chunks = P.b * P.t >= 2 * threads ? 1 : P.kv;
+  weld::parallel_for(pool, P.b * P.t * chunks, 1, [P, chunks](int64_t begin, int64_t end) {
+    const int64_t per = P.kv / chunks, nh = per * P.g;
+    std::vector<float> scratch(2 * nh * P.e + P.page_size + 8);  // + 8: whole-vector reads of s
+    std::vector<HeadState> st(nh);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t chunk = i % chunks, ti = (i / chunks) % P.t, row = i / (chunks * P.t);
+      attend(P, row, ti, chunk * per, (chunk + 1) * per, scratch.data(), st.data());
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(WeldPagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query positions
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale"));
