@@ -1,5 +1,5 @@
-"""linear's CPU forms (the native matrix-vector kernel for 1 row, a multiply + reduction for
-2..64 rows, a dot otherwise) and fused projections."""
+"""linear's CPU forms (packed weights through the native kernel; otherwise a multiply +
+reduction for 2..64 rows and a dot beyond), fused and packed projections."""
 
 from __future__ import annotations
 
@@ -32,30 +32,37 @@ def test_linear_matches_numpy_at_every_row_count(rows):
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64) + b, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (1, 13, 96), (1, 9, 100), (2, 12, 64), (3, 5, 8), (5, 17, 24),
-                                   (7, 4, 40), (16, 960, 576)])
-def test_native_matmul_matches_numpy(m, n, k):
-    """Every path of matmul.cc: the 8-column matrix-vector blocks, 4-column blocks of 3, 2 and
-    1 rows, single columns, and the generic loop (k not a multiple of 8)."""
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (1, 16, 7), (2, 12, 64), (3, 5, 8), (5, 17, 24), (6, 33, 40),
+                                   (13, 48, 100), (16, 960, 576)])
+def test_packed_matmul_matches_numpy(m, n, k):
+    """Every path of matmul.cc: one row (k a multiple of 4 or not), blocks of 6 rows and each
+    remainder 1-5, full and padded last panels."""
     assert cpu_kernels.available(), cpu_kernels._state.get("error")
     rng = np.random.default_rng(m * 1000 + n + k)
     x = rng.standard_normal((m, k), np.float32)
     w = rng.standard_normal((n, k), np.float32)
-    got = np.asarray(jax.jit(cpu_kernels.matmul)(jnp.asarray(x), jnp.asarray(w)))
+    packed = layers.pack_weight(jnp.asarray(w))
+    assert packed.panels.shape == (-(-n // 16), k, 16) and packed.shape == (n, k)
+    np.testing.assert_array_equal(np.asarray(packed.unpacked()), w)
+    got = np.asarray(jax.jit(cpu_kernels.packed_matmul, static_argnums=2)(jnp.asarray(x), packed.panels, n))
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-4)
 
 
-def test_one_row_takes_the_native_kernel(monkeypatch):
-    """1 f32 row through a projection goes to weld_matmul; the LM head's width, bf16 and
-    WELD_CPU_KERNELS=0 keep the dot."""
-    monkeypatch.setenv("WELD_CPU_KERNELS", "1")
-    x = jnp.ones((1, 96), jnp.float32)
-    assert "weld_matmul" in _hlo(layers.linear, x, jnp.ones((40, 96), jnp.float32))
-    wide = jnp.ones((layers.NATIVE_MATVEC_MAX_OUT + 8, 96), jnp.float32)
-    assert "weld_matmul" not in _hlo(layers.linear, x, wide) and " dot(" in _hlo(layers.linear, x, wide)
-    assert "weld_matmul" not in _hlo(layers.linear, x.astype(jnp.bfloat16), jnp.ones((40, 96), jnp.bfloat16))
-    monkeypatch.setenv("WELD_CPU_KERNELS", "0")
-    assert " dot(" in _hlo(layers.linear, x, jnp.ones((40, 96), jnp.float32))
+@pytest.mark.parametrize("kernels", ["1", "0"])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_linear_on_packed_weights(rows, kernels, monkeypatch):
+    """linear takes a PackedWeight: the native kernel for f32 rows (decode and prefill alike), XLA's
+    dot on the panels with the kernels off; the same numbers either way."""
+    monkeypatch.setenv("WELD_CPU_KERNELS", kernels)
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 96), np.float32)
+    w = rng.standard_normal((40, 96), np.float32)
+    b = rng.standard_normal(40).astype(np.float32)
+    packed = layers.pack_weight(jnp.asarray(w))
+    args = (jnp.asarray(x), packed, jnp.asarray(b))
+    assert ("weld_packed_matmul" in _hlo(layers.linear, *args)) == (kernels == "1")
+    got = np.asarray(jax.jit(lambda *a: layers.linear(*a))(*args))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64) + b, rtol=1e-5, atol=1e-4)
 
 
 def test_small_row_counts_reduce_and_others_dot(monkeypatch):
@@ -110,11 +117,15 @@ def test_fused_projections_compute_the_same_model(name):
     assert "wq" in weights["layers"][0]  # only the copied layer dicts changed
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 7)), jnp.int32)
     hidden = jax.jit(features.target_hidden_states, static_argnums=(1, 3))
-    for t in (1, 7):  # one row per sequence (a dot) and 21 rows (the reduction)
+    packed = {**fused, "layers": [dict(lw) for lw in fused["layers"]]}
+    llama.pack_projections(packed)
+    assert isinstance(packed["layers"][0]["wqkv"], layers.PackedWeight)
+    for t in (1, 7):  # 3 rows (the reduction, or the packed kernel) and 21 rows
         ref = hidden(weights, cfg, tokens[:, :t], (0,))
-        got = hidden(fused, cfg, tokens[:, :t], (0,))
-        for a, b in zip(ref, got):
-            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+        for form in (fused, packed):
+            got = hidden(form, cfg, tokens[:, :t], (0,))
+            for a, b in zip(ref, got):
+                np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["xla", "megakernel"])
@@ -125,4 +136,6 @@ def test_engine_fuses_projections_only_on_xla(tiny_llama_dir, backend):
     llm = LLM(model=str(tiny_llama_dir[0]), backend=backend, max_model_len=64, kv_cache_memory_gb=0.01)
     keys = set(llm.model.weights["layers"][0])
     assert ({"wqkv", "w_gate_up"} <= keys) == (backend == "xla")
+    packed = isinstance(llm.model.weights["layers"][0]["wo"], layers.PackedWeight)
+    assert packed == (backend == "xla")  # f32 on CPU with the kernels built: panels for them
     assert ({"wq", "wk", "wv", "w_gate", "w_up"} <= keys) == (backend == "megakernel")

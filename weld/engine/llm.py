@@ -21,6 +21,7 @@ from weld.engine.outputs import RequestOutput
 from weld.engine.runner import BACKENDS, ModelRunner
 from weld.engine.sampling_params import SamplingParams
 from weld.engine.scheduler import Scheduler
+from weld.kernels import cpu as cpu_kernels
 from weld.tokenizer import Tokenizer
 from weld.utils.errors import InvalidInputError
 from weld.utils.progress import Progress, status
@@ -163,6 +164,8 @@ class LLM:
         drafter, draft_params, spec = self._load_drafter(spec, progress)
         if backend == "xla" and hasattr(self.model.family, "fuse_projections"):
             self.model.family.fuse_projections(self.model.weights)  # one q/k/v and one gate/up matmul
+            if self.dtype == jnp.float32 and cpu_kernels.available():
+                self.model.family.pack_projections(self.model.weights)  # panels for the native CPU kernel
         runner = ModelRunner(self.model.family, self.cfg, self.model.weights, num_pages=num_pages,
                              page_size=page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len,
                              steps_per_call=steps_per_call, eos_token_ids=eos, backend=backend,

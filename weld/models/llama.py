@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from weld.models.common.attention import paged_attention
 from weld.models.common.cache import AttentionBatch, PagedKVCache, PagedKVSpec
-from weld.models.common.layers import RopeScaling, apply_rope, linear, rms_norm, rope_inv_freq, swiglu
+from weld.models.common.layers import (PackedWeight, RopeScaling, apply_rope, linear, pack_weight, rms_norm,
+                                      rope_inv_freq, swiglu)
 from weld.models.common.spec import WeightSpec
 
 HF_ARCHITECTURES = {
@@ -324,6 +325,22 @@ def fuse_projections(weights: dict) -> dict:
                 lw["bqkv"] = jnp.concatenate([lw.pop("bq"), lw.pop("bk"), lw.pop("bv")])
         if "w_gate" in lw:
             lw["w_gate_up"] = jnp.concatenate([lw.pop("w_gate"), lw.pop("w_up")])
+        jax.block_until_ready(lw)
+    return weights
+
+
+PROJECTIONS = ("wqkv", "w_gate_up", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def pack_projections(weights: dict) -> dict:
+    """Stores each layer's f32 projection matrices as `layers.PackedWeight` panels, in place,
+    layer by layer, for the native CPU kernel (`linear` takes either form). The embedding and
+    the LM head stay as they are."""
+    for lw in weights["layers"]:
+        for name in PROJECTIONS:
+            w = lw.get(name)
+            if w is not None and not isinstance(w, PackedWeight) and w.ndim == 2 and w.dtype == jnp.float32:
+                lw[name] = pack_weight(w)
         jax.block_until_ready(lw)
     return weights
 

@@ -35,7 +35,7 @@ _HEADERS = ("parallel.h",)
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
           # lets the compiler vectorize the dot products' sums; no NaN/inf assumptions are made
           "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
-_TARGETS = {"weld_paged_attention": "WeldPagedAttention", "weld_matmul": "WeldMatmul"}
+_TARGETS = {"weld_paged_attention": "WeldPagedAttention", "weld_packed_matmul": "WeldPackedMatmul"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool once tried; "error": why not
@@ -142,8 +142,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
                 query_positions.astype(jnp.int32), window=np.int64(sliding_window or 0), scale=np.float32(scale))
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [m, k] @ w [n, k].T, f32, for the few rows of a decode step (matmul.cc)."""
-    call = jax.ffi.ffi_call("weld_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32),
+def packed_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    """x [m, k] @ w.T, f32, for w [n, k] packed as panels [ceil(n / 16), k, 16] (matmul.cc;
+    weld.models.common.layers.PackedWeight)."""
+    call = jax.ffi.ffi_call("weld_packed_matmul", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="sequential")
-    return call(x, w)
+    return call(x, panels)

@@ -1,12 +1,15 @@
-// y [m, n] = x [m, k] . w [n, k]^T for the few rows of a decode step (XLA:CPU FFI; built by
-// weld/kernels/cpu/__init__.py with -march=native).
+// y [m, n] = x [m, k] . w^T for the few rows of a decode step, with w packed in panels of 16
+// outputs (weld.models.common.layers.PackedWeight: panels [ceil(n / 16), k, 16]). XLA:CPU FFI;
+// built by weld/kernels/cpu/__init__.py with -march=native.
 //
-// At 1 row XLA:CPU's dot streams weights at 8-16 GB/s and at 2..64 rows its best form (a
-// multiply + reduction) reaches about half the FMA peak, because each weight is multiplied by
-// one row at a time. Here a block of 4 weight rows is multiplied by 3 input rows at a time
-// (12 independent sums in registers), so each weight is read from memory once per call and
-// from L1 once per 3 rows; threads split the output features.
+// XLA:CPU's dot streams weights at 8-16 GB/s for one row, and at 2..64 rows its best form (a
+// multiply + reduction) reaches about half the FMA peak. Here each panel is read front to back
+// once per block of up to 6 rows: for every input feature, two 8-wide weight vectors are
+// multiplied by 6 broadcast inputs into 12 accumulators in registers (no horizontal sums), and
+// one row keeps 4 interleaved pairs of accumulators to hide the FMA latency. Threads split the
+// panels.
 
+#include <algorithm>
 #include <cstdint>
 
 #include "parallel.h"
@@ -20,87 +23,131 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
+constexpr int64_t kPanel = 16;
 
-// y[r, c] for rows r0..r0+MR-1 and columns c0..c0+NR-1 (k a multiple of 8).
-template <int MR, int NR>
-inline void block(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t k,
-                  int64_t n, int64_t r0, int64_t c0) {
-  __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t kk = 0; kk < k; kk += 8) {
-    __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + (c0 + j) * k + kk);
+#if defined(__AVX2__) && defined(__FMA__)
+template <int MR>
+inline void panel_block(const float* __restrict x, const float* __restrict wp, float* __restrict y, int64_t k,
+                        int64_t n, int64_t r0, int64_t c0, int64_t width, const float* next) {
+  __m256 acc[MR][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  const float* xr[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) xr[i] = x + (r0 + i) * k;
+  for (int64_t kk = 0; kk < k; ++kk) {
+    if (next) __builtin_prefetch(next + kk * 16);  // one line of the next panel per step
+    const __m256 w0 = _mm256_loadu_ps(wp + kk * 16), w1 = _mm256_loadu_ps(wp + kk * 16 + 8);
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + (r0 + i) * k + kk);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+      const __m256 xb = _mm256_broadcast_ss(xr[i] + kk);
+      acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[(r0 + i) * n + c0 + j] = hsum(acc[i][j]);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    float* dst = y + (r0 + i) * n + c0;
+    if (width == 16) {
+      _mm256_storeu_ps(dst, acc[i][0]);
+      _mm256_storeu_ps(dst + 8, acc[i][1]);
+    } else {
+      alignas(32) float tmp[16];
+      _mm256_store_ps(tmp, acc[i][0]);
+      _mm256_store_ps(tmp + 8, acc[i][1]);
+      std::copy(tmp, tmp + width, dst);
+    }
+  }
 }
 
-template <int NR>
-inline void columns(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n, int64_t c0) {
-  int64_t r = 0;
-  for (; r + 3 <= m; r += 3) block<3, NR>(x, w, y, k, n, r, c0);
-  if (m - r == 2) block<2, NR>(x, w, y, k, n, r, c0);
-  if (m - r == 1) block<1, NR>(x, w, y, k, n, r, c0);
+// one row: 4 k-interleaved accumulator pairs hide the FMA latency
+inline void panel_row(const float* __restrict x, const float* __restrict wp, float* __restrict y, int64_t k,
+                      int64_t c0, int64_t width) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0v = a0, c1 = a0, d0 = a0, d1 = a0;
+  int64_t kk = 0;
+  for (; kk + 4 <= k; kk += 4) {
+    const float* w = wp + kk * 16;
+    __m256 xb = _mm256_broadcast_ss(x + kk);
+    a0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w), a0); a1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 8), a1);
+    xb = _mm256_broadcast_ss(x + kk + 1);
+    b0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 16), b0); b1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 24), b1);
+    xb = _mm256_broadcast_ss(x + kk + 2);
+    c0v = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 32), c0v); c1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 40), c1);
+    xb = _mm256_broadcast_ss(x + kk + 3);
+    d0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 48), d0); d1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 56), d1);
+  }
+  for (; kk < k; ++kk) {
+    const __m256 xb = _mm256_broadcast_ss(x + kk);
+    a0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(wp + kk * 16), a0);
+    a1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(wp + kk * 16 + 8), a1);
+  }
+  a0 = _mm256_add_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(c0v, d0));
+  a1 = _mm256_add_ps(_mm256_add_ps(a1, b1), _mm256_add_ps(c1, d1));
+  alignas(32) float tmp[16];
+  _mm256_store_ps(tmp, a0);
+  _mm256_store_ps(tmp + 8, a1);
+  std::copy(tmp, tmp + width, y + c0);
 }
+
 #endif
 
-void matmul_range(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n, int64_t c_begin,
-                  int64_t c_end) {
+// Panels p_begin..p_end-1 of y: columns 16 p .. 16 p + 15 (fewer in a last, padded panel).
+void packed_range(const float* x, const float* wp, float* y, int64_t m, int64_t k, int64_t n, int64_t p_begin,
+                  int64_t p_end) {
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const float* panel = wp + p * k * kPanel;
+    const float* next = p + 1 < p_end ? panel + k * kPanel : nullptr;  // fetched during the first block
+    const int64_t c0 = p * kPanel, width = std::min<int64_t>(kPanel, n - c0);
 #if defined(__AVX2__) && defined(__FMA__)
-  if (k % 8 == 0) {
-    int64_t c = c_begin;
-    if (m == 1) {  // a matrix-vector product: 8 weight rows at a time
-      for (; c + 8 <= c_end; c += 8) block<1, 8>(x, w, y, k, n, 0, c);
+    if (m == 1) {
+      panel_row(x, panel, y, k, c0, width);
+      continue;
     }
-    for (; c + 4 <= c_end; c += 4) columns<4>(x, w, y, m, k, n, c);
-    for (; c < c_end; ++c) columns<1>(x, w, y, m, k, n, c);
-    return;
-  }
-#endif
-  for (int64_t c = c_begin; c < c_end; ++c) {
+    int64_t r = 0;
+    for (; r + 6 <= m; r += 6) panel_block<6>(x, panel, y, k, n, r, c0, width, r == 0 ? next : nullptr);
+    switch (m - r) {
+      case 5: panel_block<5>(x, panel, y, k, n, r, c0, width, r == 0 ? next : nullptr); break;
+      case 4: panel_block<4>(x, panel, y, k, n, r, c0, width, r == 0 ? next : nullptr); break;
+      case 3: panel_block<3>(x, panel, y, k, n, r, c0, width, r == 0 ? next : nullptr); break;
+      case 2: panel_block<2>(x, panel, y, k, n, r, c0, width, r == 0 ? next : nullptr); break;
+      case 1: panel_block<1>(x, panel, y, k, n, r, c0, width, r == 0 ? next : nullptr); break;
+      default: break;
+    }
+#else
     for (int64_t r = 0; r < m; ++r) {
-      float s = 0.f;
-      for (int64_t i = 0; i < k; ++i) s += x[r * k + i] * w[c * k + i];
-      y[r * n + c] = s;
+      float acc[kPanel] = {};
+      for (int64_t kk = 0; kk < k; ++kk)
+        for (int64_t j = 0; j < kPanel; ++j) acc[j] += x[r * k + kk] * panel[kk * kPanel + j];
+      std::copy(acc, acc + width, y + r * n + c0);
     }
+#endif
   }
 }
 
-ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("weld_matmul: x [m, k], w [n, k]");
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[1] != xd[1] || pd[2] != kPanel ||
+      yd[0] != xd[0] || yd[1] > pd[0] * kPanel || yd[1] <= (pd[0] - 1) * kPanel) {
+    return ffi::Error::InvalidArgument("weld_packed_matmul: x [m, k], panels [ceil(n / 16), k, 16], y [m, n]");
   }
-  const int64_t m = xd[0], k = xd[1], n = wd[0];
+  const int64_t m = xd[0], k = xd[1], n = yd[1], num_panels = pd[0];
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
+  const float* wp = panels.typed_data();
   float* yp = y->typed_data();
-  // ~64 KB of weights per chunk: enough chunks to balance the threads, few enough to be cheap.
-  const int64_t grain = std::max<int64_t>(8, (16384 / std::max<int64_t>(k, 1)) / 8 * 8);
-  weld::parallel_for(pool, n, grain, [xp, wp, yp, m, k, n](int64_t begin, int64_t end) {
-    matmul_range(xp, wp, yp, m, k, n, begin, end);
+  // Chunks of one panel, or of ~64 KB of small panels: many chunks to balance the threads.
+  const int64_t grain = std::max<int64_t>(1, 1024 / std::max<int64_t>(k, 1));
+  weld::parallel_for(pool, num_panels, grain, [xp, wp, yp, m, k, n](int64_t begin, int64_t end) {
+    packed_range(xp, wp, yp, m, k, n, begin, end);
   });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(WeldMatmul, MatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(WeldPackedMatmul, PackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [m, k]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [n, k]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // panels [ceil(n / 16), k, 16]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [m, n]

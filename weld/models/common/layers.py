@@ -43,22 +43,64 @@ def _reduce_matmul(rows: int, x: jax.Array, w: jax.Array) -> bool:
             and jax.default_backend() == "cpu")
 
 
-# A single f32 row through a projection of up to this many outputs goes to the native kernel
-# (weld/kernels/cpu/matmul.cc): 10.5-15.4 GB/s on SmolLM2's projections where XLA:CPU's dot
-# streams 8.4-11.5. The LM head (49152 outputs) keeps the dot, which streams it at ~17 GB/s.
-NATIVE_MATVEC_MAX_OUT = 16384
+PANEL = 16  # outputs per panel of a packed weight
 
 
-def _native_matvec(rows: int, x: jax.Array, w: jax.Array) -> bool:
-    return (rows == 1 and w.shape[0] <= NATIVE_MATVEC_MAX_OUT and x.dtype == w.dtype == jnp.float32
-            and cpu_kernels.available())
+@jax.tree_util.register_pytree_node_class
+class PackedWeight:
+    """A weight [n, k] (HF's [out, in]) stored as panels [ceil(n / 16), k, 16]: for each input
+    feature, 16 consecutive outputs lie side by side (zero rows pad the last panel).
+
+    The native CPU kernel (weld/kernels/cpu/matmul.cc) streams the panels front to back, and
+    multiplies each 16-wide weight vector by up to 6 broadcast input rows at once, with no
+    horizontal sums. `shape` and `dtype` are the logical [n, k] matrix's; `pack_weight` makes one
+    at load time, and `linear` takes either form.
+    """
+
+    def __init__(self, panels: jax.Array, n: int):
+        self.panels, self.n = panels, n
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.panels.shape[1])
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.nbytes
+
+    def tree_flatten(self):
+        return (self.panels,), self.n
+
+    @classmethod
+    def tree_unflatten(cls, n, children):
+        return cls(children[0], n)
+
+    def unpacked(self) -> jax.Array:
+        """The [n, k] matrix."""
+        num, k, _ = self.panels.shape
+        return jnp.swapaxes(self.panels, 1, 2).reshape(num * PANEL, k)[:self.n]
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x @ w.T for w stored [out, in] (the HF / GGUF layout, so loading copies nothing)."""
+def pack_weight(w: jax.Array) -> PackedWeight:
+    n, k = w.shape
+    padded = jnp.pad(w, ((0, -n % PANEL), (0, 0)))
+    return PackedWeight(jnp.swapaxes(padded.reshape(-1, PANEL, k), 1, 2), n)
+
+
+def linear(x: jax.Array, w: jax.Array | PackedWeight, b: jax.Array | None = None) -> jax.Array:
+    """x @ w.T for w stored [out, in] (the HF / GGUF layout, so loading copies nothing) or packed."""
     rows = math.prod(x.shape[:-1])
-    if _native_matvec(rows, x, w):
-        y = cpu_kernels.matmul(x.reshape(1, x.shape[-1]), w).reshape(x.shape[:-1] + (w.shape[0],))
+    if isinstance(w, PackedWeight):
+        x2 = x.reshape(rows, x.shape[-1])
+        if x.dtype == w.dtype == jnp.float32 and cpu_kernels.available():
+            y = cpu_kernels.packed_matmul(x2, w.panels, w.n)
+        else:  # kernels turned off after packing, or another dtype: XLA reads the panels
+            y = jnp.einsum("mk,pkj->mpj", x2, w.panels.astype(x.dtype)).reshape(rows, -1)[:, :w.n]
+        y = y.reshape(x.shape[:-1] + (w.n,))
     elif _reduce_matmul(rows, x, w):
         # The barrier over (x, w) gives every call its own x: without it XLA merges the
         # broadcasts of an x shared by two projections (q/k/v, gate/up) and materializes
