@@ -20,6 +20,10 @@
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -51,8 +55,6 @@ struct HeadState {
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
 inline float hsum(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -251,7 +253,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   Problem P{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), tables.typed_data(), qpos.typed_data(),
             out->typed_data(), lse->typed_data(), qd[0], qd[1], qd[2], qd[3], kd[2], 0, kd[0], kd[1], td[1],
             window, scale};
-  if (kd[3] != P.e || P.kv == 0 || P.h % P.kv != 0 || td[0] != P.b) {
+  auto pd = qpos.dimensions();
+  if (kd[3] != P.e || P.kv == 0 || P.h % P.kv != 0 || td[0] != P.b || pd.size() != 2 || pd[0] != P.b ||
+      pd[1] != P.t) {
     return ffi::Error::InvalidArgument("weld_paged_attention: mismatched shapes");
   }
   P.g = P.h / P.kv;
