@@ -69,6 +69,11 @@ def test_bad_arguments(args, needle):
     assert_clean_error(weld("generate", "hello", *args), needle)
 
 
+def test_bad_kernel_switch(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("WELD_CPU_KERNELS", "yes")
+    assert_clean_error(weld("generate", "hello", "--model", str(tiny_llama_dir[0])), "WELD_CPU_KERNELS must be '0' or '1'")
+
+
 def test_truncated_gguf(tmp_path):
     data = default_model_path().read_bytes()
     bad = tmp_path / "truncated.gguf"

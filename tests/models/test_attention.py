@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from weld.kernels import cpu as cpu_kernels
 from weld.models.common import attention
+from weld.utils.errors import InvalidInputError
 
 PAGE, PAGES, H, KV, E = 4, 48, 6, 2, 8
 
@@ -121,7 +122,7 @@ def test_kernel_takes_short_f32_queries_only(monkeypatch):
     monkeypatch.setenv("WELD_CPU_KERNELS", "0")
     assert "weld_paged_attention" not in _program(1, 1)
     monkeypatch.setenv("WELD_CPU_KERNELS", "yes")
-    with pytest.raises(ValueError, match="WELD_CPU_KERNELS"):
+    with pytest.raises(InvalidInputError, match="WELD_CPU_KERNELS must be '0' or '1', got 'yes'"):
         _program(1, 1)
 
 

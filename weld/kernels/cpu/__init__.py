@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from weld.utils.errors import InvalidInputError
+
 log = logging.getLogger("weld")
 
 _SOURCES = ("paged_attention.cc", "matmul.cc")
@@ -45,7 +47,7 @@ def enabled() -> bool:
     """Whether programs traced now use the kernels (WELD_CPU_KERNELS, default 1)."""
     value = os.environ.get("WELD_CPU_KERNELS", "1")
     if value not in ("0", "1"):
-        raise ValueError(f"WELD_CPU_KERNELS must be '0' or '1', got {value!r}")
+        raise InvalidInputError(f"WELD_CPU_KERNELS must be '0' or '1', got {value!r}")
     return value == "1"
 
 

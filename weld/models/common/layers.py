@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from weld.kernels import cpu as cpu_kernels
+from weld.utils.errors import InvalidInputError
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -36,7 +37,7 @@ SMALL_MATMUL_ROWS = (2, 64)
 def _reduce_matmul(rows: int, x: jax.Array, w: jax.Array) -> bool:
     form = os.environ.get("WELD_CPU_SMALL_MATMUL", "reduce")
     if form not in ("reduce", "dot"):
-        raise ValueError(f"WELD_CPU_SMALL_MATMUL must be 'reduce' or 'dot', got {form!r}")
+        raise InvalidInputError(f"WELD_CPU_SMALL_MATMUL must be 'reduce' or 'dot', got {form!r}")
     lo, hi = SMALL_MATMUL_ROWS
     # f32 only: a bf16 reduction could accumulate in bf16, where the dot accumulates in f32.
     return (form == "reduce" and lo <= rows <= hi and x.dtype == w.dtype == jnp.float32
