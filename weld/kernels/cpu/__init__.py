@@ -1,10 +1,11 @@
 """Native CPU kernels, called from jitted code through the XLA FFI.
 
-XLA:CPU leaves some decode-time work far from what the machine can do: paged attention
-(paged_attention.cc) and products of a few rows with a weight matrix (matmul.cc). These kernels are C++ sources shipped with weld and compiled on first use on
-the machine that runs them (-O3 -march=native), into ~/.cache/weld/kernels (or
-$WELD_KERNEL_CACHE_DIR). The build key covers the source, the flags, the compiler, jaxlib and the
-CPU, so a shared home directory never hands one machine another's binary.
+XLA:CPU leaves some work far from what the machine can do: paged decode attention
+(paged_attention.cc) and the projections, on weights packed in panels (matmul.cc). These kernels
+are C++ sources shipped with weld and compiled on first use on the machine that runs them
+(-O3 -march=native), into ~/.cache/weld/kernels (or $WELD_KERNEL_CACHE_DIR). The build key
+covers the sources, the flags, the compiler, jax/jaxlib and the CPU, so a shared home directory
+never hands one machine another's binary.
 
 No compiler, or a failed build, is not an error: weld logs one warning and keeps the jnp path,
 which computes the same thing. WELD_CPU_KERNELS=0 turns the kernels off (read when a program is
@@ -104,7 +105,8 @@ def _build() -> Path:
     include = jax.ffi.include_dir()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256()
-    for part in [*(p.read_bytes() for p in sources), *((here / h).read_bytes() for h in _HEADERS), " ".join(_FLAGS).encode(), version.encode(),
+    for part in [*(p.read_bytes() for p in sources), *((here / h).read_bytes() for h in _HEADERS),
+                 " ".join(_FLAGS).encode(), version.encode(),
                  jax.__version__.encode(), _jaxlib_version().encode(),
                  include.encode(), _cpu_id().encode(), platform.machine().encode()]:
         key.update(part)
@@ -131,7 +133,8 @@ def _register(path: Path) -> None:
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
-                    query_positions: jax.Array, *, scale: float, sliding_window: int | None) -> tuple[jax.Array, jax.Array]:
+                    query_positions: jax.Array, *, scale: float,
+                    sliding_window: int | None) -> tuple[jax.Array, jax.Array]:
     """Attention of q [b, t, h, e] over each row's pages of the pools [P, page, kv, e] (all f32),
     which already hold the new K/V. Returns (out [b, t, h, e] f32, lse [b, t, h] f32); padding
     queries (position < 0) give 0 and an lse of -1e30, as the jnp path does."""
