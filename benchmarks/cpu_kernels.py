@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_matmul import chain as matmul_chain  # the same chained-copies harness, plus the "packed" form
 from weld.kernels import cpu as cpu_kernels
 from weld.models.common import attention, layers
 
@@ -70,25 +71,6 @@ def attention_program(kernel: bool, b: int, position: int):
         return out
     call()  # compile now, under this setting of the switch
     return call
-
-
-def matmul_chain(form: str):
-    def mm(x, w):
-        if form == "packed":
-            return cpu_kernels.packed_matmul(x, w.panels, w.n)
-        if form == "dot":
-            return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
-        x, w = jax.lax.optimization_barrier((x, w))
-        return jnp.sum(w[:, None, :] * x[None], axis=-1).T
-
-    @jax.jit
-    def run(x, ws):
-        acc = jnp.zeros((), x.dtype)
-        for w in ws:  # each product feeds the next input, so nothing overlaps or is skipped
-            acc = acc + mm(x, w)[:, :4].sum()
-            x = x + acc * 1e-9
-        return acc
-    return run
 
 
 def main() -> None:

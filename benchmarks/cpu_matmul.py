@@ -24,6 +24,10 @@ SHAPES = {"qkv (fused)": (960, 576), "o": (576, 576), "gate_up (fused)": (3072, 
 
 def form(kind: str):
     def mm(x, w):
+        if kind == "packed":  # w is a layers.PackedWeight: the native kernel (benchmarks/cpu_kernels.py)
+            from weld.kernels import cpu as cpu_kernels
+
+            return cpu_kernels.packed_matmul(x, w.panels, w.n)
         if kind == "dot":
             return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
         x, w = jax.lax.optimization_barrier((x, w))
