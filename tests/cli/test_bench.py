@@ -57,18 +57,22 @@ def test_tiny_run_writes_json_and_prints_a_table(tiny_llama_dir, tmp_path):
 def test_floor_bytes_hand_count_for_the_tiny_llama(tiny_llama_dir):
     """Tiny llama (conftest): hidden 64, intermediate 96, 2 layers, 4 heads, 2 KV heads, head_dim 16,
     untied embeddings, f32. A step reads every weight once except the input embedding, of which
-    it gathers one row per sequence; the K/V of 2 layers x 2 heads x 16 per token in context."""
+    it gathers one row per sequence; the K/V of 2 layers x 2 heads x 16 per token in context.
+    A packed LM head (the native CPU kernel's panels) is read with its zero padding to 16 rows."""
+    from weld.models.common.layers import PackedWeight
+
     directory, hf_model = tiny_llama_dir
     vocab = hf_model.config.vocab_size
     engine = bench.WeldEngine(str(directory), "float32", max_batch=2, max_model_len=32)
+    head_rows = -(-vocab // 16) * 16 if isinstance(engine.llm.model.weights["lm_head"], PackedWeight) else vocab
     per_layer = 2 * 64 + 64 * 64 + 2 * (32 * 64) + 64 * 64 + 3 * (96 * 64)  # norms, q, k+v, o, gate+up+down
-    total = 4 * (2 * per_layer + 64 + 2 * vocab * 64)  # + final norm, embed and lm_head
+    total = 4 * (2 * per_layer + 64 + vocab * 64 + head_rows * 64)  # + final norm, embed and lm_head
     assert engine.weight_bytes == bench.WeightBytes(total=total, untied_embedding=4 * vocab * 64,
                                                     embedding_row=4 * 64)
     assert engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
     step = bench.floor_bytes(engine.weight_bytes, engine.kv_bytes_per_token, batch=2, input_len=8, output_len=4)
     # decode steps j = 1..3 see 8 + j tokens: mean context 10 tokens per sequence
-    assert step["weights"] == 4 * (2 * per_layer + 64 + vocab * 64 + 2 * 64)
+    assert step["weights"] == 4 * (2 * per_layer + 64 + head_rows * 64 + 2 * 64)
     assert step["kv_mean"] == 2 * 512 * 10
     assert step["total"] == step["weights"] + step["kv_mean"]
 

@@ -3,6 +3,7 @@ reduction for 2..64 rows and a dot beyond), fused and packed projections."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -46,6 +47,34 @@ def test_packed_matmul_matches_numpy(m, n, k):
     np.testing.assert_array_equal(np.asarray(packed.unpacked()), w)
     got = np.asarray(jax.jit(cpu_kernels.packed_matmul, static_argnums=2)(jnp.asarray(x), packed.panels, n))
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-4)
+
+
+def test_packed_matmul_gradients_match_numpy():
+    """The kernel has no derivative of its own: its custom VJP (XLA on the panels) gives both
+    cotangents, as the DSpark trainer needs through a packed LM head."""
+    assert cpu_kernels.available(), cpu_kernels._state.get("error")
+    rng = np.random.default_rng(7)
+    m, n, k = 5, 37, 24  # a padded last panel
+    x, w, c = (rng.standard_normal(s, np.float32) for s in ((m, k), (n, k), (m, n)))
+    packed = layers.pack_weight(jnp.asarray(w))
+
+    def loss(x, panels):
+        return jnp.sum(cpu_kernels.packed_matmul(x, panels, n) * c)
+
+    dx, dpanels = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(x), packed.panels)
+    np.testing.assert_allclose(np.asarray(dx), c @ w, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(layers.PackedWeight(dpanels, n).unpacked()), c.T @ x, rtol=1e-5, atol=1e-4)
+    assert not np.asarray(dpanels).reshape(-1, 16)[:, n % 16:][-k:].any()  # the padding gets no gradient
+
+
+def test_packed_weight_gathers_rows():
+    """A packed tied embedding still serves lookups: indexing gives rows of the [n, k] matrix."""
+    w = np.random.default_rng(1).standard_normal((37, 8), np.float32)
+    packed = layers.pack_weight(jnp.asarray(w))
+    ids = np.array([[0, 15, 16], [36, 3, 36]], np.int32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda p, i: p[i])(packed, jnp.asarray(ids))), w[ids])
+    np.testing.assert_array_equal(np.asarray(layers.unpacked(packed)), w)
+    assert layers.unpacked(w) is w
 
 
 @pytest.mark.parametrize("kernels", ["1", "0"])
@@ -104,11 +133,14 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_fused_projections_compute_the_same_model(name):
+def test_fused_projections_compute_the_same_model(name, tied):
+    """Fused and packed (projections and the LM head, or the tied embedding, which then serves
+    lookups from its panels) compute the hidden states and logits of the separate matrices."""
     from weld.engine.spec import features
 
-    cfg = CONFIGS[name]
+    cfg = dataclasses.replace(CONFIGS[name], tie_word_embeddings=tied)
     weights = random_weights(llama.weight_specs(cfg), seed=3, scale=0.5)
     fused = {**weights, "layers": [dict(lw) for lw in weights["layers"]]}
     llama.fuse_projections(fused)
@@ -118,14 +150,19 @@ def test_fused_projections_compute_the_same_model(name):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 7)), jnp.int32)
     hidden = jax.jit(features.target_hidden_states, static_argnums=(1, 3))
     packed = {**fused, "layers": [dict(lw) for lw in fused["layers"]]}
-    llama.pack_projections(packed)
+    llama.pack_weights(packed)
     assert isinstance(packed["layers"][0]["wqkv"], layers.PackedWeight)
+    assert isinstance(features.lm_head(packed), layers.PackedWeight)
+    assert isinstance(packed["embed"], layers.PackedWeight) == tied  # an untied embedding only serves lookups
+    logits = jax.jit(lambda w, h: layers.linear(h, features.lm_head(w)))
     for t in (1, 7):  # 3 rows (the reduction, or the packed kernel) and 21 rows
         ref = hidden(weights, cfg, tokens[:, :t], (0,))
         for form in (fused, packed):
             got = hidden(form, cfg, tokens[:, :t], (0,))
             for a, b in zip(ref, got):
                 np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(logits(form, got[1])), np.asarray(logits(weights, ref[1])),
+                                       rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["xla", "megakernel"])
@@ -138,4 +175,6 @@ def test_engine_fuses_projections_only_on_xla(tiny_llama_dir, backend):
     assert ({"wqkv", "w_gate_up"} <= keys) == (backend == "xla")
     packed = isinstance(llm.model.weights["layers"][0]["wo"], layers.PackedWeight)
     assert packed == (backend == "xla")  # f32 on CPU with the kernels built: panels for them
+    head = llm.model.weights.get("lm_head", llm.model.weights["embed"])
+    assert isinstance(head, layers.PackedWeight) == (backend == "xla")
     assert ({"wq", "wk", "wv", "w_gate", "w_up"} <= keys) == (backend == "megakernel")

@@ -165,7 +165,7 @@ class LLM:
         if backend == "xla" and hasattr(self.model.family, "fuse_projections"):
             self.model.family.fuse_projections(self.model.weights)  # one q/k/v and one gate/up matmul
             if self.dtype == jnp.float32 and cpu_kernels.available():
-                self.model.family.pack_projections(self.model.weights)  # panels for the native CPU kernel
+                self.model.family.pack_weights(self.model.weights)  # panels for the native CPU kernel
         runner = ModelRunner(self.model.family, self.cfg, self.model.weights, num_pages=num_pages,
                              page_size=page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len,
                              steps_per_call=steps_per_call, eos_token_ids=eos, backend=backend,

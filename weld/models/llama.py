@@ -332,16 +332,23 @@ def fuse_projections(weights: dict) -> dict:
 PROJECTIONS = ("wqkv", "w_gate_up", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def pack_projections(weights: dict) -> dict:
-    """Stores each layer's f32 projection matrices as `layers.PackedWeight` panels, in place,
-    layer by layer, for the native CPU kernel (`linear` takes either form). The embedding and
-    the LM head stay as they are."""
+def pack_weights(weights: dict) -> dict:
+    """Stores each layer's f32 projection matrices and the LM head as `layers.PackedWeight`
+    panels, in place, layer by layer, for the native CPU kernel (`linear` takes either form).
+    A tied embedding is packed too (lookups gather its rows from the panels); an untied one
+    only serves lookups and stays as it is."""
+
+    def pack(w):
+        if w is not None and not isinstance(w, PackedWeight) and w.ndim == 2 and w.dtype == jnp.float32:
+            return jax.block_until_ready(pack_weight(w))
+        return w
+
     for lw in weights["layers"]:
         for name in PROJECTIONS:
-            w = lw.get(name)
-            if w is not None and not isinstance(w, PackedWeight) and w.ndim == 2 and w.dtype == jnp.float32:
-                lw[name] = pack_weight(w)
-        jax.block_until_ready(lw)
+            if name in lw:
+                lw[name] = pack(lw[name])
+    head = "lm_head" if "lm_head" in weights else "embed"
+    weights[head] = pack(weights[head])
     return weights
 
 

@@ -39,7 +39,7 @@ from weld.engine.sampler import SamplingArrays
 from weld.engine.spec.acceptance import draft_sample
 from weld.engine.spec.features import lm_head, masked_attention
 from weld.models import llama
-from weld.models.common.layers import RopeScaling, apply_rope, linear, rms_norm, rope_inv_freq, swiglu
+from weld.models.common.layers import RopeScaling, apply_rope, linear, rms_norm, rope_inv_freq, swiglu, unpacked
 from weld.models.common.spec import WeightSpec, iter_specs, map_specs, path_str
 
 FORMAT = "weld-dspark-draft"
@@ -167,7 +167,7 @@ def init_params(cfg: DraftConfig, seed: int = 0, dtype: Any = jnp.float32, targe
 
     params = map_specs(init, weight_specs(cfg))
     if target_weights is not None:  # logit = H h, h of unit RMS: its spread is ~ sqrt(d) * rms(H)
-        head = np.asarray(lm_head(target_weights), np.float32)
+        head = np.asarray(unpacked(lm_head(target_weights)), np.float32)
         scale = 1.0 / (np.sqrt(cfg.hidden_size) * np.sqrt(np.mean(head * head)))
         params["final_norm"] = jnp.full((cfg.hidden_size,), scale, dtype)
     return params

@@ -15,6 +15,7 @@ traced; 1, the default, turns them on).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -147,9 +148,25 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
                 query_positions.astype(jnp.int32), window=np.int64(sliding_window or 0), scale=np.float32(scale))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def packed_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
     """x [m, k] @ w.T, f32, for w [n, k] packed as panels [ceil(n / 16), k, 16] (matmul.cc;
-    weld.models.common.layers.PackedWeight)."""
+    weld.models.common.layers.PackedWeight). Differentiable: the backward pass is XLA's (the DSpark
+    trainer takes gradients through the target's packed LM head)."""
     call = jax.ffi.ffi_call("weld_packed_matmul", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     return call(x, panels)
+
+
+def _packed_matmul_fwd(x, panels, n):
+    return packed_matmul(x, panels, n), (x, panels)
+
+
+def _packed_matmul_bwd(n, res, g):
+    x, panels = res
+    num = panels.shape[0]
+    g = jnp.pad(g, ((0, 0), (0, num * panels.shape[2] - n))).reshape(g.shape[0], num, panels.shape[2])
+    return jnp.einsum("mpj,pkj->mk", g, panels), jnp.einsum("mk,mpj->pkj", x, g)
+
+
+packed_matmul.defvjp(_packed_matmul_fwd, _packed_matmul_bwd)

@@ -39,7 +39,9 @@ inline void panel_block(const float* __restrict x, const float* __restrict wp, f
   for (int i = 0; i < MR; ++i) xr[i] = x + (r0 + i) * k;
   for (int64_t kk = 0; kk < k; ++kk) {
     if (next) __builtin_prefetch(next + kk * 16);  // one line of the next panel per step
-    const __m256 w0 = _mm256_loadu_ps(wp + kk * 16), w1 = _mm256_loadu_ps(wp + kk * 16 + 8);
+    __m256 w0 = _mm256_loadu_ps(wp + kk * 16), w1 = _mm256_loadu_ps(wp + kk * 16 + 8);
+    // in registers: otherwise GCC folds the loads into each FMA and reads w MR times (load-bound)
+    asm("" : "+x"(w0), "+x"(w1));
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m256 xb = _mm256_broadcast_ss(xr[i] + kk);

@@ -56,7 +56,9 @@ class PackedWeight:
     The native CPU kernel (weld/kernels/cpu/matmul.cc) streams the panels front to back, and
     multiplies each 16-wide weight vector by up to 6 broadcast input rows at once, with no
     horizontal sums. `shape` and `dtype` are the logical [n, k] matrix's; `pack_weight` makes one
-    at load time, and `linear` takes either form.
+    at load time, `linear` takes either form, and indexing gathers rows (a packed tied embedding
+    still serves lookups: each element is one strided read, which a decode step's few tokens
+    never notice).
     """
 
     def __init__(self, panels: jax.Array, n: int):
@@ -81,10 +83,21 @@ class PackedWeight:
     def tree_unflatten(cls, n, children):
         return cls(children[0], n)
 
+    def __getitem__(self, ids) -> jax.Array:
+        """Rows of the [n, k] matrix: an embedding lookup when the packed weight is a tied
+        embedding / LM head. ids: an int array; returns ids.shape + (k,)."""
+        ids = jnp.asarray(ids)
+        return self.panels[ids // PANEL, :, ids % PANEL]
+
     def unpacked(self) -> jax.Array:
         """The [n, k] matrix."""
         num, k, _ = self.panels.shape
         return jnp.swapaxes(self.panels, 1, 2).reshape(num * PANEL, k)[:self.n]
+
+
+def unpacked(w: jax.Array | PackedWeight) -> jax.Array:
+    """The [n, k] matrix of either form."""
+    return w.unpacked() if isinstance(w, PackedWeight) else w
 
 
 def pack_weight(w: jax.Array) -> PackedWeight:
