@@ -25,8 +25,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-# For matrices the native kernel does not take (unpacked: the LM head, a drafter's weights, or all
-# of them with the kernels off): XLA:CPU's dot runs matrix-vector products near memory speed, but
+# For matrices the native kernel does not take (unpacked: a drafter's weights, or all of them with
+# the kernels off): XLA:CPU's dot runs matrix-vector products near memory speed, but
 # at 2..64 rows it packs the whole weight matrix on every call and streams only 2-6 GB/s on the
 # 2-core AVX2 box. Written as a multiply + reduction over the contiguous `in` axis, XLA:CPU hands
 # it to YNNPACK, which streams the weights once: 1.1-2x faster from 4 to 32 rows on SmolLM2's shapes, about even at 64
