@@ -22,7 +22,10 @@ except ImportError:  # pragma: no cover
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
 
-# family name -> extra HF config fields; each one exercises a switch of the llama family.
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0}
+# variant name ("model_type" or "model_type:tag") -> extra HF config fields; each exercises switches
+# of a family (the architecture notes list them).
 TINY_VARIANTS = {
     "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
@@ -30,24 +33,60 @@ TINY_VARIANTS = {
     "qwen2": dict(tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen3": dict(head_dim=32, tie_word_embeddings=False),
     "mistral": dict(sliding_window=6, tie_word_embeddings=False),
+    # Qwen3-MoE: a dense first layer (mlp_only_layers), softmax top-2 of 8 without renormalising ...
+    "qwen3_moe": dict(num_hidden_layers=3, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[0], tie_word_embeddings=False),
+    # ... and renormalised, sparse every second layer
+    "qwen3_moe:norm": dict(num_hidden_layers=3, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[]),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    # DeepSeek-V3 / Kimi K2: q and kv LoRA, interleaved YaRN RoPE with mscale, sigmoid group-limited routing
+    # with a correction bias, a dense first layer and a shared expert
+    "deepseek_v3": dict(num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                        topk_group=2, first_k_dense_replace=1, n_shared_experts=1, moe_intermediate_size=32,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+                        rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}, tie_word_embeddings=False),
+    # DeepSeek-V2(-Lite): no q LoRA, softmax group-limited greedy routing, two shared experts
+    "deepseek_v2": dict(num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8,
+                        num_experts_per_tok=2, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                        first_k_dense_replace=1, n_shared_experts=2, moe_intermediate_size=32,
+                        routed_scaling_factor=2.0, tie_word_embeddings=False),
+    # Gemma 3: five sliding layers and a full one, query_pre_attn_scalar != head_dim, local and global RoPE
+    # (the global one linearly scaled), soft-capped logits, tied head
+    "gemma3_text": dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+                        final_logit_softcapping=30.0, tie_word_embeddings=True,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
+    # gpt-oss: sinks, biases, alternating sliding / full layers, YaRN without truncation, clamped SwiGLU experts
+    "gpt_oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+                    rope_parameters={**YARN, "factor": 32.0, "original_max_position_embeddings": 16, "truncate": False}),
 }
+FAMILY_VARIANTS = sorted(v for v in TINY_VARIANTS if v.split(':')[0] in ('llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'mixtral'))
 
 
-def make_tiny_hf_model(model_type: str, directory: pathlib.Path, seed: int = 0, **overrides):
-    """Builds a tiny random HF model, perturbs every weight (norms and biases too), saves it."""
+def make_tiny_hf_model(variant: str, directory: pathlib.Path, seed: int = 0, **overrides):
+    """Builds a tiny random HF model, perturbs every weight (norms, biases, sinks, router biases too:
+    defaults of 0 or 1 would hide bugs), saves it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    kwargs = {**TINY, **TINY_VARIANTS.get(model_type, {}), **overrides}
+    model_type = variant.split(":")[0]
+    kwargs = {**TINY, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **TINY_VARIANTS.get(variant, {}),
+              **overrides}
     cfg = AutoConfig.for_model(model_type, **kwargs)
-    if model_type == "mistral":
-        cfg._attn_implementation = "eager"
+    cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer that checkpoints store
+                b.add_(0.1 * torch.randn_like(b))
     model.save_pretrained(directory)
     return model
 
@@ -57,11 +96,11 @@ def tiny_model_dir(tmp_path_factory):
     """A function family -> (directory, HF torch model), built once per session per family."""
     cache: dict[str, tuple[pathlib.Path, object]] = {}
 
-    def get(model_type: str):
-        if model_type not in cache:
-            d = tmp_path_factory.mktemp(f"tiny-{model_type}")
-            cache[model_type] = (d, make_tiny_hf_model(model_type, d))
-        return cache[model_type]
+    def get(variant: str):
+        if variant not in cache:
+            d = tmp_path_factory.mktemp(f"tiny-{variant.replace(':', '-')}")
+            cache[variant] = (d, make_tiny_hf_model(variant, d))
+        return cache[variant]
 
     return get
 
@@ -109,6 +148,23 @@ def tiny_llama_dir(tmp_path_factory):
     model = make_tiny_hf_model("llama", d, seed=3, vocab_size=vocab, bos_token_id=None, eos_token_id=2,
                                pad_token_id=0, max_position_embeddings=256)
     return d, model
+
+
+@pytest.fixture(scope="session")
+def tiny_family_dir(tmp_path_factory):
+    """A function variant -> (directory, HF torch model): a tiny random model of any family with
+    tiny_llama_dir's tokenizer and chat template (EOS <|im_end|>, id 2), for runs through the engine."""
+    cache: dict[str, tuple[pathlib.Path, object]] = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            d = tmp_path_factory.mktemp(f"tiny-{variant.replace(':', '-')}-full")
+            vocab = make_tiny_tokenizer(d)
+            cache[variant] = (d, make_tiny_hf_model(variant, d, seed=5, vocab_size=vocab, bos_token_id=None,
+                                                    eos_token_id=2, pad_token_id=0, max_position_embeddings=256))
+        return cache[variant]
+
+    return get
 
 
 @pytest.fixture(scope="session")

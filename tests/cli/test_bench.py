@@ -12,6 +12,9 @@ import sys
 import pytest
 
 from weld import bench
+from weld.bench import engines, roofline, runner, summary
+from weld.bench import flags as bench_flags
+from weld.utils.errors import InvalidInputError, WeldError
 
 
 def weld(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -63,14 +66,14 @@ def test_floor_bytes_hand_count_for_the_tiny_llama(tiny_llama_dir):
 
     directory, hf_model = tiny_llama_dir
     vocab = hf_model.config.vocab_size
-    engine = bench.WeldEngine(str(directory), "float32", max_batch=2, max_model_len=32)
+    engine = engines.WeldEngine(str(directory), "float32", max_batch=2, max_model_len=32)
     head_rows = -(-vocab // 16) * 16 if isinstance(engine.llm.model.weights["lm_head"], PackedWeight) else vocab
     per_layer = 2 * 64 + 64 * 64 + 2 * (32 * 64) + 64 * 64 + 3 * (96 * 64)  # norms, q, k+v, o, gate+up+down
     total = 4 * (2 * per_layer + 64 + vocab * 64 + head_rows * 64)  # + final norm, embed and lm_head
-    assert engine.weight_bytes == bench.WeightBytes(total=total, untied_embedding=4 * vocab * 64,
-                                                    embedding_row=4 * 64)
+    assert engine.weight_bytes == roofline.WeightBytes(total=total, untied_embedding=4 * vocab * 64,
+                                                       embedding_row=4 * 64)
     assert engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
-    step = bench.floor_bytes(engine.weight_bytes, engine.kv_bytes_per_token, batch=2, input_len=8, output_len=4)
+    step = roofline.floor_bytes(engine.weight_bytes, engine.kv_bytes_per_token, batch=2, input_len=8, output_len=4)
     # decode steps j = 1..3 see 8 + j tokens: mean context 10 tokens per sequence
     assert step["weights"] == 4 * (2 * per_layer + 64 + head_rows * 64 + 2 * 64)
     assert step["kv_mean"] == 2 * 512 * 10
@@ -78,23 +81,23 @@ def test_floor_bytes_hand_count_for_the_tiny_llama(tiny_llama_dir):
 
 
 def test_tied_embedding_is_read_whole_as_the_lm_head():
-    tied = bench.WeightBytes(total=1000, untied_embedding=0, embedding_row=8)
-    assert bench.floor_bytes(tied, 10, batch=4, input_len=6, output_len=4)["weights"] == 1000
-    assert bench.floor_bytes(tied, 10, batch=4, input_len=6, output_len=4)["kv_mean"] == 4 * 10 * 8
+    tied = roofline.WeightBytes(total=1000, untied_embedding=0, embedding_row=8)
+    assert roofline.floor_bytes(tied, 10, batch=4, input_len=6, output_len=4)["weights"] == 1000
+    assert roofline.floor_bytes(tied, 10, batch=4, input_len=6, output_len=4)["kv_mean"] == 4 * 10 * 8
 
 
 def test_prompts_are_seeded_and_in_vocabulary():
-    a = bench.make_prompts(100, 3, 5, seed=7)
-    assert a == bench.make_prompts(100, 3, 5, seed=7) != bench.make_prompts(100, 3, 5, seed=8)
+    a = runner.make_prompts(100, 3, 5, seed=7)
+    assert a == runner.make_prompts(100, 3, 5, seed=7) != runner.make_prompts(100, 3, 5, seed=8)
     assert len(a) == 3 and all(len(p) == 5 and all(0 <= t < 100 for t in p) for p in a)
 
 
 @pytest.mark.parametrize("text,needle", [("1,x", "'x' is not an integer"), ("0", ">= 1"), ("4,4", "twice"),
                                          ("", "is not an integer")])
 def test_parse_batch_sizes_rejects(text, needle):
-    with pytest.raises(bench.InvalidInputError, match=needle):
-        bench.parse_batch_sizes(text)
-    assert bench.parse_batch_sizes("16, 1,4") == (16, 1, 4)
+    with pytest.raises(InvalidInputError, match=needle):
+        bench_flags.parse_batch_sizes(text)
+    assert bench_flags.parse_batch_sizes("16, 1,4") == (16, 1, 4)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -109,27 +112,27 @@ def test_bad_flags_give_one_line(args, needle):
 
 
 def test_missing_llama_cpp_says_how_to_install(monkeypatch):
-    real = bench.importlib.util.find_spec
-    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None if name == "llama_cpp" else real(name))
+    real = bench_flags.importlib.util.find_spec
+    monkeypatch.setattr(bench_flags.importlib.util, "find_spec",
+                        lambda name: None if name == "llama_cpp" else real(name))
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    with pytest.raises(bench.WeldError, match="pip install llama-cpp-python"):
-        bench.config_from_args(parser.parse_args(["--vs", "llamacpp"]))
+    with pytest.raises(WeldError, match="pip install llama-cpp-python"):
+        bench_flags.config_from_args(parser.parse_args(["--vs", "llamacpp"]))
 
 
 def test_llama_cpp_batch_rows_match_single_runs():
     """The llama_batch bookkeeping (positions, sequence ids, which logits) is right: a row decoded
     among others gives the same greedy tokens as decoded alone."""
     pytest.importorskip("llama_cpp")
-    from weld.models import llama
-    from weld.weights import default_model_path
-    from weld.weights.gguf import read_metadata
+    from weld.weights import default_model_path, load_model
 
     path = default_model_path()
-    cfg = llama.Config.from_gguf(read_metadata(path))
-    engine = bench.LlamaCppEngine(path, max_batch=2, max_model_len=32, threads=1, cfg=cfg)
+    model = load_model(path)
+    engine = engines.LlamaCppEngine(path, max_batch=2, max_model_len=32, threads=1,
+                                    cache_spec=model.family.cache_spec(model.cfg))
     try:
-        p, q = bench.make_prompts(cfg.vocab_size, 2, 9, seed=0)
+        p, q = runner.make_prompts(model.cfg.vocab_size, 2, 9, seed=0)
         together = engine.generate([p, q[:5]], 6)
         assert [len(r) for r in together] == [6, 6]
         assert together[0] == engine.generate([p], 6)[0]
@@ -167,13 +170,13 @@ def test_speculative_run_reports_both_engines_and_the_engine_acceptance(tiny_lla
     assert proc.returncode == 0, proc.stderr
     assert "speculative decoding: ngram" in proc.stdout and "mean accepted len" in proc.stdout
     result = json.loads(out.read_text())
-    assert list(result["engines"]) == ["weld", bench.SPEC_ENGINE] and result["ratios"] == {}
+    assert list(result["engines"]) == ["weld", engines.SPEC_ENGINE] and result["ratios"] == {}
     assert result["workload"]["num_prompts"] == 3 and result["workload"]["stop_at_eos"]
     spec = result["speculative"]
     assert spec["config"] == SPEC
 
     # The reference engine has the bench engines' shapes, so it reuses their compiled programs.
-    info = result["engines"][bench.SPEC_ENGINE]
+    info = result["engines"][engines.SPEC_ENGINE]
     llm = LLM(model=str(directory), max_model_len=info["max_model_len"], max_num_seqs=1, page_size=info["page_size"],
               num_pages=info["num_pages"], enable_prefix_caching=False, speculative_config=SPEC)
     params = SamplingParams(max_tokens=16, temperature=0)
@@ -183,7 +186,7 @@ def test_speculative_run_reports_both_engines_and_the_engine_acceptance(tiny_lla
 
     row = spec["per_batch"]["1"]
     assert row["outputs_equal"], "greedy speculation must give the plain tokens"
-    for name in ("weld", bench.SPEC_ENGINE):
+    for name in ("weld", engines.SPEC_ENGINE):
         d = result["engines"][name]["decode"]["1"]
         assert d["tokens_full"] == [produced] and d["tokens_one"] == [3] and d["groups"] == 3
         t_full, t_one = d["t_full_s"][0], d["t_one_s"][0]
@@ -220,23 +223,23 @@ def test_bad_text_and_speculative_flags(flags, needle, tmp_path):
     (tmp_path / "p.txt").write_text("\n".join(COPY_PROMPTS))
     (tmp_path / "empty.txt").write_text("\n \n")
     flags = [f.format(file=tmp_path / "p.txt", empty=tmp_path / "empty.txt") for f in flags]
-    with pytest.raises(bench.InvalidInputError, match=needle):
-        bench.config_from_args(bench_args("--bandwidth-gb", "0.01", *flags))
+    with pytest.raises(InvalidInputError, match=needle):
+        bench_flags.config_from_args(bench_args("--bandwidth-gb", "0.01", *flags))
 
 
 def test_default_batch_sizes_are_small_for_speculation_and_text(tmp_path):
     (tmp_path / "p.txt").write_text("\n".join(COPY_PROMPTS * 2))
-    assert bench.config_from_args(bench_args()).batch_sizes == (1, 4, 16, 64)
-    assert bench.config_from_args(bench_args("--spec", "ngram")).batch_sizes == (1, 4)
-    cfg = bench.config_from_args(bench_args("--prompts", str(tmp_path / "p.txt"), "--chat"))
+    assert bench_flags.config_from_args(bench_args()).batch_sizes == (1, 4, 16, 64)
+    assert bench_flags.config_from_args(bench_args("--spec", "ngram")).batch_sizes == (1, 4)
+    cfg = bench_flags.config_from_args(bench_args("--prompts", str(tmp_path / "p.txt"), "--chat"))
     assert cfg.batch_sizes == (1, 4) and cfg.spec is None and cfg.chat and not cfg.ignore_eos
 
 
 def test_text_prompts_run_in_groups_of_the_batch_size():
     prompts = [[i] for i in range(5)]
-    assert bench.workload(prompts, 2, text=True) == [[[0], [1]], [[2], [3]], [[4]]]
-    assert bench.workload(prompts, 1, text=True) == [[[i]] for i in range(5)]
-    assert bench.workload(prompts, 3, text=False) == [[[0], [1], [2]]]  # random prompts: one batch
+    assert runner.workload(prompts, 2, text=True) == [[[0], [1]], [[2], [3]], [[4]]]
+    assert runner.workload(prompts, 1, text=True) == [[[i]] for i in range(5)]
+    assert runner.workload(prompts, 3, text=False) == [[[0], [1], [2]]]  # random prompts: one batch
 
 
 def test_acceptance_figures_by_hand():
@@ -244,12 +247,12 @@ def test_acceptance_figures_by_hand():
               "spec_drafted_per_position": [1, 1, 1], "spec_accepted_per_position": [1, 0, 0]}
     after = {"spec_num_drafts": 5, "spec_num_draft_tokens": 13, "spec_num_accepted_tokens": 6,
              "spec_drafted_per_position": [5, 4, 4], "spec_accepted_per_position": [4, 1, 1]}
-    delta = bench.spec_delta(before, after)
+    delta = summary.spec_delta(before, after)
     assert delta == {"spec_num_drafts": 4, "spec_num_draft_tokens": 10, "spec_num_accepted_tokens": 5,
                      "spec_drafted_per_position": [4, 3, 3], "spec_accepted_per_position": [3, 1, 1]}
-    twice = bench.spec_add(bench.spec_add(None, delta), delta)
+    twice = summary.spec_add(summary.spec_add(None, delta), delta)
     assert twice["spec_num_drafts"] == 8 and twice["spec_accepted_per_position"] == [6, 2, 2]
-    acc = bench.acceptance(twice)
+    acc = summary.acceptance(twice)
     # 8 verification steps emitted 8 + 10 tokens: 2.25 per step; 10 of 20 drafts accepted
     assert acc["mean_acceptance_length"] == pytest.approx(2.25) and acc["acceptance_rate"] == pytest.approx(0.5)
     assert acc["per_position_rate"] == pytest.approx([0.75, 1 / 3, 1 / 3])

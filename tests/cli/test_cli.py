@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from weld import bench, cli
+from weld import cli
+from weld.config import speculative_config_from_args
 from weld.utils.errors import InvalidInputError, WeldError
 from weld.weights import default_model_path
 
@@ -52,12 +53,76 @@ def test_generate_streams_the_greedy_completion(tiny_llama_dir):
     assert proc.stdout == expected + "\n"
 
 
+CHAT_INPUT = "Paris\nThe quick brown fox\n/reset\nOnce upon a time\n/exit\nnever answered\n"
+
+
 def test_chat_keeps_history(tiny_llama_dir):
+    """`weld chat` on a tiny model, greedy: each reply equals LLM.chat's on the whole history so far
+    (turn 1's user line and reply included), /reset keeps only the --system message, and /exit ends
+    the session with status 0 before the next line is answered."""
+    from weld import LLM, SamplingParams
+
     directory, _ = tiny_llama_dir
-    proc = weld("chat", "--model", str(directory), "--max-tokens", "4", "--temperature", "0",
-                "--max-model-len", "128", stdin="Paris\nThe quick brown fox\n")
+    system = {"role": "system", "content": "You are terse."}
+    proc = weld("chat", "--model", str(directory), "--system", system["content"], "--max-tokens", "4",
+                "--temperature", "0", "--max-model-len", "128", stdin=CHAT_INPUT)
     assert proc.returncode == 0, proc.stderr
-    assert len(proc.stdout.splitlines()) >= 2  # one reply per user line
+    llm = LLM(model=str(directory), max_model_len=128, kv_cache_memory_gb=0.01)
+
+    def reply(*messages):
+        return llm.chat(list(messages), SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].text
+
+    user = [{"role": "user", "content": text} for text in ("Paris", "The quick brown fox", "Once upon a time")]
+    first = reply(system, user[0])
+    second = reply(system, user[0], {"role": "assistant", "content": first}, user[1])
+    third = reply(system, user[2])  # after /reset
+    assert proc.stdout == f"{first}\n{second}\n{third}\n"
+    # the comparison can tell: without its history (or without the system prompt) turn 2 reads otherwise
+    assert second != reply(system, user[1]) and first != reply(user[0])
+
+
+class ChatRecorder:
+    """Stands in for LLM in `weld chat`: records every conversation the chat renders and every
+    prompt it streams, and replies "reply N"."""
+
+    def __init__(self):
+        self.rendered: list[list[dict]] = []
+        self.streamed: list[dict] = []
+        self.tokenizer = self
+
+    def apply_chat_template(self, messages, add_generation_prompt=False):
+        assert add_generation_prompt
+        self.rendered.append([dict(m) for m in messages])
+        return json.dumps(messages)
+
+    def encode(self, text, add_special_tokens=True):
+        assert not add_special_tokens  # the template already wrote them
+        return [len(text)]
+
+    def stream(self, prompt, params):
+        self.streamed.append(prompt)
+        yield "reply "
+        yield str(len(self.streamed))
+
+
+@pytest.mark.parametrize("system", [None, "You are terse."])
+def test_chat_sends_the_whole_history_to_the_model(system, monkeypatch, capsys):
+    import io
+
+    recorder = ChatRecorder()
+    monkeypatch.setattr(cli, "_make_llm", lambda args: recorder)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(CHAT_INPUT))
+    assert cli.main(["chat", "--temperature", "0"] + (["--system", system] if system else [])) == 0
+    head = [{"role": "system", "content": system}] if system else []
+    user = [{"role": "user", "content": text} for text in ("Paris", "The quick brown fox", "Once upon a time")]
+    assert recorder.rendered == [
+        head + user[:1],
+        head + [user[0], {"role": "assistant", "content": "reply 1"}, user[1]],
+        head + user[2:],  # /reset dropped the turns, not the system prompt; /exit: "never answered" is not
+    ]
+    assert recorder.streamed == [{"prompt": json.dumps(m), "prompt_token_ids": [len(json.dumps(m))]}
+                                 for m in recorder.rendered]
+    assert capsys.readouterr().out == "reply 1\nreply 2\nreply 3\n"
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -93,7 +158,7 @@ def test_empty_and_overlong_prompts(tiny_llama_dir):
                             "--max-model-len", "16"), "max_model_len")
 
 
-# ----- speculative decoding flags: one definition (weld.bench), the same on every command -----
+# ----- speculative decoding flags: one definition (weld.config), the same on every command -----
 
 SPEC_COMMANDS = {"generate": ["generate", "hello"], "chat": ["chat"], "serve": ["serve"], "bench": ["bench"]}
 
@@ -115,7 +180,7 @@ def parse(command: str, *flags: str):
                                                                     "model": "drafter/"}),
 ])
 def test_flags_map_to_speculative_config(command, flags, expected):
-    assert bench.speculative_config(parse(command, *flags)) == expected
+    assert speculative_config_from_args(parse(command, *flags)) == expected
 
 
 @pytest.mark.parametrize("flags,needle", [
@@ -131,7 +196,7 @@ def test_flags_map_to_speculative_config(command, flags, expected):
 ])
 def test_bad_combinations(flags, needle):
     with pytest.raises(InvalidInputError, match=needle):
-        bench.speculative_config(parse("generate", *flags))
+        speculative_config_from_args(parse("generate", *flags))
 
 
 def test_unknown_method_is_refused_by_argparse(capsys):
@@ -158,11 +223,14 @@ def test_commands_pass_the_config_to_the_engine(command, module, attr, monkeypat
 
     monkeypatch.setattr(importlib.import_module(module), attr, engine)
     assert cli.main([*SPEC_COMMANDS[command], "--spec", "ngram", "--spec-k", "3", "--spec-ngram-max", "2"]) == 1
-    assert seen["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                          "prompt_lookup_max": 2}
+    spec = seen["engine_config"].speculative
+    assert (spec.method, spec.k, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 3, 1, 2)
     seen.clear()
-    assert cli.main(SPEC_COMMANDS[command]) == 1
-    assert seen["speculative_config"] is None
+    assert cli.main([*SPEC_COMMANDS[command], "--max-num-seqs", "5", "--block-size", "32",
+                     "--no-enable-prefix-caching"]) == 1
+    config = seen["engine_config"]
+    assert config.speculative.method is None
+    assert (config.scheduler.max_num_seqs, config.cache.page_size, config.cache.enable_prefix_caching) == (5, 32, False)
 
 
 def test_one_line_errors_from_the_command_line():

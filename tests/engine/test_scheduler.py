@@ -33,9 +33,10 @@ def test_trim_gives_back_pages_past_the_tokens_kept():
     s = seq(6)
     bm.allocate(s, 6 + 8)  # the last token and 8 draft slots: 4 pages
     s.num_computed_tokens = 5
-    assert len(s.block_table) == 4 and bm.num_free_pages == 4
+    pages = list(s.block_table)
+    assert len(pages) == 4 and bm.num_free_pages == 4
     bm.trim(s, 7)  # 2 of the drafts were kept: positions 0..6 need 2 pages
-    assert len(s.block_table) == 2 and bm.num_free_pages == 6
+    assert s.block_table == pages[:2] and bm.num_free_pages == 6
     s.num_computed_tokens = 8
     bm.trim(s, 3)  # never below the computed tokens
     assert len(s.block_table) == 2
@@ -175,19 +176,40 @@ def test_prefix_cache_reuses_full_pages_confirmed_by_tokens():
     a = seq(11, "a")  # tokens 0..10: two full pages (0..3, 4..7) once computed
     bm.allocate(a, 11)
     a.num_computed_tokens = 11
+    a_pages = list(a.block_table)
     bm.free(a)  # finished: its full pages stay cached while free
     assert bm.num_free_pages == 16
     b = Sequence("b", list(range(9)) + [99, 98], SamplingParams())
     assert bm.match_prefix(b) == 8 and b.num_computed_tokens == 8
-    assert b.block_table == [0, 1] or len(set(b.block_table)) == 2
+    assert b.block_table == a_pages[:2]  # the very pages a computed, not any two
     assert bm.num_free_pages == 14 and bm.prefix_hits == 8
+    bm.allocate(b, 11)  # its third page (8, 99, 98) is new
+    assert len(b.block_table) == 3 and b.block_table[2] not in a_pages[:2]
     c = Sequence("c", [0, 1, 2, 3, 7, 7, 7, 7, 1], SamplingParams())
     assert bm.match_prefix(c) == 4  # first page equal, second differs
-    assert c.block_table[0] == b.block_table[0]  # shared, ref-counted
+    assert c.block_table == [a_pages[0]]  # shared with b, ref-counted
+    bm.allocate(c, 9)  # tokens that do not match get pages of their own
+    assert len(c.block_table) == 3 and not set(c.block_table[1:]) & set(b.block_table)
     bm.free(b)
-    assert bm.num_free_pages == 15  # the shared page is still held by c
+    assert bm.num_free_pages == 16 - 3  # the shared page is still held by c
     bm.free(c)
     assert bm.num_free_pages == 16
+
+
+def test_prefix_cache_hits_need_equal_tokens_from_the_first_page():
+    """Equal pages behind a different first page are not a prefix: no hit, fresh pages."""
+    bm = BlockManager(num_pages=16, page_size=4)
+    a = seq(9, "a")
+    bm.allocate(a, 9)
+    a.num_computed_tokens = 9
+    a_pages = list(a.block_table)
+    bm.free(a)
+    d = Sequence("d", [9, 9, 9, 9, 4, 5, 6, 7, 8], SamplingParams())  # a's second page, after another first
+    assert bm.match_prefix(d) == 0 and d.block_table == [] and d.num_computed_tokens == 0
+    bm.allocate(d, 9)
+    assert not set(d.block_table) & set(a_pages[:2])  # a's cached pages stay cached, untouched
+    e = seq(9, "e")
+    assert bm.match_prefix(e) == 8 and e.block_table == a_pages[:2]
 
 
 def test_prefix_cache_leaves_the_last_token_to_compute():
@@ -195,9 +217,11 @@ def test_prefix_cache_leaves_the_last_token_to_compute():
     a = seq(8, "a")
     bm.allocate(a, 8)
     a.num_computed_tokens = 8
+    a_pages = list(a.block_table)
     bm.free(a)
     same = seq(8, "b")
     assert bm.match_prefix(same) == 4  # not 8: the last page holds the token whose logits we need
+    assert same.block_table == a_pages[:1]
 
 
 def test_evicted_pages_do_not_hit():
@@ -205,12 +229,14 @@ def test_evicted_pages_do_not_hit():
     a = seq(5, "a")
     bm.allocate(a, 5)
     a.num_computed_tokens = 5
+    cached = a.block_table[0]  # tokens 0..3, full and computed
     bm.free(a)
     other = Sequence("x", [50, 51, 52, 53, 54, 55, 56, 57], SamplingParams())
     bm.allocate(other, 8)  # takes both pages, evicting a's cached page
+    assert cached in other.block_table
     bm.free(other)
     again = seq(5, "b")
-    assert bm.match_prefix(again) == 0
+    assert bm.match_prefix(again) == 0 and again.block_table == []
 
 
 def test_random_requests_with_aborts_leak_no_pages():

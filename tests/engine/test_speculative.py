@@ -230,7 +230,7 @@ def test_dspark_paged_drafts_match_dense_reference(tiny_llama_dir, dspark_dir, p
                                                        jnp.asarray([anchor]), jnp.asarray([position]),
                                                        jnp.asarray(tables), jnp.asarray([4]), 3))(runner.draft_state)
     params, cfg = runner.draft_params, drafter.cfg
-    features, _ = target_hidden_states(runner.weights, llm.cfg, jnp.asarray([tokens[:-1]]), cfg.target_layers)
+    features, _ = target_hidden_states(llm.model.family, runner.weights, llm.cfg, jnp.asarray([tokens[:-1]]), cfg.target_layers)
     context = dspark.project_context(params, cfg, features)
     ctx_positions = jnp.arange(len(tokens) - 1)[None]
     ctx_kv = dspark.context_kv(params, cfg, context, ctx_positions)

@@ -15,9 +15,11 @@ from interpret_mode import races_found
 
 from weld.kernels.megakernel import decode as mk
 from weld.kernels.megakernel.plan import VmemBudgetError
-from weld.models import llama, megakernel
-from weld.models.common.cache import AttentionBatch, PagedKVCache
-from weld.models.common.layers import RopeScaling
+from weld.models import llama
+from weld.models import llama_megakernel as megakernel
+from weld.models.common.cache import AttentionBatch
+from weld.models.llama import cache_spec
+from weld.models.common.rope import RopeScaling
 from weld.models.common.spec import abstract_weights, random_weights
 
 PAGE = 4
@@ -46,7 +48,7 @@ def _setup(cfg, batch, seed=0):
     for i, n in enumerate(prompt_lens):
         tokens[i, :n] = rng.integers(0, cfg.vocab_size, n)
         positions[i, :n] = np.arange(n)
-    cache = PagedKVCache.create(cfg.kv_spec, NUM_PAGES, PAGE, jnp.float32)
+    cache = cache_spec(cfg).create(NUM_PAGES, PAGE, jnp.float32)
     bt = jnp.asarray(BLOCK_TABLES[:batch])
     logits, _, cache = _xla_step(cfg)(weights, jnp.asarray(tokens), jnp.asarray(positions), cache, bt)
     last = jnp.asarray(np.array(prompt_lens) - 1)
@@ -92,7 +94,7 @@ def _greedy_run(cfg, batch, steps, interpret, *, padding_row=False, options=OPTI
 
 
 def _assert_caches_close(cache, ref_cache, tol=1e-5):
-    for a, b in zip(cache.k + cache.v, ref_cache.k + ref_cache.v):
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 
 
@@ -197,7 +199,7 @@ def test_planted_stream_bug_is_caught(interpret, bug):
     spec = megakernel.spec_for(cfg, batch=1, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32,
                                pages_per_kv_tile=2)
     logits, ids, _, _ = mk.decode_step(spec, megakernel.kernel_params(cfg, weights), tok[:, None], pos[:, None], bt,
-                                       cache.k, cache.v, tile_rows=16, vocab_tile_rows=32, ring_depth=3,
+                                       [p.k for p in cache.layers], [p.v for p in cache.layers], tile_rows=16, vocab_tile_rows=32, ring_depth=3,
                                        interpret=interpret, _bug=bug)
     ref, _, _ = _xla_step(cfg)(weights, tok[:, None], pos[:, None], cache, bt)
     if bug is None:
@@ -232,11 +234,11 @@ def test_validation_names_both_values():
     spec = megakernel.spec_for(cfg, batch=2, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32)
     params = megakernel.kernel_params(cfg, weights)
     with pytest.raises(ValueError, match=r"tokens must be \[B, T\] = \(2, 1\) .* got \(1, 1\)"):
-        mk.decode_step(spec, params, tok[:, None], pos[:, None], bt, cache.k, cache.v)
+        mk.decode_step(spec, params, tok[:, None], pos[:, None], bt, [p.k for p in cache.layers], [p.v for p in cache.layers])
     spec = dataclasses.replace(spec, batch=1)
     bad = dict(params, layers=[dict(params["layers"][0], k=jnp.zeros((8, 33)))] + params["layers"][1:])
     with pytest.raises(ValueError, match=r"layers\[0\]\['k'\] must be \[out, in\] = \(16, 32\), got \(8, 33\)"):
-        mk.decode_step(spec, bad, tok[:, None], pos[:, None], bt, cache.k, cache.v)
+        mk.decode_step(spec, bad, tok[:, None], pos[:, None], bt, [p.k for p in cache.layers], [p.v for p in cache.layers])
     with pytest.raises(ValueError, match="no sliding-window attention"):
         megakernel.spec_for(dataclasses.replace(cfg, sliding_window=4), batch=1, page_size=PAGE,
                             weight_dtype=jnp.float32, kv_dtype=jnp.float32)

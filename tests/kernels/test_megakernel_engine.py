@@ -25,7 +25,7 @@ def test_megakernel_backend_greedy_text_matches_xla(tiny_llama_dir):
     for a, b in zip(xla, mega):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert b.outputs[0].text == a.outputs[0].text
-    from weld.models import megakernel
+    from weld.models import llama_megakernel as megakernel
 
     # the decode program really is the megakernel's (equal text alone would not prove it ran)
     assert mega_llm.engine.runner._decode.__wrapped__.args[0] is megakernel.forward
@@ -37,7 +37,8 @@ def test_backend_switch_picks_the_decode_forward():
     import dataclasses
 
     from weld.engine.runner import decode_forward
-    from weld.models import llama, megakernel
+    from weld.models import llama
+    from weld.models import llama_megakernel as megakernel
 
     cfg = llama.Config(architecture="llama", vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1,
                        num_heads=2, num_kv_heads=1, head_dim=8)

@@ -127,7 +127,7 @@ def test_kernel_takes_short_f32_queries_only(monkeypatch):
 
 
 def test_a_failed_build_falls_back_to_jnp(monkeypatch, tmp_path, caplog):
-    """No working compiler: one warning, and the jnp path computes the same numbers."""
+    """No working compiler: one warning, and the jnp path takes over with the dense reference's numbers."""
     monkeypatch.setenv("WELD_CPU_KERNELS", "1")
     monkeypatch.setenv("WELD_KERNEL_CACHE_DIR", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
@@ -139,6 +139,8 @@ def test_a_failed_build_falls_back_to_jnp(monkeypatch, tmp_path, caplog):
     assert len([r for r in caplog.records if "native CPU kernels" in r.message]) == 1
     assert "weld_paged_attention" not in _program(1, 1)
     assert list(tmp_path.glob("*.so")) == []
+    for b, t, window, drafter in [(1, 1, None, False), (4, 1, None, False), (3, 2, 5, True)]:  # both jnp forms
+        check_against_reference(b, t, window, drafter, page=PAGE, heads=H, kv_heads=KV, head_dim=E)
 
 
 def test_the_form_follows_the_row_count(monkeypatch):

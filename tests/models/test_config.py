@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from weld.models.common.layers import rope_inv_freq
+from weld.models.common.rope import rope_inv_freq
 from weld.models.llama import Config
 
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
@@ -55,10 +55,10 @@ def test_from_gguf_metadata():
             "llama.rope.freq_base": 100000.0, "llama.context_length": 2048,
             "llama.attention.layer_norm_rms_epsilon": 1e-5, "tokenizer.ggml.tokens": ["a"] * 300,
             "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.bos_token_id": 1}
-    cfg = Config.from_gguf(meta, tensor_names={"token_embd.weight"})
+    cfg = Config.from_gguf(meta, {"token_embd.weight": (300, 64)})
     assert (cfg.vocab_size, cfg.num_layers, cfg.head_dim, cfg.rope_theta) == (300, 2, 16, 100000.0)
     assert cfg.tie_word_embeddings and cfg.eos_token_ids == (2,)
-    untied = Config.from_gguf(meta, tensor_names={"output.weight", "blk.0.attn_q.bias"})
+    untied = Config.from_gguf(meta, {"output.weight": (300, 64), "blk.0.attn_q.bias": (64,)})
     assert not untied.tie_word_embeddings and untied.qkv_bias
     with pytest.raises(ValueError, match="feed_forward_length"):
-        Config.from_gguf({k: v for k, v in meta.items() if k != "llama.feed_forward_length"})
+        Config.from_gguf({k: v for k, v in meta.items() if k != "llama.feed_forward_length"}, {})

@@ -4,6 +4,7 @@ reduction for 2..64 rows and a dot beyond), fused and packed projections."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 
 from weld.kernels import cpu as cpu_kernels
 from weld.models import llama
+from weld.models.family import output_matrix
 from weld.models.common import layers
 from weld.models.common.spec import random_weights
 
@@ -148,13 +150,13 @@ def test_fused_projections_compute_the_same_model(name, tied):
         {"attn_norm", "mlp_norm", "wo", "w_down", "wqkv", "w_gate_up"} | ({"bqkv", "q_norm", "k_norm"} if name == "qwen" else set()))
     assert "wq" in weights["layers"][0]  # only the copied layer dicts changed
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 7)), jnp.int32)
-    hidden = jax.jit(features.target_hidden_states, static_argnums=(1, 3))
+    hidden = jax.jit(functools.partial(features.target_hidden_states, llama), static_argnums=(1, 3))
     packed = {**fused, "layers": [dict(lw) for lw in fused["layers"]]}
     llama.pack_weights(packed)
     assert isinstance(packed["layers"][0]["wqkv"], layers.PackedWeight)
-    assert isinstance(features.lm_head(packed), layers.PackedWeight)
+    assert isinstance(output_matrix(packed), layers.PackedWeight)
     assert isinstance(packed["embed"], layers.PackedWeight) == tied  # an untied embedding only serves lookups
-    logits = jax.jit(lambda w, h: layers.linear(h, features.lm_head(w)))
+    logits = jax.jit(lambda w, h: layers.linear(h, output_matrix(w)))
     for t in (1, 7):  # 3 rows (the reduction, or the packed kernel) and 21 rows
         ref = hidden(weights, cfg, tokens[:, :t], (0,))
         for form in (fused, packed):

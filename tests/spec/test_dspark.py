@@ -1,7 +1,8 @@
 """The DSpark drafter against a plain numpy statement of its equations, its checkpoints, and the
-target features it reads against `llama.forward`."""
+target features it reads (the family's forward with capture_layers) against the plain forward."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,8 @@ import pytest
 from weld.engine.spec import dspark
 from weld.engine.spec.features import target_hidden_states
 from weld.models import llama
-from weld.models.common.cache import AttentionBatch, PagedKVCache
+from weld.models.common.cache import AttentionBatch
+from weld.models.llama import cache_spec
 from weld.models.common.layers import rms_norm
 from weld.models.common.spec import random_weights
 
@@ -27,7 +29,7 @@ def paged_forward(weights, cfg, tokens):
     """llama.forward over whole sequences tokens [b, t] on a fresh paged cache."""
     b, t = tokens.shape
     page = 4
-    cache = PagedKVCache.create(cfg.kv_spec, b * t // page, page, jnp.float32)
+    cache = cache_spec(cfg).create(b * t // page, page, jnp.float32)
     tables = jnp.arange(b * (t // page), dtype=jnp.int32).reshape(b, t // page)
     return jax.jit(llama.forward, static_argnames=("cfg",))(
         weights, cfg, tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), cache, AttentionBatch(block_tables=tables))
@@ -38,7 +40,7 @@ def target_features():
     weights = random_weights(llama.weight_specs(TARGET), seed=1)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, TARGET.vocab_size, (2, 12)), jnp.int32)
     layers = (2, 0)  # out of order on purpose
-    selected, final = jax.jit(target_hidden_states, static_argnums=(1, 3))(weights, TARGET, tokens, layers)
+    selected, final = jax.jit(functools.partial(target_hidden_states, llama), static_argnums=(1, 3))(weights, TARGET, tokens, layers)
     return weights, tokens, selected, final
 
 

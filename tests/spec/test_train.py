@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from weld.engine.spec import dspark, train
-from weld.engine.spec.features import lm_head, target_hidden_states
+from weld.engine.spec.features import target_hidden_states
+from weld.models.family import output_matrix
 from weld.models import llama
 from weld.models.common.spec import random_weights
 
@@ -19,10 +20,10 @@ def greedy_continuations(weights, prompts, new_tokens):
     """The target's own greedy continuations (what `weld train-draft` gets from the engine)."""
     tokens = np.zeros((len(prompts), prompts.shape[1] + new_tokens), np.int32)
     tokens[:, :prompts.shape[1]] = prompts
-    final_states = jax.jit(lambda w, t: target_hidden_states(w, TARGET, t, (0,))[1])
+    final_states = jax.jit(lambda w, t: target_hidden_states(llama, w, TARGET, t, (0,))[1])
     for position in range(prompts.shape[1], tokens.shape[1]):
         final = final_states(weights, jnp.asarray(tokens))
-        tokens[:, position] = np.argmax(final[:, position - 1] @ lm_head(weights).T, axis=-1)
+        tokens[:, position] = np.argmax(final[:, position - 1] @ output_matrix(weights).T, axis=-1)
     return tokens
 
 
@@ -42,7 +43,7 @@ def test_a_few_steps_lower_the_loss():
     weights = random_weights(llama.weight_specs(TARGET), seed=0, scale=3.0)
     rng = np.random.default_rng(0)
     sequences = rng.integers(0, TARGET.vocab_size, (6, 24))  # any text: the target's distribution is the teacher
-    data = train.build_dataset(weights, TARGET, CFG, sequences.tolist(), [5] * 6, progress=False)
+    data = train.build_dataset(llama, weights, TARGET, CFG, sequences.tolist(), [5] * 6, progress=False)
     assert data.features.shape == (6, 32, 3 * TARGET.hidden_size)
     params = dspark.init_params(CFG, seed=0, target_weights=weights)  # as `weld train-draft` starts
     settings = train.TrainConfig(steps=60, lr=3e-3, warmup=5, batch_size=4, anchors=8)
@@ -60,7 +61,7 @@ def test_self_distillation_on_greedy_text_and_the_checkpoint_reloads(tmp_path):
     weights = random_weights(llama.weight_specs(TARGET), seed=0, scale=3.0)  # peaked, so greedy text has structure
     prompts = np.random.default_rng(0).integers(0, TARGET.vocab_size, (8, 5)).astype(np.int32)
     sequences = greedy_continuations(weights, prompts, 19)
-    data = train.build_dataset(weights, TARGET, CFG, sequences.tolist(), [5] * 8, progress=False)
+    data = train.build_dataset(llama, weights, TARGET, CFG, sequences.tolist(), [5] * 8, progress=False)
     blocks = train.sample_blocks(data, np.arange(8), 8, CFG.block_size, np.random.default_rng(9))
     # The labels are the target's greedy tokens after each anchor, the previous tokens shifted by one.
     np.testing.assert_array_equal(blocks["prev_tokens"][..., 1:], blocks["labels"][..., :-1])

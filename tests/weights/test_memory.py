@@ -1,5 +1,13 @@
-"""Peak host memory of loading the default model: streaming one tensor at a time must keep it well
-under 3x the loaded weights (a load-everything-then-convert loader needs about 3x or more)."""
+"""Peak host memory of loading the default model: streaming one tensor at a time keeps the growth
+of peak RSS over a started-backend baseline at about 1x the loaded f32 weights, and the test holds
+it under 1.25x.
+
+Measured on the 2-core CPU box (SmolLM2-135M, 513 MiB of f32 weights, 7 runs): extra 512-520 MiB,
+i.e. 1.00-1.01x; RSS noise between runs is about +-5 MiB. 1.25x is the measured maximum plus ~25%
+(about 128 MiB of slack, roughly one transient copy of the largest tensor, the 113 MiB tied
+embedding): robust to the noise, and it fails for a loader that keeps a second copy of the weights
+(tried by holding a numpy copy of every leaf after the load: 1.70x; a load-everything-then-convert
+loader needs 2-3x)."""
 
 from __future__ import annotations
 
@@ -40,4 +48,4 @@ def test_peak_rss_of_loading_default_model(default_gguf):
     print(f"\nloaded {loaded / 2**20:.0f} MiB of f32 weights; peak RSS {load['peak_kib'] / 1024:.0f} MiB, "
           f"baseline {base['peak_kib'] / 1024:.0f} MiB, extra {extra / 2**20:.0f} MiB = {extra / loaded:.2f}x")
     assert loaded > 500 * 2**20  # 135M parameters at 4 bytes: the load really happened
-    assert extra < 3 * loaded
+    assert extra < 1.25 * loaded, f"peak RSS grew {extra / loaded:.2f}x the loaded weights (measured ~1.01x)"

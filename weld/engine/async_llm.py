@@ -114,7 +114,7 @@ class AsyncLLM:
         """
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self._error
-        text, token_ids = self.llm._prompt_ids(prompt)
+        text, token_ids = self.llm.encode_prompt(prompt)
         queue: asyncio.Queue = asyncio.Queue()
         with self._wake:
             if request_id in self._streams:

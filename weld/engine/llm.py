@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Callable, Iterable, Sequence as Seq
+from typing import Any, Iterable, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
 
+from weld.config import EngineConfig, SpeculativeConfig
 from weld.engine.block_manager import BlockManager
 from weld.engine.core import EngineCore
 from weld.engine.outputs import RequestOutput
-from weld.engine.runner import BACKENDS, ModelRunner
+from weld.engine.runner import ModelRunner
 from weld.engine.sampling_params import SamplingParams
 from weld.engine.scheduler import Scheduler
 from weld.kernels import cpu as cpu_kernels
+from weld.models.family import WeightTarget, check_config
 from weld.tokenizer import Tokenizer
 from weld.utils.errors import InvalidInputError
 from weld.utils.progress import Progress, status
@@ -30,65 +32,6 @@ from weld.weights import LoadedModel, load_model, resolve_model
 PromptType = str | dict[str, Any]
 
 
-@dataclasses.dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding settings; method None = off."""
-
-    method: str | None = None  # "ngram" | "draft_model" | "dspark"
-    k: int = 0  # drafts per step (DSpark: None until the drafter's block size is known)
-    model: str | None = None  # the draft model, or the DSpark drafter's directory
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 3
-    confidence_threshold: float | None = None  # DSpark: None = the drafter's own default
-    rounds_per_call: int | None = None  # device drafters: rounds per device call (None: from steps_per_call)
-
-    METHODS = ("ngram", "draft_model", "dspark")
-    KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-            "confidence_threshold", "rounds_per_call")
-
-    @classmethod
-    def parse(cls, config: dict[str, Any] | None) -> "SpeculativeConfig":
-        if not config:
-            return cls()
-        unknown = sorted(set(config) - set(cls.KEYS))
-        if unknown:
-            raise InvalidInputError(f"unknown speculative_config keys {unknown}; known: {list(cls.KEYS)}")
-        method = config.get("method") or ("draft_model" if config.get("model") else None)
-        if method == "draft":
-            method = "draft_model"
-        if method not in cls.METHODS:
-            raise InvalidInputError(f"speculative method must be one of {cls.METHODS}, got {method!r}")
-        k = config.get("num_speculative_tokens", None if method == "dspark" else 4)
-        if k is not None and (not isinstance(k, int) or not 1 <= k <= 16):
-            raise InvalidInputError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
-        lo, hi = config.get("prompt_lookup_min", 1), config.get("prompt_lookup_max", 3)
-        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-            raise InvalidInputError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}")
-        if method in ("draft_model", "dspark") and not config.get("model"):
-            raise InvalidInputError(f"speculative method {method!r} needs a draft model: give 'model'")
-        threshold = config.get("confidence_threshold")
-        if threshold is not None and not (isinstance(threshold, (int, float)) and 0 <= threshold <= 1):
-            raise InvalidInputError(f"confidence_threshold must lie in [0, 1], got {threshold!r}")
-        rounds = config.get("rounds_per_call")
-        if rounds is not None and (not isinstance(rounds, int) or not 1 <= rounds <= 64):
-            raise InvalidInputError(f"rounds_per_call must be an integer in [1, 64], got {rounds!r}")
-        if method == "ngram" and rounds not in (None, 1):
-            raise InvalidInputError("n-gram drafts are made on the host between calls: rounds_per_call must be 1")
-        return cls(method, k, config.get("model"), lo, hi, threshold, rounds)
-
-    def rounds(self, steps_per_call: int) -> int:
-        """Rounds per device call: 1 for host drafts; else as given, or as many as fit in
-        steps_per_call tokens at k + 1 per round."""
-        if self.method in (None, "ngram"):
-            return 1
-        return self.rounds_per_call or max(1, steps_per_call // (self.k + 1))
-
-    def host_proposer(self):
-        if self.method == "ngram":
-            from weld.engine.spec.ngram import NgramProposer
-
-            return NgramProposer(k=self.k, min_n=self.prompt_lookup_min, max_n=self.prompt_lookup_max)
-        return None
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
            "float16": jnp.float16, "f16": jnp.float16, "half": jnp.float16}
 
@@ -116,6 +59,15 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def _host_proposer(spec: SpeculativeConfig):
+    """The host-side drafter of a speculative config (n-gram lookup), or None."""
+    if spec.method == "ngram":
+        from weld.engine.spec.ngram import NgramProposer
+
+        return NgramProposer(k=spec.k, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
+    return None
+
+
 def load_tokenizer(loaded: LoadedModel) -> Tokenizer:
     if loaded.gguf_metadata is not None:
         return Tokenizer.from_gguf_metadata(loaded.gguf_metadata)
@@ -126,67 +78,72 @@ class LLM:
     """A model plus an engine, for offline batched generation.
 
     model: a GGUF file, a HF directory (config.json + safetensors), a hub id, or None for the
-    bundled default. The KV cache gets `kv_cache_memory_gb` GiB (or exactly `num_pages` pages).
-    Decoding runs `steps_per_call` steps per device call (the welded decode loop); `backend`
-    "megakernel" runs those steps as the TPU megakernel (Pallas interpret mode off a TPU: slow,
-    for correctness) instead of "xla".
+    bundled default. The other settings are vLLM's keyword arguments (`weld.config.EngineConfig.create`:
+    max_model_len, max_num_seqs, max_num_batched_tokens, page_size, num_pages, kv_cache_memory_gb,
+    enable_prefix_caching, steps_per_call, backend, speculative_config), or one
+    `engine_config=EngineConfig(...)`. Decoding runs `steps_per_call` steps per device call (the
+    welded decode loop); backend "megakernel" runs those steps as the TPU megakernel (Pallas
+    interpret mode off a TPU: slow, for correctness) instead of "xla".
     `speculative_config` turns on speculative decoding (vLLM's keys): {"method": "ngram" |
     "draft_model" | "dspark", "num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max":
     n-gram sizes, "model": the draft model (same tokenizer) or the DSpark drafter's directory
-    (`weld train-draft`), "confidence_threshold": DSpark's survival threshold for sending drafts}. Outputs are the same as without it
-    (greedy: token for token; sampled: in distribution).
+    (`weld train-draft`), "confidence_threshold": DSpark's survival threshold for sending
+    drafts}. Outputs are the same as without it (greedy: token for token; sampled: in distribution).
     """
 
-    def __init__(self, model: str | None = None, dtype: Any = "auto", *, max_model_len: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, page_size: int = 16,
-                 num_pages: int | None = None, kv_cache_memory_gb: float = 1.0, steps_per_call: int = 8,
-                 enable_prefix_caching: bool = True, progress: bool | None = None, backend: str = "xla",
-                 speculative_config: dict[str, Any] | None = None):
-        spec = SpeculativeConfig.parse(speculative_config)  # before any slow work: bad input fails fast
+    def __init__(self, model: str | None = None, dtype: Any = "auto", *, engine_config: EngineConfig | None = None,
+                 progress: bool | None = None, **kwargs: Any):
+        if engine_config is None:
+            engine_config = EngineConfig.create(model, dtype, **kwargs)  # bad settings fail before slow work
+        elif model is not None or kwargs or dtype != "auto":
+            raise InvalidInputError("give either engine_config or the model and keyword settings, not both")
+        self.config = config = engine_config
         enable_compilation_cache()
-        self.dtype = resolve_dtype(dtype)
-        source = resolve_model(model)
-        self.model = load_model(source, dtype=self.dtype, progress=progress)
+        self.dtype = resolve_dtype(config.dtype)
+        self.model = load_model(resolve_model(config.model), dtype=self.dtype, progress=progress)
         self.cfg = self.model.cfg
+        family = self.model.family
+        check_config(self.cfg)
         self.tokenizer = load_tokenizer(self.model)
-        self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
-        if num_pages is None:
-            page_bytes = page_size * self.cfg.kv_spec.bytes_per_token(self.dtype)
-            num_pages = max(int(kv_cache_memory_gb * (1 << 30)) // page_bytes, -(-self.max_model_len // page_size))
-        if steps_per_call < 1:
-            raise InvalidInputError(f"steps_per_call must be >= 1, got {steps_per_call}")
-        if backend not in BACKENDS:
-            raise InvalidInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        sched, cache = config.scheduler, config.cache
+        self.max_model_len = min(sched.max_model_len or self.cfg.max_position_embeddings,
+                                 self.cfg.max_position_embeddings)
         eos = tuple(dict.fromkeys(tuple(self.tokenizer.eos_token_ids) + tuple(self.cfg.eos_token_ids)))
-        if spec.method == "dspark" and backend == "megakernel":
-            raise InvalidInputError("the DSpark drafter needs the target's hidden states, which the megakernel "
-                                    "backend does not return: use backend 'xla' or another speculative method")
-        drafter, draft_params, spec = self._load_drafter(spec, progress)
-        if backend == "xla" and hasattr(self.model.family, "fuse_projections"):
-            self.model.family.fuse_projections(self.model.weights)  # one q/k/v and one gate/up matmul
-            if self.dtype == jnp.float32 and cpu_kernels.available():
-                self.model.family.pack_weights(self.model.weights)  # panels for the native CPU kernel
-        runner = ModelRunner(self.model.family, self.cfg, self.model.weights, num_pages=num_pages,
-                             page_size=page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len,
-                             steps_per_call=steps_per_call, eos_token_ids=eos, backend=backend,
+        target = WeightTarget(config.backend, self.dtype == jnp.float32 and cpu_kernels.available())
+        drafter, draft_params, spec = self._load_drafter(config.speculative, target, progress)
+        self.model.weights = family.prepare_weights(self.model.weights, self.cfg, target)
+        num_pages = cache.num_pages or self._pages_for_memory(family, drafter, cache)
+        runner = ModelRunner(family, self.cfg, self.model.weights, num_pages=num_pages,
+                             page_size=cache.page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len,
+                             steps_per_call=sched.steps_per_call, eos_token_ids=eos, backend=config.backend,
                              drafter=drafter, draft_params=draft_params, num_spec_tokens=spec.k,
-                             spec_rounds=spec.rounds(steps_per_call))
-        scheduler = Scheduler(BlockManager(num_pages, page_size, enable_prefix_caching), max_num_seqs,
-                              max_num_batched_tokens, max_model_len=self.max_model_len,
-                              steps_per_call=steps_per_call, num_spec_tokens=spec.k,
-                              spec_rounds=spec.rounds(steps_per_call))
+                             spec_rounds=spec.rounds(sched.steps_per_call))
+        scheduler = Scheduler(BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching),
+                              sched.max_num_seqs, sched.max_num_batched_tokens, max_model_len=self.max_model_len,
+                              steps_per_call=sched.steps_per_call, num_spec_tokens=spec.k,
+                              spec_rounds=spec.rounds(sched.steps_per_call))
         self.engine = EngineCore(runner, self.tokenizer, scheduler, max_model_len=self.max_model_len,
-                                 eos_token_ids=eos, proposer=spec.host_proposer())
+                                 eos_token_ids=eos, proposer=_host_proposer(spec))
         self._counter = itertools.count()
         self._progress = progress
 
-    def _load_drafter(self, spec: "SpeculativeConfig", progress: bool | None):
+    def _pages_for_memory(self, family, drafter, cache) -> int:
+        """As many pages as kv_cache_memory_gb holds (the model's cache spec plus a drafter's state,
+        which lives on the same pages), and at least one sequence of max_model_len."""
+        per_token = family.cache_spec(self.cfg).bytes_per_token(self.dtype)
+        if drafter is not None:
+            per_token += drafter.cache_spec().bytes_per_token(self.dtype)
+        fit = int(cache.kv_cache_memory_gb * (1 << 30)) // (cache.page_size * per_token)
+        return max(fit, -(-self.max_model_len // cache.page_size))
+
+    def _load_drafter(self, spec: SpeculativeConfig, target: WeightTarget, progress: bool | None):
         """(device drafter, its weights, the config with k settled) for the method, or Nones."""
         from weld.engine.spec import drafters
 
         if spec.method == "draft_model":
             draft = self._load_draft_model(spec, progress)
-            return drafters.DraftModelDrafter(draft.family, draft.cfg), draft.weights, spec
+            weights = draft.family.prepare_weights(draft.weights, draft.cfg, dataclasses.replace(target, backend="xla"))
+            return drafters.DraftModelDrafter(draft.family, draft.cfg), weights, spec
         if spec.method != "dspark":
             return None, None, spec
         from weld.engine.spec import dspark
@@ -203,7 +160,7 @@ class LLM:
         return (drafters.DSparkDrafter(dcfg, float(threshold)), params,
                 dataclasses.replace(spec, k=spec.k or dcfg.block_size))
 
-    def _load_draft_model(self, spec: "SpeculativeConfig", progress: bool | None) -> LoadedModel:
+    def _load_draft_model(self, spec: SpeculativeConfig, progress: bool | None) -> LoadedModel:
         draft = load_model(resolve_model(spec.model), dtype=self.dtype, progress=progress)
         if draft.cfg.vocab_size != self.cfg.vocab_size:
             raise InvalidInputError(
@@ -235,7 +192,8 @@ class LLM:
         with status("Compiling", enabled=self._progress):
             self.generate({"prompt_token_ids": [0] * 8}, SamplingParams(max_tokens=2, temperature=0))
 
-    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt: a string, or a dict with 'prompt' or 'prompt_token_ids'."""
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
@@ -258,7 +216,7 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidInputError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        encoded = [self._prompt_ids(p) for p in prompts]  # validate everything before adding anything
+        encoded = [self.encode_prompt(p) for p in prompts]  # validate everything before adding anything
         ids = []
         try:
             for (text, token_ids), p in zip(encoded, params):
@@ -304,7 +262,7 @@ class LLM:
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams) -> Iterable[str]:
         """Yields the new text of a single completion as it is generated (for the CLI)."""
-        text, token_ids = self._prompt_ids(prompt)
+        text, token_ids = self.encode_prompt(prompt)
         request_id = str(next(self._counter))
         self.engine.add_request(request_id, token_ids, sampling_params, prompt=text)
         sent = 0

@@ -14,21 +14,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from weld.engine.batch import PenaltyArrays, SamplingArrays, StopArrays
+
 _NEG = -1e30
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SamplingArrays:
-    """Per-row sampling parameters, each [b]."""
+def _register(cls) -> None:
+    """The host batch's dataclasses (numpy leaves, `weld.engine.batch`) as pytrees of device arrays."""
+    jax.tree_util.register_dataclass(cls, data_fields=[f.name for f in dataclasses.fields(cls)], meta_fields=[])
 
-    temperature: jax.Array  # f32; 0 = greedy
-    top_k: jax.Array  # i32; <= 0 = off
-    top_p: jax.Array  # f32; 1 = off
-    min_p: jax.Array  # f32; 0 = off
-    seed_hi: jax.Array  # u32, high and low words of the request's seed
-    seed_lo: jax.Array  # u32
-    position: jax.Array  # i32, position of the token being sampled
+
+for _cls in (SamplingArrays, PenaltyArrays, StopArrays):
+    _register(_cls)
 
 
 def _mix32(x: jax.Array) -> jax.Array:
@@ -86,20 +83,6 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: 
     max_logit = sorted_desc[:, :1]
     keep &= (min_p[:, None] <= 0) | (logits >= max_logit + jnp.log(jnp.maximum(min_p[:, None], 1e-30)))
     return jnp.where(keep, logits, _NEG)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class PenaltyArrays:
-    """Per-row penalties and biases; counts / prompt_mask cover the whole vocabulary."""
-
-    presence: jax.Array  # f32 [b]
-    frequency: jax.Array  # f32 [b]
-    repetition: jax.Array  # f32 [b]; 1 = off
-    counts: jax.Array  # i32 [b, v]: how often each token was generated so far
-    prompt_mask: jax.Array  # bool [b, v]: tokens in the prompt
-    bias_ids: jax.Array  # i32 [b, m], padded with -1
-    bias_values: jax.Array  # f32 [b, m]
 
 
 def apply_penalties(logits: jax.Array, pen: PenaltyArrays) -> jax.Array:

@@ -142,13 +142,6 @@ class Scheduler:
             self.running.append(seq)
         return entries
 
-    def _token_limit(self, seq: Sequence) -> int:
-        """The length at which `seq` must stop (max_tokens or the context, whichever is first)."""
-        limit = self.max_model_len or (1 << 62)
-        if seq.params.max_tokens is not None:
-            limit = min(limit, seq.num_prompt_tokens + seq.params.max_tokens)
-        return limit
-
     def _schedule_decode(self, max_steps: int) -> list[ScheduledSeq]:
         bm = self.block_manager
         scheduled: list[tuple[Sequence, int]] = []
@@ -159,7 +152,7 @@ class Scheduler:
             # and produce k tokens, no more than the sequence may still have.
             # A constrained sequence decodes one token per call: its mask changes after each one.
             limit = 1 if seq.params.structured_outputs is not None else max_steps
-            steps = max(1, min(limit, self._token_limit(seq) - seq.num_tokens))
+            steps = max(1, min(limit, seq.token_limit(self.max_model_len) - seq.num_tokens))
             if not bm.can_allocate(seq, seq.num_tokens + steps - 1):
                 steps = 1
             while not bm.can_allocate(seq, seq.num_tokens):
@@ -186,6 +179,21 @@ class Scheduler:
             self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def update_from_output(self, plan: SchedulerOutput, num_new_tokens: list[int]) -> None:
+        """Page bookkeeping after a call. Entry i fed its tokens and produced num_new_tokens[i]
+        (each one after the first was fed back, so its K/V is written too). A sequence that
+        stopped is finished (its pages freed); the others give back the slots of rejected
+        drafts (verify) and register their pages that became full in the prefix cache."""
+        for entry, new in zip(plan.entries, num_new_tokens):
+            seq = entry.seq
+            seq.num_computed_tokens = entry.start + entry.num_tokens + max(new - 1, 0)
+            if seq.stopping:
+                self.finish(seq, seq.finish_reason, seq.stop_reason)
+                continue
+            if plan.kind == "verify":
+                self.block_manager.trim(seq, seq.num_tokens)
+            self.block_manager.cache_full_pages(seq)
+
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Marks `seq` finished (or aborted) and frees its pages, wherever it is."""
         if seq in self.running:
@@ -194,5 +202,4 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
+        seq.stop(reason, stop_reason)

@@ -58,6 +58,24 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def token_limit(self, max_model_len: int | None) -> int:
+        """The length at which the sequence must stop: prompt + max_tokens, or the context,
+        whichever comes first."""
+        limit = max_model_len or (1 << 62)
+        if self.params.max_tokens is not None:
+            limit = min(limit, self.num_prompt_tokens + self.params.max_tokens)
+        return limit
+
+    def stop(self, reason: str, stop_reason: int | str | None = None) -> None:
+        """Records why the sequence ends ("stop", "length", "abort"); the scheduler frees its
+        pages when it next updates (`Scheduler.update_from_output`) or at once (`finish`)."""
+        self.finish_reason, self.stop_reason = reason, stop_reason
+
+    @property
+    def stopping(self) -> bool:
+        """The sequence has a finish reason (it is finished, or will be after this step)."""
+        return self.finish_reason is not None
+
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

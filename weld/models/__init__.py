@@ -1,4 +1,5 @@
-"""Model families. Each is one module with `Config`, `weight_specs`, `forward`."""
+"""Model families and the registry. Each family is one module implementing
+`weld.models.family.ModelFamily`; this table is the only list of them."""
 
 from __future__ import annotations
 
@@ -6,20 +7,35 @@ from types import ModuleType
 
 from weld.models import llama
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama}
+FAMILIES: tuple[ModuleType, ...] = (llama,)
+
+
+def _index(attribute: str) -> dict[str, ModuleType]:
+    table: dict[str, ModuleType] = {}
+    for family in FAMILIES:
+        for name in getattr(family, attribute):
+            if name in table:
+                raise RuntimeError(f"{name!r} is claimed by {table[name].NAME} and {family.NAME}")
+            table[name] = family
+    return table
+
+
+HF_TABLE = _index("HF_ARCHITECTURES")
+GGUF_TABLE = _index("GGUF_ARCHITECTURES")
 
 
 def family_for_hf(config: dict) -> ModuleType:
-    """The family module that implements a HF config.json (raises ValueError if none does)."""
+    """The family that implements a HF config.json: by `architectures`, then `model_type`
+    (raises ValueError naming what weld supports if none does)."""
     archs = config.get("architectures") or []
-    if any(a in llama.HF_ARCHITECTURES for a in archs) or config.get("model_type") in llama.GGUF_ARCHITECTURES:
-        return llama
-    raise ValueError(f"unsupported architecture {archs or config.get('model_type')!r}; weld supports "
-                     f"{sorted(llama.HF_ARCHITECTURES)}")
+    for name in [*archs, config.get("model_type")]:
+        if name in HF_TABLE:
+            return HF_TABLE[name]
+    supported = sorted(n for n in HF_TABLE if n[:1].isupper())
+    raise ValueError(f"unsupported architecture {archs or config.get('model_type')!r}; weld supports {supported}")
 
 
 def family_for_gguf(architecture: str) -> ModuleType:
-    if architecture in llama.GGUF_ARCHITECTURES:
-        return llama
-    raise ValueError(f"unsupported GGUF architecture {architecture!r}; weld supports "
-                     f"{sorted(llama.GGUF_ARCHITECTURES)}")
+    if architecture in GGUF_TABLE:
+        return GGUF_TABLE[architecture]
+    raise ValueError(f"unsupported GGUF architecture {architecture!r}; weld supports {sorted(GGUF_TABLE)}")

@@ -1,41 +1,54 @@
-"""The dense decoder family: Llama 1/2/3, SmolLM2, Mistral, Qwen2 and Qwen3.
+"""The Llama decoder family: Llama 1/2/3, SmolLM2, Mistral, Qwen2, Qwen3, and their MoE kin
+Qwen3-MoE and Mixtral.
 
 They differ only in switches on one architecture: RMSNorm pre-norm blocks, GQA attention with
-rotary embeddings (optionally llama3/linear/yarn scaled), SwiGLU MLP. Qwen2 adds biases to
-q/k/v, Qwen3 RMS-normalises q and k per head, Mistral may use a sliding window, and small
-models tie the LM head to the embedding.
+rotary embeddings (optionally llama3/linear/yarn scaled), a SwiGLU MLP or a mixture of SwiGLU
+experts. Qwen2 adds biases to q/k/v, Qwen3 RMS-normalises q and k per head, Mistral may use a
+sliding window, small models tie the LM head to the embedding; Qwen3-MoE's layers are sparse
+where `(i + 1) % decoder_sparse_step == 0` and i is not in `mlp_only_layers` (softmax top-k
+router, renormalised when `norm_topk_prob`), Mixtral's all are (renormalised always).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
-from typing import Any, Mapping
+import math
+from typing import Any, Callable, Mapping
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
-from weld.models.common.attention import paged_attention
-from weld.models.common.cache import AttentionBatch, PagedKVCache, PagedKVSpec
-from weld.models.common.layers import (PackedWeight, RopeScaling, apply_rope, linear, pack_weight, rms_norm,
-                                      rope_inv_freq, swiglu)
-from weld.models.common.spec import WeightSpec
+from weld.models.common import moe as moe_lib
+from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, PagedKV
+from weld.models.common.checkpoint import Convert, KeyMap, unpermute_rows
+from weld.models.common.decoder import Rows, captured, run_layers
+from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
+from weld.models.common.layers import fuse_gate_up, gated_mlp, linear, pack_matrices, rms_norm
+from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
+from weld.models.common.spec import WeightSpec, iter_specs
 
+NAME = "llama"
 HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama", "llama": "llama",
+    "MistralForCausalLM": "mistral", "mistral": "mistral",
+    "Qwen2ForCausalLM": "qwen2", "qwen2": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "qwen3": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe", "qwen3_moe": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral", "mixtral": "mixtral",
 }
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# llama.cpp's architecture names; a Mixtral GGUF is a "llama" one with expert tensors.
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "qwen3moe": "qwen3_moe"}
+# llama.cpp's converter interleaves the rows of Q and K (and their biases) for these: see
+# `checkpoint.unpermute_rows`; qwen GGUFs are not permuted.
+GGUF_PERMUTED = ("llama", "mistral", "mixtral")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Hyper-parameters of one model. Frozen and hashable: it is a static argument of jit."""
 
-    architecture: str  # llama | mistral | qwen2 | qwen3
+    architecture: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -54,6 +67,8 @@ class Config:
     qk_norm: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None  # "full_attention" | "sliding_attention" per layer
+    moe: moe_lib.MoE | None = None
+    sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is `moe`
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -77,6 +92,9 @@ class Config:
         if self.layer_types is not None:
             check(len(self.layer_types) == self.num_layers,
                   f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        check(all(0 <= i < self.num_layers for i in self.sparse_layers),
+              f"sparse layers {self.sparse_layers} must lie in [0, {self.num_layers})")
+        check(self.moe is not None or not self.sparse_layers, "sparse layers without an MoE config")
 
     # ----- parsing -----
 
@@ -86,12 +104,11 @@ class Config:
         archs = config.get("architectures") or []
         model_type = config.get("model_type")
         arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
-        if arch is None and model_type in GGUF_ARCHITECTURES:
-            arch = model_type
+        if arch is None and model_type in HF_ARCHITECTURES:
+            arch = HF_ARCHITECTURES[model_type]
         if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or model_type!r}; weld supports "
-                f"{sorted(HF_ARCHITECTURES)}")
+            raise ValueError(f"unsupported architecture {archs or model_type!r}; the llama family covers "
+                             f"{sorted(a for a in HF_ARCHITECTURES if a[0].isupper())}")
         text = config.get("text_config") or config
 
         def req(key: str):
@@ -101,21 +118,23 @@ class Config:
 
         hidden = int(req("hidden_size"))
         heads = int(req("num_attention_heads"))
+        layers = int(req("num_hidden_layers"))
         head_dim = text.get("head_dim") or hidden // heads
-        theta, scaling = _rope_from_hf(text)
+        theta, scaling = rope_from_hf(text)
         window = None
         layer_types = None
-        if arch == "mistral":
+        if arch in ("mistral", "mixtral"):
             window = text.get("sliding_window")
-        elif arch in ("qwen2", "qwen3") and text.get("use_sliding_window"):
+        elif arch in ("qwen2", "qwen3", "qwen3_moe") and text.get("use_sliding_window"):
             window = text.get("sliding_window")
             max_window_layers = text.get("max_window_layers", 0)
             layer_types = tuple("sliding_attention" if i >= max_window_layers else "full_attention"
-                                for i in range(int(req("num_hidden_layers"))))
+                                for i in range(layers))
         if text.get("layer_types") and window is not None:
             layer_types = tuple(text["layer_types"])
         if text.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported by weld's llama family")
+        moe, sparse = _moe_from_hf(arch, text, layers)
         eos = text.get("eos_token_id", config.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         attention_bias = bool(text.get("attention_bias", False))
@@ -123,8 +142,8 @@ class Config:
             architecture=arch,
             vocab_size=int(req("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(req("intermediate_size")),
-            num_layers=int(req("num_hidden_layers")),
+            intermediate_size=int(text.get("intermediate_size") or (moe.intermediate_size if moe else 0)),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
@@ -134,46 +153,31 @@ class Config:
             max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             qkv_bias=arch == "qwen2" or attention_bias,
-            o_bias=arch in ("llama", "mistral", "qwen3") and attention_bias,
-            qk_norm=arch == "qwen3",
+            o_bias=arch in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral") and attention_bias,
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             sliding_window=int(window) if window else None,
             layer_types=layer_types,
+            moe=moe,
+            sparse_layers=sparse,
             bos_token_id=text.get("bos_token_id", config.get("bos_token_id")),
             eos_token_ids=tuple(int(e) for e in eos_ids),
         )
 
     @classmethod
-    def from_gguf(cls, metadata: Mapping[str, Any], tensor_names: set[str] | frozenset[str] = frozenset(),
-                  rope_freq_factors: tuple[float, ...] | None = None) -> "Config":
-        """Parses GGUF metadata; `tensor_names` tells tied embeddings, biases and q/k norms apart."""
+    def from_gguf(cls, metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
+                  read: Callable[[str], np.ndarray] | None = None) -> "Config":
+        """Parses GGUF metadata; the tensors' `shapes` tell tied embeddings, biases, q/k norms and
+        experts apart, and `read` fetches rope_freqs (llama3) when the file has it."""
         gguf_arch = metadata.get("general.architecture")
         if gguf_arch not in GGUF_ARCHITECTURES:
-            raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; weld supports "
+            raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; the llama family covers "
                              f"{sorted(GGUF_ARCHITECTURES)}")
         arch = GGUF_ARCHITECTURES[gguf_arch]
-
-        def key(name: str, default: Any = KeyError):
-            full = f"{gguf_arch}.{name}"
-            if full in metadata:
-                return metadata[full]
-            if default is KeyError:
-                raise ValueError(f"GGUF metadata has no {full!r}")
-            return default
-
+        key = _gguf_reader(metadata, gguf_arch)
         hidden = int(key("embedding_length"))
         heads = int(key("attention.head_count"))
-        kv_heads = key("attention.head_count_kv", heads)
-        if isinstance(kv_heads, (list, tuple)):
-            if len(set(kv_heads)) != 1:
-                raise ValueError("per-layer head_count_kv is not supported")
-            kv_heads = kv_heads[0]
+        kv_heads = _uniform(key("attention.head_count_kv", heads), "head_count_kv")
         head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
-        vocab = key("vocab_size", None)
-        if vocab is None:
-            tokens = metadata.get("tokenizer.ggml.tokens")
-            if tokens is None:
-                raise ValueError("GGUF metadata has neither a vocab_size nor tokenizer.ggml.tokens")
-            vocab = len(tokens)
         scaling = RopeScaling()
         kind = key("rope.scaling.type", "none")
         if kind in ("linear", "yarn"):
@@ -181,37 +185,56 @@ class Config:
                                   original_max_position_embeddings=key("rope.scaling.original_context_length", None))
         elif kind not in ("none", None):
             raise ValueError(f"unsupported GGUF rope scaling {kind!r}")
-        eos = metadata.get("tokenizer.ggml.eos_token_id")
-        eot = metadata.get("tokenizer.ggml.eot_token_id")
-        eos_ids = tuple(dict.fromkeys(int(e) for e in (eos, eot) if e is not None))
+        freqs = None
+        if "rope_freqs.weight" in shapes and read is not None:
+            freqs = tuple(float(x) for x in read("rope_freqs.weight").ravel())
+        layers = int(key("block_count"))
+        moe, sparse = None, ()
+        experts = key("expert_count", 0)
+        if experts:
+            if arch == "llama":
+                arch = "mixtral"
+            moe = moe_lib.MoE(num_experts=int(experts), top_k=int(key("expert_used_count")),
+                              intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length"))),
+                              norm_topk_prob=bool(key("expert_weights_norm", True)))
+            sparse = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes)
         return cls(
             architecture=arch,
-            vocab_size=int(vocab),
+            vocab_size=_gguf_vocab(metadata, key),
             hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
-            num_layers=int(key("block_count")),
+            intermediate_size=int(key("feed_forward_length") if moe is None
+                                  else key("feed_forward_length", moe.intermediate_size)),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(kv_heads),
             head_dim=head_dim,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
-            rope_freq_factors=rope_freq_factors,
+            rope_freq_factors=freqs,
             max_position_embeddings=int(key("context_length", 2048)),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            qkv_bias="blk.0.attn_q.bias" in tensor_names,
-            o_bias="blk.0.attn_output.bias" in tensor_names,
-            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            tie_word_embeddings="output.weight" not in shapes,
+            qkv_bias="blk.0.attn_q.bias" in shapes,
+            o_bias="blk.0.attn_output.bias" in shapes,
+            qk_norm="blk.0.attn_q_norm.weight" in shapes,
             sliding_window=key("attention.sliding_window", None) or None,
+            moe=moe,
+            sparse_layers=sparse,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=gguf_eos_ids(metadata),
         )
 
     # ----- derived -----
 
     @property
-    def kv_spec(self) -> PagedKVSpec:
-        return PagedKVSpec(self.num_layers, self.num_kv_heads, self.head_dim)
+    def attention(self) -> GQA:
+        return GQA(self.num_heads, self.num_kv_heads, self.head_dim, qkv_bias=self.qkv_bias, o_bias=self.o_bias,
+                   qk_norm=self.qk_norm, norm_eps=self.rms_norm_eps)
+
+    @property
+    def rope(self) -> Rope:
+        return Rope(self.head_dim, self.rope_theta, self.rope_scaling, self.max_position_embeddings,
+                    self.rope_freq_factors)
 
     def window_for(self, layer: int) -> int | None:
         if self.sliding_window is None:
@@ -221,75 +244,93 @@ class Config:
         return self.sliding_window
 
     def num_params(self) -> int:
-        from weld.models.common.spec import iter_specs
-        import math
-
         return sum(math.prod(s.shape) for _, s in iter_specs(weight_specs(self)))
 
 
-def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling]:
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type spelling
-        params = params["full_attention"]
-    scaling = cfg.get("rope_scaling")
-    if params:
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = params
-    else:
-        theta = float(cfg.get("rope_theta", 10000.0))
-    if not scaling:
-        return theta, RopeScaling()
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "dynamic":
-        # Dynamic NTK only changes frequencies beyond the trained context, which weld's
-        # max_position_embeddings forbids; within it, it equals the default.
-        kind = "default"
-    if kind not in RopeScaling.SUPPORTED:
-        raise ValueError(f"unsupported rope scaling {kind!r} (supported: {RopeScaling.SUPPORTED})")
-    return theta, RopeScaling(
-        kind=kind,
-        factor=float(scaling.get("factor", 1.0)),
-        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=scaling.get("original_max_position_embeddings"),
-        beta_fast=float(scaling.get("beta_fast") or 32.0),
-        beta_slow=float(scaling.get("beta_slow") or 1.0),
-        attention_factor=scaling.get("attention_factor"),
-        truncate=bool(scaling.get("truncate", True)),
-    )
+def hf_field(text: Mapping[str, Any], *names: str) -> Any:
+    """The first of `names` that config.json has (hub checkpoints and transformers 5 spell some
+    fields differently, e.g. num_experts / num_local_experts); ValueError naming them if none."""
+    for name in names:
+        if text.get(name) is not None:
+            return text[name]
+    raise ValueError(f"config.json has no {' or '.join(repr(n) for n in names)}")
 
+
+def _moe_from_hf(arch: str, text: Mapping[str, Any], layers: int) -> tuple[moe_lib.MoE | None, tuple[int, ...]]:
+    if arch == "mixtral":
+        moe = moe_lib.MoE(num_experts=int(hf_field(text, "num_local_experts", "num_experts")),
+                          top_k=int(hf_field(text, "num_experts_per_tok")),
+                          intermediate_size=int(hf_field(text, "intermediate_size")), norm_topk_prob=True)
+        return moe, tuple(range(layers))
+    if arch == "qwen3_moe":
+        moe = moe_lib.MoE(num_experts=int(hf_field(text, "num_experts", "num_local_experts")),
+                          top_k=int(hf_field(text, "num_experts_per_tok")),
+                          intermediate_size=int(hf_field(text, "moe_intermediate_size")),
+                          norm_topk_prob=bool(text.get("norm_topk_prob", False)))
+        step = int(text.get("decoder_sparse_step", 1))
+        dense = set(text.get("mlp_only_layers") or ())
+        return moe, tuple(i for i in range(layers) if i not in dense and step > 0 and (i + 1) % step == 0)
+    return None, ()
+
+
+def _gguf_reader(metadata: Mapping[str, Any], gguf_arch: str) -> Callable:
+    """key(name, default) reads `{arch}.{name}` from GGUF metadata (ValueError when missing and no default)."""
+    def key(name: str, default: Any = KeyError):
+        full = f"{gguf_arch}.{name}"
+        if full in metadata:
+            return metadata[full]
+        if default is KeyError:
+            raise ValueError(f"GGUF metadata has no {full!r}")
+        return default
+
+    return key
+
+
+def _uniform(value: Any, what: str) -> int:
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise ValueError(f"per-layer {what} is not supported")
+        value = value[0]
+    return int(value)
+
+
+def _gguf_vocab(metadata: Mapping[str, Any], key: Callable) -> int:
+    vocab = key("vocab_size", None)
+    if vocab is None:
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ValueError("GGUF metadata has neither a vocab_size nor tokenizer.ggml.tokens")
+        vocab = len(tokens)
+    return int(vocab)
+
+
+def gguf_eos_ids(metadata: Mapping[str, Any]) -> tuple[int, ...]:
+    """The GGUF's end-of-sequence and end-of-turn token ids."""
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    eot = metadata.get("tokenizer.ggml.eot_token_id")
+    return tuple(dict.fromkeys(int(e) for e in (eos, eot) if e is not None))
+
+
+# ----- weights -----
 
 def weight_specs(cfg: Config) -> dict:
-    """The weight tree, declared once. Matrices are [out, in] as in HF and GGUF files."""
-    d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q_dim, kv_dim = cfg.num_heads * e, cfg.num_kv_heads * e
+    """The weight tree, declared once. Matrices are [out, in] as in HF and GGUF files; experts
+    are stacked [experts, out, in]."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
 
-    def layer() -> dict:
-        spec = {
-            "attn_norm": WeightSpec((d,), ("embed",), init="ones"),
-            "wq": WeightSpec((q_dim, d), ("q_heads", "embed")),
-            "wk": WeightSpec((kv_dim, d), ("kv_heads", "embed")),
-            "wv": WeightSpec((kv_dim, d), ("kv_heads", "embed")),
-            "wo": WeightSpec((d, q_dim), ("embed", "q_heads")),
-            "mlp_norm": WeightSpec((d,), ("embed",), init="ones"),
-            "w_gate": WeightSpec((f, d), ("mlp", "embed")),
-            "w_up": WeightSpec((f, d), ("mlp", "embed")),
-            "w_down": WeightSpec((d, f), ("embed", "mlp")),
-        }
-        if cfg.qkv_bias:
-            spec["bq"] = WeightSpec((q_dim,), ("q_heads",), init="zeros")
-            spec["bk"] = WeightSpec((kv_dim,), ("kv_heads",), init="zeros")
-            spec["bv"] = WeightSpec((kv_dim,), ("kv_heads",), init="zeros")
-        if cfg.o_bias:
-            spec["bo"] = WeightSpec((d,), ("embed",), init="zeros")
-        if cfg.qk_norm:
-            spec["q_norm"] = WeightSpec((e,), (None,), init="ones")
-            spec["k_norm"] = WeightSpec((e,), (None,), init="ones")
+    def layer(i: int) -> dict:
+        spec = {"attn_norm": WeightSpec((d,), ("embed",), init="ones"), **gqa_specs(cfg.attention, d),
+                "mlp_norm": WeightSpec((d,), ("embed",), init="ones")}
+        if i in cfg.sparse_layers:
+            spec["moe"] = moe_lib.moe_specs(cfg.moe, d)
+        else:
+            spec.update(w_gate=WeightSpec((f, d), ("mlp", "embed")), w_up=WeightSpec((f, d), ("mlp", "embed")),
+                        w_down=WeightSpec((d, f), ("embed", "mlp")))
         return spec
 
     tree = {
         "embed": WeightSpec((cfg.vocab_size, d), ("vocab", "embed")),
-        "layers": [layer() for _ in range(cfg.num_layers)],
+        "layers": [layer(i) for i in range(cfg.num_layers)],
         "final_norm": WeightSpec((d,), ("embed",), init="ones"),
     }
     if not cfg.tie_word_embeddings:
@@ -297,21 +338,97 @@ def weight_specs(cfg: Config) -> dict:
     return tree
 
 
-@functools.lru_cache(maxsize=16)
-def _rope_tables(cfg: Config):
-    inv_freq, mscale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                     cfg.max_position_embeddings)
-    if cfg.rope_freq_factors is not None:
-        import numpy as np
+_ATTENTION_HF = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo"}
 
-        inv_freq = inv_freq / np.asarray(cfg.rope_freq_factors, dtype=np.float64)
-    return inv_freq, mscale
+
+def hf_keymap(cfg: Config) -> KeyMap:
+    """transformers' tensor names -> the weight tree."""
+    layer = "model.layers.{i}."
+    keys: dict = {
+        "model.embed_tokens.weight": ("embed",),
+        "model.norm.weight": ("final_norm",),
+        "lm_head.weight": ("lm_head",),
+        layer + "input_layernorm.weight": ("layers", "{i}", "attn_norm"),
+        layer + "post_attention_layernorm.weight": ("layers", "{i}", "mlp_norm"),
+        layer + "self_attn.q_norm.weight": ("layers", "{i}", "q_norm"),
+        layer + "self_attn.k_norm.weight": ("layers", "{i}", "k_norm"),
+        layer + "mlp.gate_proj.weight": ("layers", "{i}", "w_gate"),
+        layer + "mlp.up_proj.weight": ("layers", "{i}", "w_up"),
+        layer + "mlp.down_proj.weight": ("layers", "{i}", "w_down"),
+    }
+    for hf, ours in _ATTENTION_HF.items():
+        keys[layer + f"self_attn.{hf}.weight"] = ("layers", "{i}", ours)
+        keys[layer + f"self_attn.{hf}.bias"] = ("layers", "{i}", "b" + ours[1:])
+    moe = ("layers", "{i}", "moe")
+    if cfg.architecture == "mixtral":
+        keys.update({
+            layer + "block_sparse_moe.gate.weight": moe + ("router",),
+            layer + "block_sparse_moe.experts.{e}.w1.weight": moe + ("w_gate",),
+            layer + "block_sparse_moe.experts.{e}.w3.weight": moe + ("w_up",),
+            layer + "block_sparse_moe.experts.{e}.w2.weight": moe + ("w_down",),
+        })
+    keys.update(moe_lib.hf_moe_keys(layer + "mlp.", moe))
+    # Rotary tables that old checkpoints saved as buffers (weld recomputes them from the config).
+    ignore = ("model.rotary_emb.inv_freq", layer + "self_attn.rotary_emb.inv_freq")
+    if cfg.tie_word_embeddings:  # some tied checkpoints still store a copy of the embedding
+        ignore += ("lm_head.weight",)
+    return KeyMap(keys, ignore)
+
+
+def gguf_keymap(cfg: Config) -> KeyMap:
+    """llama.cpp's tensor names -> the weight tree (Q/K rows unpermuted where llama.cpp permutes them)."""
+    blk = "blk.{i}."
+    keys: dict = {
+        "token_embd.weight": ("embed",),
+        "output_norm.weight": ("final_norm",),
+        "output.weight": ("lm_head",),
+        blk + "attn_norm.weight": ("layers", "{i}", "attn_norm"),
+        blk + "attn_v.weight": ("layers", "{i}", "wv"),
+        blk + "attn_output.weight": ("layers", "{i}", "wo"),
+        blk + "attn_v.bias": ("layers", "{i}", "bv"),
+        blk + "attn_output.bias": ("layers", "{i}", "bo"),
+        blk + "attn_q_norm.weight": ("layers", "{i}", "q_norm"),
+        blk + "attn_k_norm.weight": ("layers", "{i}", "k_norm"),
+        blk + "ffn_norm.weight": ("layers", "{i}", "mlp_norm"),
+        blk + "ffn_gate.weight": ("layers", "{i}", "w_gate"),
+        blk + "ffn_up.weight": ("layers", "{i}", "w_up"),
+        blk + "ffn_down.weight": ("layers", "{i}", "w_down"),
+        **moe_lib.gguf_moe_keys(blk, ("layers", "{i}", "moe")),
+    }
+    permuted = cfg.architecture in GGUF_PERMUTED
+    for name, leaf, heads in (("attn_q", "q", "num_heads"), ("attn_k", "k", "num_kv_heads")):
+        for kind in ("weight", "bias"):
+            path = ("layers", "{i}", ("w" if kind == "weight" else "b") + leaf)
+            keys[blk + f"{name}.{kind}"] = Convert(_unpermuter(heads), path) if permuted else path
+    # rope_freqs.weight is not a weight of the tree: `Config.from_gguf` reads it (rope_freq_factors).
+    return KeyMap(keys, ("rope_freqs.weight",))
+
+
+def _unpermuter(heads: str) -> Callable[[np.ndarray, Config], np.ndarray]:
+    return lambda w, cfg: unpermute_rows(w, getattr(cfg, heads))
+
+
+def cache_spec(cfg: Config) -> CacheSpec:
+    return CacheSpec(tuple(PagedKV(cfg.num_kv_heads, cfg.head_dim, cfg.window_for(i)) for i in range(cfg.num_layers)))
+
+
+def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
+    """The weight forms for where the model runs (`target`: a `weld.models.family.WeightTarget`):
+    on the XLA backend, fused q/k/v and gate/up matrices (and expert stacks), and on the CPU with
+    the native kernels, f32 projections and the LM head packed in panels. The megakernel reads
+    the tree as declared."""
+    if target.backend == "xla":
+        fuse_projections(weights)
+        if target.pack_for_cpu_kernels:
+            pack_weights(weights)
+    return weights
 
 
 def fuse_projections(weights: dict) -> dict:
     """Concatenates each layer's q/k/v projections (and biases) into one `wqkv` [q + 2 kv, d]
-    (`bqkv`) and gate/up into one `w_gate_up` [2 f, d], in place, layer by layer (the old
-    matrices are dropped as the new ones are made, so memory peaks one layer above the model).
+    (`bqkv`) and gate/up into one `w_gate_up` [2 f, d] (experts: [E, 2 i, d]), in place, layer
+    by layer (the old matrices are dropped as the new ones are made, so memory peaks one layer
+    above the model).
 
     Same model, fewer and wider matmuls: on the 2-core CPU box a batch-1 decode step is ~12%
     faster (benchmarks/results/cpu_decode_2026-11-30.md). `forward` and the helpers below take
@@ -319,12 +436,10 @@ def fuse_projections(weights: dict) -> dict:
     for weights sharded along their output dimension (q, k and v would mix across shards).
     """
     for lw in weights["layers"]:
-        if "wq" in lw:
-            lw["wqkv"] = jnp.concatenate([lw.pop("wq"), lw.pop("wk"), lw.pop("wv")])
-            if "bq" in lw:
-                lw["bqkv"] = jnp.concatenate([lw.pop("bq"), lw.pop("bk"), lw.pop("bv")])
-        if "w_gate" in lw:
-            lw["w_gate_up"] = jnp.concatenate([lw.pop("w_gate"), lw.pop("w_up")])
+        fuse_qkv(lw)
+        fuse_gate_up(lw)
+        if "moe" in lw:
+            moe_lib.fuse_experts(lw["moe"])
         jax.block_until_ready(lw)
     return weights
 
@@ -336,109 +451,58 @@ def pack_weights(weights: dict) -> dict:
     """Stores each layer's f32 projection matrices and the LM head as `layers.PackedWeight`
     panels, in place, layer by layer, for the native CPU kernel (`linear` takes either form).
     A tied embedding is packed too (lookups gather its rows from the panels); an untied one
-    only serves lookups and stays as it is."""
-
-    def pack(w):
-        if w is not None and not isinstance(w, PackedWeight) and w.ndim == 2 and w.dtype == jnp.float32:
-            return jax.block_until_ready(pack_weight(w))
-        return w
-
+    only serves lookups and stays as it is. Expert stacks stay as they are."""
     for lw in weights["layers"]:
-        for name in PROJECTIONS:
-            if name in lw:
-                lw[name] = pack(lw[name])
-    head = "lm_head" if "lm_head" in weights else "embed"
-    weights[head] = pack(weights[head])
+        pack_matrices(lw, PROJECTIONS)
+    pack_matrices(weights, ("lm_head",) if "lm_head" in weights else ("embed",))
     return weights
 
 
-def qkv_projections(lw: dict, y: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q [..., h * e], k and v [..., kv * e] of the normed input y, from fused or separate weights."""
-    if "wqkv" in lw:
-        qkv = linear(y, lw["wqkv"], lw.get("bqkv"))
-        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return qkv[..., :qd], qkv[..., qd:qd + kd], qkv[..., qd + kd:]
-    return linear(y, lw["wq"], lw.get("bq")), linear(y, lw["wk"], lw.get("bk")), linear(y, lw["wv"], lw.get("bv"))
+# ----- forward -----
+
+def embed_tokens(weights: dict, cfg: Config, tokens: jax.Array) -> jax.Array:
+    """Input embeddings [..., d] of token ids."""
+    return weights["embed"][tokens]
 
 
-def mlp(lw: dict, y: jax.Array) -> jax.Array:
-    """The SwiGLU MLP of the normed input y, from a fused gate/up matrix or separate ones."""
-    if "w_gate_up" in lw:
-        gate_up = linear(y, lw["w_gate_up"])
-        f = gate_up.shape[-1] // 2
-        return linear(jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:], lw["w_down"])
-    return swiglu(y, lw["w_gate"], lw["w_up"], lw["w_down"])
+def lm_head(weights: dict, cfg: Config, hidden: jax.Array) -> jax.Array:
+    """Logits [..., v] of final-normed hidden states [..., d] (in the hidden dtype)."""
+    return linear(hidden, weights.get("lm_head", weights["embed"]))
 
 
-def forward(weights: dict, cfg: Config, tokens, positions, cache: PagedKVCache, batch: AttentionBatch,
+def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: AttentionBatch,
             logits_indices=None, capture_layers: tuple[int, ...] = ()):
-    """One forward pass over padded token chunks on the paged cache.
+    """One forward pass over padded token chunks on the paged cache (the family contract,
+    `weld.models.family.ModelFamily.forward`).
 
     tokens, positions: int32 [b, t]; position -1 marks padding. Each token's K/V is written
     to its page, then every token attends causally over its row's pages.
     logits_indices: int32 [b, n] picks which of the t tokens get logits (None: all).
-    Returns logits f32 [b, n, v], final hidden states [b, t, d] and the updated cache.
-    capture_layers: with layer indices, the hidden states returned are instead the residual
-    streams after those layers, concatenated [b, t, len(capture_layers) * d] (what a DSpark
-    drafter reads as its context).
-
-    A mixed batch (chunked prefills and decodes in one call) passes tuples: tokens, positions,
-    batch.block_tables and logits_indices hold one entry per group of rows ([b_g, t_g] each,
-    e.g. prefill chunks [bp, tp] and decode rows [bd, 1]), and logits and hidden come back as
-    tuples. Every matmul runs once over all groups' tokens (the weights are read once); only
-    attention runs per group.
+    Returns logits f32 [b, n, v], final hidden states [b, t, d] and the updated cache; with
+    capture_layers, the hidden states are instead the residual streams after those layers,
+    concatenated [b, t, len(capture_layers) * d]. Row groups (tuples): see `decoder.Rows`.
     """
-    grouped = isinstance(tokens, (tuple, list))
-    groups = tuple(tokens) if grouped else (tokens,)
-    group_positions = tuple(positions) if grouped else (positions,)
-    group_tables = tuple(batch.block_tables) if grouped else (batch.block_tables,)
-    group_indices = tuple(logits_indices) if grouped and logits_indices is not None else (logits_indices,) * len(groups)
-    shapes = [g.shape for g in groups]
-    sizes = [b * t for b, t in shapes]
-    splits = list(itertools.accumulate(sizes))[:-1]
-    h, kvh, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    inv_freq, mscale = _rope_tables(cfg)
-    flat_positions = jnp.concatenate([p.reshape(-1) for p in group_positions])[None]  # [1, N]
-    x = weights["embed"][jnp.concatenate([g.reshape(-1) for g in groups])]  # [N, d]
-    new_k, new_v = [], []
-    captured = {}
-    for i, lw in enumerate(weights["layers"]):
-        y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = qkv_projections(lw, y, cfg)
-        q, k, v = q.reshape(1, -1, h, e), k.reshape(1, -1, kvh, e), v.reshape(1, -1, kvh, e)
-        if cfg.qk_norm:
-            q = rms_norm(q, lw["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, lw["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, flat_positions, inv_freq, mscale)[0]  # [N, h, e]
-        k = apply_rope(k, flat_positions, inv_freq, mscale)[0]
-        v = v[0]
-        k_pages, v_pages = cache.k[i], cache.v[i]
-        outs = []
-        for (b, t), qg, kg, vg, pos, tables in zip(shapes, jnp.split(q, splits), jnp.split(k, splits),
-                                                    jnp.split(v, splits), group_positions, group_tables):
-            out, k_pages, v_pages = paged_attention(
-                qg.reshape(b, t, h, e), kg.reshape(b, t, kvh, e), vg.reshape(b, t, kvh, e), k_pages, v_pages,
-                pos, tables, sliding_window=cfg.window_for(i))
-            outs.append(out.reshape(b * t, h * e))
-        new_k.append(k_pages)
-        new_v.append(v_pages)
-        attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
-        x = x + linear(attn, lw["wo"], lw.get("bo"))
-        x = x + mlp(lw, rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps))
-        if i in capture_layers:
-            captured[i] = x
-    if len(captured) != len(capture_layers):
-        raise ValueError(f"capture_layers {capture_layers} must lie in [0, {cfg.num_layers})")
+    rows, ids = Rows.of(tokens, positions, batch, logits_indices)
+    attention, rope = cfg.attention, cfg.rope
+
+    def block(i: int, lw: dict, x: jax.Array, pages: KVPages):
+        attn, pages = self_attention(attention, lw, rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps), rows, pages,
+                                     rope=rope, window=cfg.window_for(i))
+        x = x + attn
+        y = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
+        x = x + (moe_lib.moe_block(cfg.moe, lw["moe"], y) if "moe" in lw else gated_mlp(lw, y))
+        return x, pages
+
+    x, cache, streams = run_layers(embed_tokens(weights, cfg, ids), weights["layers"], cache, block)
     hidden = rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
-    states = jnp.concatenate([captured[i] for i in capture_layers], axis=-1) if capture_layers else hidden
-    head = weights.get("lm_head", weights["embed"])
-    all_logits, all_hidden = [], []
-    for (b, t), hg, sg, idx in zip(shapes, jnp.split(hidden, splits), jnp.split(states, splits), group_indices):
-        hg = hg.reshape(b, t, -1)
-        selected = hg if idx is None else jnp.take_along_axis(hg, idx[:, :, None], axis=1)
-        all_logits.append(linear(selected, head).astype(jnp.float32))
-        all_hidden.append(sg.reshape(b, t, -1))
-    cache = PagedKVCache(k=new_k, v=new_v)
-    if grouped:
-        return tuple(all_logits), tuple(all_hidden), cache
-    return all_logits[0], all_hidden[0], cache
+    logits, states = rows.outputs(hidden, captured(streams, hidden, capture_layers),
+                                  lambda hs: lm_head(weights, cfg, hs))
+    return logits, states, cache
+
+
+def megakernel(cfg: Config) -> Callable:
+    """The forward of the TPU decode megakernel for this config (ValueError for what it does not cover)."""
+    from weld.models import llama_megakernel
+
+    llama_megakernel.check_supported(cfg)
+    return llama_megakernel.forward

@@ -4,12 +4,9 @@ The file is memory-mapped by `gguf.GGUFReader`; tensors are dequantized to float
 time, cast to the requested dtype and put on the device, so host memory holds one tensor at
 a time beyond the mapped file.
 
-Two things differ from a HF checkpoint besides the names:
-- llama.cpp's converter permutes the rows of Q and K (and their biases) of "llama"/"mistral"
-  models into its interleaved rotary layout; weld uses HF's rotate-half layout, so
-  `unpermute_rows` undoes it on load (qwen2/qwen3 GGUFs are not permuted);
-- llama3-style GGUFs carry `rope_freqs.weight`, per-frequency divisors of inv_freq, which
-  become `Config.rope_freq_factors` instead of a weight.
+Each family's `gguf_keymap` states how llama.cpp's names and layouts map onto its tree (e.g.
+the llama family undoes the converter's Q/K row permutation; llama3-style GGUFs carry
+`rope_freqs.weight`, which the family's `Config.from_gguf` reads instead of a weight).
 """
 
 from __future__ import annotations
@@ -21,11 +18,8 @@ import gguf
 import numpy as np
 
 from weld.models import family_for_gguf
-from weld.models.common.spec import set_path
 from weld.utils.errors import ModelNotFoundError, UnsupportedModelError
-from weld.utils.progress import Progress
-from weld.weights import keymaps
-from weld.weights.tree import CheckpointError, parse_dtype, plan_tensors, to_device
+from weld.weights.tree import CheckpointError, fill_tree, parse_dtype, plan_tensors
 
 Q = gguf.GGMLQuantizationType
 # Types weld loads; each is checked against an independent reference in tests/weights.
@@ -144,58 +138,26 @@ def _supported_names() -> str:
     return ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
 
 
-def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp converter's Q/K permutation (HF rotate-half -> interleaved), per head.
-
-    Rows of one head [e] are viewed as [2, e/2] (the two rotary halves) and interleaved to
-    [e/2, 2]. w: [n_heads * e, ...] (a weight or a bias).
-    """
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Inverse of `permute_rows`: interleaved [e/2, 2] rows per head back to HF's [2, e/2]."""
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def load_gguf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool | None = None):
     """Loads a GGUF model. Returns (family module, Config, weight tree of jax arrays, metadata)."""
     dtype = parse_dtype(dtype)
     f = GGUFFile(path)
-    arch = f.architecture
     try:
-        family = family_for_gguf(arch)
-    except ValueError as e:
-        raise UnsupportedModelError(f"{f.path}: {e}") from None
-    fam = keymaps.family_name(family)
-    rope_freqs = None
-    if keymaps.GGUF_ROPE_FREQS in f.tensors:
-        rope_freqs = tuple(float(x) for x in f.dequantize(keymaps.GGUF_ROPE_FREQS).ravel())
-    try:
-        cfg = family.Config.from_gguf(f.metadata, frozenset(f.tensors), rope_freqs)
+        family = family_for_gguf(f.architecture)
+        cfg = family.Config.from_gguf(f.metadata, {name: f.shape(name) for name in f.tensors}, f.dequantize)
     except ValueError as e:
         raise UnsupportedModelError(f"{f.path}: {e}") from None
     specs = family.weight_specs(cfg)
-    plan = plan_tensors(str(f.path), {name: f.shape(name) for name in f.tensors},
-                        keymaps.GGUF_KEYS[fam], keymaps.GGUF_IGNORE[fam], specs)
-    unsupported = sorted(f"{name} ({f.type_name(name)})" for name in plan.values()
-                         if f.tensors[name].tensor_type not in SUPPORTED_TYPES)
+    plan = plan_tensors(str(f.path), {name: f.shape(name) for name in f.tensors}, family.gguf_keymap(cfg), specs)
+    unsupported = sorted(f"{p.name} ({f.type_name(p.name)})" for p in plan
+                         if f.tensors[p.name].tensor_type not in SUPPORTED_TYPES)
     if unsupported:  # fail before loading anything
         raise UnsupportedModelError(f"{f.path}: unsupported tensor types: {', '.join(unsupported[:6])}"
                                     f"{' ...' if len(unsupported) > 6 else ''} (weld loads {_supported_names()})")
-    permuted = arch in keymaps.GGUF_PERMUTED_ARCHITECTURES
 
-    weights = family.weight_specs(cfg)  # same structure; each leaf is replaced below
-    with Progress(sum(f.tensors[n].n_bytes for n in plan.values()), f"loading {f.path.name}", unit="B",
-                  enabled=progress) as bar:
-        for path, name in sorted(plan.items(), key=lambda item: f.tensors[item[1]].data_offset):
-            t = f.tensors[name]
-            array = f.dequantize(name)  # float32 [out, in]
-            mapped = t.tensor_type == Q.F32  # only F32 dequantizes to a view of the file
-            heads = keymaps.GGUF_PERMUTED_LEAVES.get(path[-1])
-            if permuted and heads is not None:
-                array, mapped = unpermute_rows(array, getattr(cfg, heads)), False
-            set_path(weights, path, to_device(array, dtype, mapped))
-            del array
-            bar.update(t.n_bytes)
+    def read(name: str) -> tuple[np.ndarray, bool]:
+        return f.dequantize(name), f.tensors[name].tensor_type == Q.F32  # only F32 is a view of the file
+
+    order = sorted(plan, key=lambda p: f.tensors[p.name].data_offset)
+    weights = fill_tree(f.path.name, order, specs, cfg, dtype, read, lambda name: f.tensors[name].n_bytes, progress)
     return family, cfg, weights, f.metadata

@@ -17,11 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from weld.models import family_for_hf
-from weld.models.common.spec import set_path
 from weld.utils.errors import ModelNotFoundError, UnsupportedModelError
-from weld.utils.progress import Progress
-from weld.weights import keymaps
-from weld.weights.tree import CheckpointError, parse_dtype, plan_tensors, to_device
+from weld.weights.tree import CheckpointError, fill_tree, parse_dtype, plan_tensors
 
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(jnp.bfloat16),
            "F64": np.dtype(np.float64)}
@@ -102,7 +99,6 @@ def load_hf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool | N
         cfg = family.Config.from_hf(config)
     except ValueError as e:
         raise UnsupportedModelError(f"{directory}: {e}") from None
-    fam = keymaps.family_name(family)
 
     files = [SafetensorsFile(p) for p in _shards(directory)]
     owner: dict[str, SafetensorsFile] = {}
@@ -115,14 +111,11 @@ def load_hf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool | N
     if duplicates:
         raise CheckpointError(f"{directory}: {len(duplicates)} tensors stored twice: {', '.join(duplicates[:6])}")
 
-    ignore = keymaps.HF_IGNORE[fam]
-    if cfg.tie_word_embeddings:  # some tied checkpoints still store a copy of the embedding
-        ignore = ignore + ("lm_head.weight",)
     specs = family.weight_specs(cfg)
     plan = plan_tensors(str(directory), {name: f.entries[name][1] for name, f in owner.items()},
-                        keymaps.HF_KEYS[fam], ignore, specs)
-    bad = sorted(f"{name} ({owner[name].entries[name][0]})" for name in plan.values()
-                 if owner[name].entries[name][0] not in _DTYPES)
+                        family.hf_keymap(cfg), specs)
+    bad = sorted(f"{p.name} ({owner[p.name].entries[p.name][0]})" for p in plan
+                 if owner[p.name].entries[p.name][0] not in _DTYPES)
     if bad:
         raise UnsupportedModelError(f"{directory}: unsupported tensor dtypes: {', '.join(bad[:6])} "
                                     f"(weld reads {', '.join(_DTYPES)})")
@@ -131,11 +124,7 @@ def load_hf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool | N
         begin, end = owner[name].entries[name][2]
         return end - begin
 
-    weights = specs  # same structure; every leaf is replaced below
-    order = sorted(plan.items(), key=lambda item: (str(owner[item[1]].path), owner[item[1]].entries[item[1]][2]))
-    with Progress(sum(nbytes(n) for n in plan.values()), f"loading {directory.name}", unit="B",
-                  enabled=progress) as bar:
-        for tree_path, name in order:
-            set_path(weights, tree_path, to_device(owner[name].array(name), dtype, mapped=True))
-            bar.update(nbytes(name))
+    order = sorted(plan, key=lambda p: (str(owner[p.name].path), owner[p.name].entries[p.name][2]))
+    weights = fill_tree(directory.name, order, specs, cfg, dtype, lambda name: (owner[name].array(name), True),
+                        nbytes, progress)
     return family, cfg, weights

@@ -1,21 +1,28 @@
 """Filling a family's declared weight tree from checkpoint tensors, shared by the GGUF and HF loaders.
 
-`plan_tensors` checks every name and shape against `weight_specs(cfg)` before any tensor is
-read, so a bad checkpoint fails in a second with every problem listed; `to_device` then moves
-one tensor at a time to the device, so host memory never holds more than one converted tensor.
+`plan_tensors` checks every name and shape against `weight_specs(cfg)` with the family's
+`KeyMap` before any tensor is read, so a bad checkpoint fails in a second with every problem
+listed; `fill_tree` then reads, converts and moves one tensor at a time to the device, so host
+memory never holds more than one converted tensor (an expert stored one by one is written into
+its stack on the device).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from weld.models.common.spec import Path, iter_specs, path_str
+from weld.models.common import checkpoint
+from weld.models.common.checkpoint import KeyMap, Match
+from weld.models.common.spec import Path, iter_specs, path_str, set_path
 from weld.utils.errors import WeldError
-from weld.weights import keymaps
+from weld.utils.progress import Progress
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -40,33 +47,55 @@ def _listing(what: str, items: list[str], limit: int = 6) -> str:
     return f"{len(items)} {what}: {shown}"
 
 
-def plan_tensors(where: str, shapes: Mapping[str, tuple[int, ...]], keymap: dict[str, tuple],
-                 ignore: Iterable[str], specs: Any) -> dict[Path, str]:
-    """Maps each declared leaf to the checkpoint tensor that fills it.
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """One checkpoint tensor and where it goes."""
+
+    name: str
+    match: Match
+
+
+def plan_tensors(where: str, shapes: Mapping[str, tuple[int, ...]], keymap: KeyMap, specs: Any) -> list[Planned]:
+    """Maps the checkpoint's tensors onto the declared leaves (and expert slices).
 
     shapes: tensor name -> shape as the file stores it ([out, in] for matrices).
     Raises CheckpointError (one line, naming the tensors) for unmapped, unexpected, missing or
     doubly mapped tensors and for shape mismatches.
     """
-    ignore = tuple(ignore)
     declared = dict(iter_specs(specs))
-    plan: dict[Path, str] = {}
+    filled: dict[tuple[Path, int | None], str] = {}  # (leaf, expert or None) -> tensor
+    plan: list[Planned] = []
     unmapped, unexpected, doubled, mismatched = [], [], [], []
     for name, shape in shapes.items():
-        if keymaps.ignored(ignore, name):
+        if checkpoint.ignored(keymap, name):
             continue
-        path = keymaps.match(keymap, name)
-        if path is None:
+        m = checkpoint.match(keymap, name)
+        if m is None:
             unmapped.append(name)
-        elif path not in declared:
-            unexpected.append(f"{name} (-> {path_str(path)}, which this config does not declare)")
-        elif path in plan:
-            doubled.append(f"{name} and {plan[path]} (both -> {path_str(path)})")
-        else:
-            plan[path] = name
-            if tuple(shape) != declared[path].shape:
-                mismatched.append(f"{name} has shape {tuple(shape)}, expected {declared[path].shape}")
-    missing = [f"{_expected_name(keymap, path)} (-> {path_str(path)})" for path in declared if path not in plan]
+            continue
+        bad = [p for p in m.paths if p not in declared]
+        if bad:
+            unexpected.append(f"{name} (-> {path_str(bad[0])}, which this config does not declare)")
+            continue
+        clash = [_clash(filled, p, m.expert, declared) for p in m.paths]
+        clash = [c for c in clash if c]
+        if clash:
+            doubled.append(f"{name} and {clash[0][1]} (both -> {path_str(clash[0][0])})")
+            continue
+        for p in m.paths:
+            filled[(p, m.expert)] = name
+        plan.append(Planned(name, m))
+        targets = [_slice_shape(declared[p].shape, m.expert) for p in m.paths]
+        if None in targets:
+            mismatched.append(f"{name} is expert {m.expert}, but {path_str(m.paths[0])} holds "
+                              f"{declared[m.paths[0]].shape[0]} experts")
+        elif m.convert is None and tuple(shape) != targets[0]:
+            mismatched.append(f"{name} has shape {tuple(shape)}, expected {targets[0]}")
+        elif m.convert is not None and math.prod(shape) != sum(math.prod(t) for t in targets):
+            mismatched.append(f"{name} has shape {tuple(shape)} ({math.prod(shape)} values), expected "
+                              f"{' + '.join(str(t) for t in targets)}")
+    missing = [f"{checkpoint.expected_name(keymap, path, e)} (-> {path_str(path)}{'' if e is None else f'[{e}]'})"
+               for path, spec in declared.items() for e in _missing(filled, path, spec)]
     problems = [_listing(what, items) for what, items in (
         ("unmapped tensors", unmapped), ("unexpected tensors", unexpected),
         ("tensors mapped twice", doubled), ("missing tensors", missing),
@@ -76,13 +105,32 @@ def plan_tensors(where: str, shapes: Mapping[str, tuple[int, ...]], keymap: dict
     return plan
 
 
-def _expected_name(keymap: dict[str, tuple], path: Path) -> str:
-    """The checkpoint name that would fill `path` (for error messages)."""
-    for pattern, template in keymap.items():
-        if len(template) == len(path) and all(t == p or t == "{i}" for t, p in zip(template, path)):
-            layer = next((p for t, p in zip(template, path) if t == "{i}"), None)
-            return pattern.replace("{i}", str(layer))
-    return "?"
+def _slice_shape(shape: tuple[int, ...], expert: int | None) -> tuple[int, ...] | None:
+    if expert is None:
+        return shape
+    return shape[1:] if len(shape) > 1 and 0 <= expert < shape[0] else None
+
+
+def _clash(filled: dict, path: Path, expert: int | None, declared: dict) -> tuple[Path, str] | None:
+    """An earlier tensor that already fills (part of) this leaf or slice, if any."""
+    if (path, expert) in filled:
+        return path, filled[(path, expert)]
+    if expert is None:  # a whole leaf clashes with any of its slices
+        hit = next((t for (p, e), t in filled.items() if p == path and e is not None), None)
+    else:
+        hit = filled.get((path, None))
+    return (path, hit) if hit else None
+
+
+def _missing(filled: dict, path: Path, spec) -> list[int | None]:
+    """[None] when the leaf is not filled at all, the missing expert ids when it is stacked
+    from slices, [] when complete."""
+    if (path, None) in filled:
+        return []
+    experts = [e for (p, e) in filled if p == path and e is not None]
+    if not experts:
+        return [None]
+    return [e for e in range(spec.shape[0]) if e not in set(experts)]
 
 
 def to_device(array: np.ndarray, dtype: np.dtype, mapped: bool) -> jax.Array:
@@ -93,3 +141,46 @@ def to_device(array: np.ndarray, dtype: np.dtype, mapped: bool) -> jax.Array:
     """
     host = array.astype(dtype, copy=mapped)
     return jax.device_put(host)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_expert(stack: jax.Array, value: jax.Array, expert: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), expert, 0)
+
+
+def fill_tree(where: str, plan: Iterable[Planned], specs: Any, cfg: Any, dtype: np.dtype,
+              read: Callable[[str], tuple[np.ndarray, bool]], nbytes: Callable[[str], int],
+              progress: bool | None) -> dict:
+    """The weight tree: each planned tensor read (read(name) -> (array, is a view of the mapped
+    file)), converted when its rule says so, cast to dtype and put on the device, in `plan`'s
+    order (put it in file order). `specs` is filled in place and returned."""
+    plan = list(plan)
+    declared = dict(iter_specs(specs))
+    stacks: dict[Path, jax.Array] = {}
+    with Progress(sum(nbytes(p.name) for p in plan), f"loading {where}", unit="B", enabled=progress) as bar:
+        for item in plan:
+            array, mapped = read(item.name)
+            m = item.match
+            if m.convert is not None:
+                parts = m.convert(array, cfg)
+                parts = parts if isinstance(parts, tuple) else (parts,)
+                mapped = False
+            else:
+                parts = (array,)
+            for path, part in zip(m.paths, parts, strict=True):
+                want = _slice_shape(declared[path].shape, m.expert)
+                if tuple(part.shape) != want:
+                    raise CheckpointError(f"{where}: {item.name} converts to shape {tuple(part.shape)} for "
+                                          f"{path_str(path)}, expected {want}")
+                value = to_device(part, dtype, mapped)
+                if m.expert is None:
+                    set_path(specs, path, value)
+                    continue
+                if path not in stacks:
+                    stacks[path] = jnp.zeros(declared[path].shape, dtype)
+                stacks[path] = _set_expert(stacks[path], value, jnp.int32(m.expert))
+            del array, parts
+            bar.update(nbytes(item.name))
+    for path, stack in stacks.items():
+        set_path(specs, path, stack)
+    return specs

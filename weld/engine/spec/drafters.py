@@ -8,7 +8,7 @@ target's K/V).
 
 A drafter is a static object (hashable, closed over by the jitted programs) with:
   capture_layers           target layers whose residual streams `observe` needs (() = none)
-  init_state(pages, page_size, dtype) -> state
+  cache_spec() -> CacheSpec   its per-token state, created by the runner over the target's pages
   observe(params, state, tokens, positions, tables, last_index, features) -> state
       after every target forward over row groups (tuples of [b, t] arrays; features: the target's
       captured streams per group); keeps the drafter's state in step with the target's cache.
@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from weld.engine.spec import dspark
-from weld.models.common.attention import paged_attention, write_kv
-from weld.models.common.cache import AttentionBatch, PagedKVCache, PagedKVSpec
-from weld.models.common.layers import linear, rms_norm, swiglu
+from weld.models.common.attention import dense_attention, paged_attention, write_kv
+from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, PagedKV
+from weld.models.common.layers import rms_norm
+from weld.models.family import output_matrix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +43,8 @@ class DraftModelDrafter:
     capture_layers: tuple[int, ...] = ()
     observes_verify: bool = False  # propose already fed every slot the target may keep
 
-    def init_state(self, num_pages: int, page_size: int, dtype: Any) -> PagedKVCache:
-        return PagedKVCache.create(self.cfg.kv_spec, num_pages, page_size, dtype)
+    def cache_spec(self) -> CacheSpec:
+        return self.family.cache_spec(self.cfg)
 
     def observe(self, params, state, tokens, positions, tables, last_index, features):
         _, _, state = self.family.forward(params, self.cfg, tokens, positions, state,
@@ -86,44 +87,40 @@ class DSparkDrafter:
 
     observes_verify = True
 
-    def init_state(self, num_pages: int, page_size: int, dtype: Any) -> PagedKVCache:
-        spec = PagedKVSpec(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
-        return PagedKVCache.create(spec, num_pages, page_size, dtype)
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(tuple(PagedKV(self.cfg.num_kv_heads, self.cfg.head_dim) for _ in range(self.cfg.num_layers)))
 
     def observe(self, params, state, tokens, positions, tables, last_index, features):
-        k_pools, v_pools = list(state.k), list(state.v)
+        pages = list(state.layers)
         for pos, tab, feats in zip(positions, tables, features):
             context = dspark.project_context(params, self.cfg, feats)
             for i, (k, v) in enumerate(dspark.context_kv(params, self.cfg, context, jnp.maximum(pos, 0))):
-                k_pools[i], v_pools[i] = write_kv(k_pools[i], v_pools[i], k, v, pos, tab)
-        return PagedKVCache(k=k_pools, v=v_pools)
+                pages[i] = KVPages(*write_kv(pages[i].k, pages[i].v, k, v, pos, tab))
+        return Cache(layers=pages)
 
     def propose(self, params, state, target_weights, last, positions, tables, budget, k: int):
         cfg = self.cfg
-        b, s = last.shape[0], cfg.block_size + 1
-        h, kv, e, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        b, s, d = last.shape[0], cfg.block_size + 1, cfg.hidden_size
         embed = target_weights["embed"]
         x = jnp.concatenate([embed[last][:, None, :],
                              jnp.broadcast_to(params["mask_embed"].astype(embed.dtype), (b, s - 1, d))], axis=1)
         slot_positions = positions[:, None] + jnp.arange(s)
         sees_before = jnp.broadcast_to(jnp.where(budget > 0, positions - 1, -1)[:, None], (b, s))
         no_write = jnp.full((b, s), -1, jnp.int32)
-        k_pools, v_pools = list(state.k), list(state.v)
+        pages = list(state.layers)
         for i, lw in enumerate(params["layers"]):
-            y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-            q = dspark.rope(cfg, linear(y, lw["wq"]).reshape(b, s, h, e), slot_positions)
-            keys = dspark.rope(cfg, linear(y, lw["wk"]).reshape(b, s, kv, e), slot_positions)
-            values = linear(y, lw["wv"]).reshape(b, s, kv, e)
-            out_ctx, k_pools[i], v_pools[i], lse_ctx = paged_attention(
-                q, keys, values, k_pools[i], v_pools[i], no_write, tables, query_positions=sees_before,
-                return_lse=True)
-            out_blk, lse_blk = _block_attention(q, keys, values)
-            w_ctx = jax.nn.sigmoid(lse_ctx - lse_blk)[..., None]  # share of the context's keys
-            out = (w_ctx * out_ctx.astype(jnp.float32) + (1 - w_ctx) * out_blk).astype(x.dtype)
-            x = x + linear(out.reshape(b, s, h * e), lw["wo"])
-            x = x + swiglu(rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps), lw["w_gate"], lw["w_up"], lw["w_down"])
+            def attend(q, keys, values, i=i):
+                out_ctx, k_pool, v_pool, lse_ctx = paged_attention(
+                    q, keys, values, pages[i].k, pages[i].v, no_write, tables, query_positions=sees_before,
+                    return_lse=True)
+                pages[i] = KVPages(k_pool, v_pool)
+                out_blk, lse_blk = dense_attention(q, keys, values, jnp.ones((1, s, s), bool))  # slots see each other
+                w_ctx = jax.nn.sigmoid(lse_ctx - lse_blk)[..., None]  # share of the context's keys
+                return w_ctx * out_ctx.astype(jnp.float32) + (1 - w_ctx) * out_blk
+
+            x = dspark.layer(cfg, lw, x, slot_positions, attend)
         hidden = rms_norm(x[:, 1:], params["final_norm"], cfg.rms_norm_eps)  # [b, s - 1, d]
-        head = target_weights.get("lm_head", embed)
+        head = output_matrix(target_weights)
         prev, tokens, confidence = last, [], []
         for j in range(k):  # the Markov head reads the draft before each slot
             logits, conf = dspark.slot_outputs(params, head, hidden[:, j], dspark.markov_features(params, embed, prev))
@@ -131,16 +128,4 @@ class DSparkDrafter:
             tokens.append(prev)
             confidence.append(conf)
         num = dspark.num_to_verify(jnp.stack(confidence, axis=1), self.threshold)
-        return PagedKVCache(k=k_pools, v=v_pools), jnp.stack(tokens, axis=1), num
-
-
-def _block_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Attention of q [b, s, h, e] over the block's own k, v [b, s, kv, e], every slot seeing every
-    slot. Returns (out f32 [b, s, h, e], log-sum-exp of the scores [b, s, h])."""
-    b, s, h, e = q.shape
-    kv = k.shape[2]
-    qg = q.astype(jnp.float32).reshape(b, s, kv, h // kv, e) * e ** -0.5
-    scores = jnp.einsum("bskge,btke->bskgt", qg, k.astype(jnp.float32))
-    lse = jax.nn.logsumexp(scores, axis=-1)
-    out = jnp.einsum("bskgt,btke->bskge", jnp.exp(scores - lse[..., None]), v.astype(jnp.float32))
-    return out.reshape(b, s, h, e), lse.reshape(b, s, h)
+        return Cache(layers=pages), jnp.stack(tokens, axis=1), num

@@ -6,7 +6,7 @@ block's coherence with a tiny sequential Markov head and sends each request's dr
 verification only as far as a confidence head trusts them. This is a small version of it:
 
 Context. For every token the target has processed (positions < the anchor's), the residual
-stream after a few target layers (features.py), concatenated [n * d], is projected and normed:
+stream after a few target layers (the family's forward with capture_layers; features.py), concatenated [n * d], is projected and normed:
   c = RMSNorm(W_fc x)                                                      [d]
 and kept as the drafter's context (the runner can store c, or each layer's K/V of c, per token).
 
@@ -37,9 +37,11 @@ import numpy as np
 
 from weld.engine.sampler import SamplingArrays
 from weld.engine.spec.acceptance import draft_sample
-from weld.engine.spec.features import lm_head, masked_attention
 from weld.models import llama
-from weld.models.common.layers import RopeScaling, apply_rope, linear, rms_norm, rope_inv_freq, swiglu, unpacked
+from weld.models.common.attention import dense_attention
+from weld.models.common.layers import linear, rms_norm, swiglu, unpacked
+from weld.models.common.rope import Rope
+from weld.models.family import ModelConfig, output_matrix
 from weld.models.common.spec import WeightSpec, iter_specs, map_specs, path_str
 
 FORMAT = "weld-dspark-draft"
@@ -94,16 +96,18 @@ class DraftConfig:
               f"confidence_threshold must lie in [0, 1], got {self.confidence_threshold}")
 
     @classmethod
-    def for_target(cls, target: llama.Config, **overrides: Any) -> "DraftConfig":
-        """A drafter as wide as the target's layers (heads, MLP), with `overrides` applied."""
-        fields = dict(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-                      target_num_layers=target.num_layers, target_layers=default_target_layers(target.num_layers),
-                      num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-                      intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
-                      rope_theta=target.rope_theta)
+    def for_target(cls, target: ModelConfig, **overrides: Any) -> "DraftConfig":
+        """A drafter for any family's target (it reads only the fields every Config declares):
+        the target's width, heads of 64 dims (one per 64 of the width), an MLP 8/3 as wide (a
+        multiple of 64), with `overrides` applied."""
+        d = target.hidden_size
+        heads = max(1, d // 64)
+        fields = dict(vocab_size=target.vocab_size, hidden_size=d, target_num_layers=target.num_layers,
+                      target_layers=default_target_layers(target.num_layers), num_heads=heads, num_kv_heads=heads,
+                      head_dim=64, intermediate_size=max(64, round(d * 8 / 3 / 64) * 64))
         return cls(**{**fields, **{k: v for k, v in overrides.items() if v is not None}})
 
-    def check_target(self, target: llama.Config) -> None:
+    def check_target(self, target: ModelConfig) -> None:
         """Raises ValueError when this drafter was not made for `target`'s shapes."""
         for mine, theirs in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
                              ("target_num_layers", "num_layers")):
@@ -124,7 +128,7 @@ class DraftConfig:
 
 
 def _layer_config(cfg: DraftConfig) -> llama.Config:
-    """The drafter's layers are llama blocks: this config declares and runs them."""
+    """The drafter's layers are llama blocks (whatever the target's family): this config declares them."""
     return llama.Config(architecture="llama", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                         intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
                         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
@@ -167,7 +171,7 @@ def init_params(cfg: DraftConfig, seed: int = 0, dtype: Any = jnp.float32, targe
 
     params = map_specs(init, weight_specs(cfg))
     if target_weights is not None:  # logit = H h, h of unit RMS: its spread is ~ sqrt(d) * rms(H)
-        head = np.asarray(unpacked(lm_head(target_weights)), np.float32)
+        head = np.asarray(unpacked(output_matrix(target_weights)), np.float32)
         scale = 1.0 / (np.sqrt(cfg.hidden_size) * np.sqrt(np.mean(head * head)))
         params["final_norm"] = jnp.full((cfg.hidden_size,), scale, dtype)
     return params
@@ -177,8 +181,20 @@ def init_params(cfg: DraftConfig, seed: int = 0, dtype: Any = jnp.float32, targe
 
 def rope(cfg: DraftConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
     """The drafter's rotary embedding of x [b, t, heads, e] at positions [b, t] (plain, theta from cfg)."""
-    inv_freq, mscale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, RopeScaling(), 1)
-    return apply_rope(x, positions, inv_freq, mscale)
+    return Rope(cfg.head_dim, cfg.rope_theta, max_position_embeddings=1)(x, positions)
+
+
+def layer(cfg: DraftConfig, lw: dict, x: jax.Array, positions: jax.Array, attend) -> jax.Array:
+    """One drafter layer (a llama block) over slots x [b, n, d] at positions [b, n]; attend(q, k, v)
+    -> [b, n, h, e] is the attention over whatever the slots see (the context and the block)."""
+    b, n, _ = x.shape
+    h, kv, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
+    q = rope(cfg, linear(y, lw["wq"]).reshape(b, n, h, e), positions)
+    k = rope(cfg, linear(y, lw["wk"]).reshape(b, n, kv, e), positions)
+    v = linear(y, lw["wv"]).reshape(b, n, kv, e)
+    x = x + linear(attend(q, k, v).astype(x.dtype).reshape(b, n, h * e), lw["wo"])
+    return x + swiglu(rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps), lw["w_gate"], lw["w_up"], lw["w_down"])
 
 
 def project_context(params: dict, cfg: DraftConfig, target_hidden: jax.Array) -> jax.Array:
@@ -205,7 +221,7 @@ def backbone(params: dict, cfg: DraftConfig, embed: jax.Array, ctx_kv: list, ctx
     training), each seeing the context positions before its anchor's and its own slots.
     """
     b, n = anchor_tokens.shape
-    s, h, kv, e, d = cfg.block_size + 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    s, d = cfg.block_size + 1, cfg.hidden_size
     x = jnp.concatenate([embed[anchor_tokens][:, :, None, :],
                          jnp.broadcast_to(params["mask_embed"].astype(embed.dtype), (b, n, s - 1, d))],
                         axis=2).reshape(b, n * s, d)  # the blocks' slots one after another
@@ -216,14 +232,12 @@ def backbone(params: dict, cfg: DraftConfig, embed: jax.Array, ctx_kv: list, ctx
     sees_slot = jnp.broadcast_to(block[:, None] == block[None, :], (b, n * s, n * s))  # its own block, both ways
     visible = jnp.concatenate([sees_context, sees_slot], axis=2)  # [b, n*s, c + n*s]
     for lw, (ctx_k, ctx_v) in zip(params["layers"], ctx_kv):
-        y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-        q = rope(cfg, linear(y, lw["wq"]).reshape(b, n * s, h, e), slot_positions)
-        k = rope(cfg, linear(y, lw["wk"]).reshape(b, n * s, kv, e), slot_positions)
-        v = linear(y, lw["wv"]).reshape(b, n * s, kv, e)
-        keys = jnp.concatenate([ctx_k.astype(k.dtype), k], axis=1)
-        values = jnp.concatenate([ctx_v.astype(v.dtype), v], axis=1)
-        x = x + linear(masked_attention(q, keys, values, visible), lw["wo"])
-        x = x + swiglu(rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps), lw["w_gate"], lw["w_up"], lw["w_down"])
+        def attend(q, k, v):
+            keys = jnp.concatenate([ctx_k.astype(k.dtype), k], axis=1)
+            values = jnp.concatenate([ctx_v.astype(v.dtype), v], axis=1)
+            return dense_attention(q, keys, values, visible)[0]
+
+        x = layer(cfg, lw, x, slot_positions, attend)
     x = x.reshape(b, n, s, d)[:, :, 1:]
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
@@ -249,7 +263,7 @@ def teacher_forced(params: dict, cfg: DraftConfig, target_weights: dict, ctx_kv:
     Returns (logits f32 [b, n, k, v], confidence [b, n, k])."""
     embed = target_weights["embed"]
     hidden = backbone(params, cfg, embed, ctx_kv, ctx_positions, anchor_tokens, anchor_positions)
-    return slot_outputs(params, lm_head(target_weights), hidden, markov_features(params, embed, prev_tokens))
+    return slot_outputs(params, output_matrix(target_weights), hidden, markov_features(params, embed, prev_tokens))
 
 
 @jax.tree_util.register_dataclass
@@ -279,7 +293,7 @@ def propose(params: dict, cfg: DraftConfig, target_weights: dict, ctx_kv: list, 
     row's sampling parameters (`draft_sample`, noise apart from the target's) and draft_probs
     holds the q to verify against. threshold: default cfg.confidence_threshold; 0 sends all k.
     """
-    embed, head = target_weights["embed"], lm_head(target_weights)
+    embed, head = target_weights["embed"], output_matrix(target_weights)
     hidden = backbone(params, cfg, embed, ctx_kv, ctx_positions, anchor_tokens[:, None],
                       anchor_positions[:, None])[:, 0]  # [b, k, d]
     prev = anchor_tokens

@@ -1,7 +1,7 @@
 """Self-distillation of the DSpark drafter on the target's own outputs (`weld train-draft`).
 
 1. The target continues prompts from a text file (greedy by default) through the serving engine.
-2. `features.target_hidden_states` runs the target over each prompt + continuation once, keeping
+2. `features.target_hidden_states` runs the target's own forward over each prompt + continuation once, keeping
    the chosen layers' residual streams (the drafter's context) and the final hidden states.
 3. Each step draws sequences and anchor positions in their continuations; the drafter sees the
    context before the anchor and predicts the k tokens after it, the Markov head reading the true
@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from weld.engine.spec import dspark
-from weld.engine.spec.features import lm_head, target_hidden_states
+from weld.engine.spec.features import target_hidden_states
 from weld.models.common.layers import linear
+from weld.models.family import output_matrix
 from weld.utils.errors import InvalidInputError
 from weld.utils.progress import progress_enabled
 
@@ -103,7 +104,8 @@ def generate_sequences(llm: Any, prompts: Sequence[str], max_new_tokens: int, te
     return sequences, [len(o.prompt_token_ids) for o in outs]
 
 
-def build_dataset(target_weights: dict, target_cfg: Any, cfg: dspark.DraftConfig, sequences: Sequence[Sequence[int]],
+def build_dataset(family: Any, target_weights: dict, target_cfg: Any, cfg: dspark.DraftConfig,
+                  sequences: Sequence[Sequence[int]],
                   prompt_lengths: Sequence[int], chunk: int = 4, progress: bool | None = None) -> Dataset:
     """Runs the target over every sequence once and keeps what training reads. Sequences whose
     continuation is shorter than k + 1 tokens (no room for one block) are dropped."""
@@ -118,7 +120,7 @@ def build_dataset(target_weights: dict, target_cfg: Any, cfg: dspark.DraftConfig
     tokens = np.zeros((len(sequences), width), np.int32)
     for i, s in enumerate(sequences):
         tokens[i, :len(s)] = s
-    run = jax.jit(target_hidden_states, static_argnames=("cfg", "layers"))
+    run = jax.jit(functools.partial(target_hidden_states, family), static_argnames=("cfg", "layers"))
     features, final = [], []
     for start in tqdm(range(0, len(tokens), chunk), desc="Target features", unit="batch",
                       disable=not (progress_enabled() if progress is None else progress)):
@@ -160,7 +162,7 @@ def loss_and_metrics(params: dict, batch: dict, target_weights: dict, *, cfg: ds
     logits, confidence = dspark.teacher_forced(params, cfg, target_weights, kv, batch["ctx_positions"],
                                                batch["anchor_tokens"], batch["anchor_positions"],
                                                batch["prev_tokens"])  # [B, A, k, v], [B, A, k]
-    target_logits = linear(batch["target_final"], lm_head(target_weights)).astype(jnp.float32)
+    target_logits = linear(batch["target_final"], output_matrix(target_weights)).astype(jnp.float32)
     p = jax.lax.stop_gradient(jax.nn.softmax(target_logits, axis=-1))
     log_q = jax.nn.log_softmax(logits, axis=-1)
     labels = batch["labels"]
@@ -290,7 +292,8 @@ def train_draft(model: str | None, data_path: str, out: str, *, train_cfg: Train
     sequences, prompt_lengths = generate_sequences(llm, prompts, max_new_tokens, temperature, train_cfg.seed, chat)
     target_weights, target_cfg = llm.model.weights, llm.cfg
     del llm.engine  # the KV cache is not needed any more
-    data = build_dataset(target_weights, target_cfg, cfg, sequences, prompt_lengths, progress=progress)
+    data = build_dataset(llm.model.family, target_weights, target_cfg, cfg, sequences, prompt_lengths,
+                         progress=progress)
     generated = int((data.lengths - data.prompt_lengths).sum())
     order = np.random.default_rng(train_cfg.seed).permutation(len(data))
     num_eval = int(round(len(data) * eval_fraction)) if len(data) > 1 else 0

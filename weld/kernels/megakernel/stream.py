@@ -14,7 +14,6 @@ is the pure-jnp twin.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

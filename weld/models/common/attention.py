@@ -19,27 +19,34 @@ ALL_KV_HEADS_ROWS = 2
 CPU_KERNEL_MAX_TOKENS = 16
 
 
-def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
-             positions: jax.Array, block_tables: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatters new K/V [b, t, k, e] into the pools [P, page, k, e] at their positions [b, t].
+def write_pages(pages: jax.Array, x: jax.Array, positions: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """Scatters new rows x [b, t, k, e] into a pool [P, page, k, e] at their positions [b, t].
 
     Padding (position < 0) is sent out of bounds and dropped, so it never touches a page.
     """
-    num_pages, page_size = k_pages.shape[:2]
+    num_pages, page_size = pages.shape[:2]
     safe = jnp.maximum(positions, 0)
     page = jnp.take_along_axis(block_tables, safe // page_size, axis=1)  # [b, t]
     page = jnp.where(positions >= 0, page, num_pages).reshape(-1)  # padding: out of bounds
     row = (safe % page_size).reshape(-1)
-    # Index the 4-d pools directly: a reshape of a donated pool makes XLA:CPU copy it.
-    k_pages = k_pages.at[page, row].set(k.reshape((-1,) + k.shape[2:]).astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[page, row].set(v.reshape((-1,) + v.shape[2:]).astype(v_pages.dtype), mode="drop")
+    # Index the 4-d pool directly: a reshape of a donated pool makes XLA:CPU copy it.
+    return pages.at[page, row].set(x.reshape((-1,) + x.shape[2:]).astype(pages.dtype), mode="drop")
+
+
+def write_kv(k_pages: jax.Array, v_pages: jax.Array | None, k: jax.Array, v: jax.Array | None,
+             positions: jax.Array, block_tables: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """Scatters new K/V [b, t, k, e] into the pools [P, page, k, e] at their positions [b, t]
+    (`write_pages` for each; v_pages None: the keys are the values, nothing more to write)."""
+    k_pages = write_pages(k_pages, k, positions, block_tables)
+    if v_pages is not None:
+        v_pages = write_pages(v_pages, v, positions, block_tables)
     return k_pages, v_pages
 
 
-def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: jax.Array, v_pages: jax.Array | None,
                     positions: jax.Array, block_tables: jax.Array, *, sliding_window: int | None = None,
                     scale: float | None = None, pages_per_tile: int = 8, query_positions: jax.Array | None = None,
-                    return_lse: bool = False) -> tuple[jax.Array, ...]:
+                    return_lse: bool = False, sinks: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Writes this call's K/V into the pools, then attends causally over each row's pages.
 
     q [b, t, h, e]; k, v [b, t, kv, e]; positions [b, t] (-1 = padding, which writes nothing).
@@ -49,6 +56,10 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array
     only as far as the largest position in the batch: the program's shape does not depend on
     sequence lengths (no recompiles as they grow), and short sequences read only a few pages.
 
+    v_pages None (and v None): the keys are also the values (MLA's latent pages: c_kv is both
+    the key's and the value's latent); the output then has the keys' width e, of which the
+    caller keeps what it needs. sinks [h] (gpt-oss): a learned logit per head that joins every
+    softmax's denominator and weighs no value: out *= sigmoid(lse - sink).
     query_positions [b, t] (default: positions) decouples what the queries see from where k, v
     are written (a drafter's block reads a context it does not write); return_lse adds each
     query's log-sum-exp of scores [b, t, h] (to merge with attention over other keys).
@@ -65,13 +76,12 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array
         scale = e ** -0.5
     if query_positions is None:
         query_positions = positions
-    if (t <= CPU_KERNEL_MAX_TOKENS and k_pages.dtype == jnp.float32 and v_pages.dtype == jnp.float32
-            and cpu_kernels.available()):
+    pools = (k_pages,) if v_pages is None else (k_pages, v_pages)
+    if t <= CPU_KERNEL_MAX_TOKENS and all(p.dtype == jnp.float32 for p in pools) and cpu_kernels.available():
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, positions, block_tables)
-        out, lse = cpu_kernels.paged_attention(q, k_pages, v_pages, block_tables, query_positions, scale=scale,
-                                               sliding_window=sliding_window)
-        out = out.astype(q.dtype)
-        return (out, k_pages, v_pages, lse) if return_lse else (out, k_pages, v_pages)
+        out, lse = cpu_kernels.paged_attention(q, k_pages, k_pages if v_pages is None else v_pages, block_tables,
+                                               query_positions, scale=scale, sliding_window=sliding_window)
+        return _finish(out.astype(q.dtype), k_pages, v_pages, lse, sinks, return_lse)
     block_tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % pages_per_tile)))
     tile = pages_per_tile * page_size
     num_tiles = jnp.max(query_positions) // tile + 1  # tiles holding a position some query sees
@@ -92,15 +102,15 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array
         """Masked scores of this tile, its visibility mask and the values they weigh."""
         pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_tile, pages_per_tile, axis=1)
         kv_pos = i * tile + jnp.arange(tile)  # [s]
+        keys = k_pool[pages].astype(jnp.float32)
+        values = keys if v_pool is None else v_pool[pages].astype(jnp.float32)
         if all_heads:  # gathered pages feed the dots as they lie: no transposed copy
-            keys = k_pool[pages].reshape(b, tile * kv_heads, e).astype(jnp.float32)
-            values = v_pool[pages].reshape(b, tile * kv_heads, e).astype(jnp.float32)
+            keys, values = keys.reshape(b, tile * kv_heads, e), values.reshape(b, tile * kv_heads, e)
             s = jnp.einsum("bqe,bce->bqc", qs, keys).reshape(b, t * h, tile, kv_heads)
             kv_pos = kv_pos[:, None]
             visible = (kv_pos <= q_pos) & own[None, :, None, :]
         else:
-            keys = k_pool[pages].reshape(b, tile, kv_heads, e).astype(jnp.float32)  # [b, s, k, e]
-            values = v_pool[pages].reshape(b, tile, kv_heads, e).astype(jnp.float32)
+            keys, values = keys.reshape(b, tile, kv_heads, e), values.reshape(b, tile, kv_heads, e)  # [b, s, k, e]
             s = jnp.einsum("btkge,bske->bkgts", qs, keys)
             visible = kv_pos <= q_pos
         if sliding_window is not None:
@@ -130,7 +140,33 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array
     lse = m + jnp.log(jnp.maximum(l, 1e-30))
     if not all_heads:
         out, lse = jnp.einsum("bkgte->btkge", out), jnp.einsum("bkgt->btkg", lse)
-    out = out.reshape(b, t, h, e).astype(q.dtype)
-    if return_lse:
-        return out, k_pages, v_pages, lse.reshape(b, t, h)
-    return out, k_pages, v_pages
+    return _finish(out.reshape(b, t, h, e).astype(q.dtype), k_pages, v_pages, lse.reshape(b, t, h), sinks,
+                   return_lse)
+
+
+def _finish(out, k_pages, v_pages, lse, sinks, return_lse):
+    """Applies the attention sinks (out [b, t, h, e] scaled by the real keys' share of the
+    denominator, sigmoid(lse - sink)) and picks the results to return."""
+    if sinks is not None:
+        share = jax.nn.sigmoid(lse - sinks.astype(jnp.float32))  # padding rows: lse -1e30 -> 0
+        out = (out.astype(jnp.float32) * share[..., None]).astype(out.dtype)
+        lse = jnp.logaddexp(lse, sinks.astype(jnp.float32))
+    return (out, k_pages, v_pages, lse) if return_lse else (out, k_pages, v_pages)
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,
+                    scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """Attention of q [b, t, h, e] over k, v [b, s, kv, e] (GQA) where visible [b or 1, t, s] (no
+    pages: a drafter's block, training's whole sequences). Returns (out f32 [b, t, h, e],
+    log-sum-exp of the visible scores [b, t, h]); a query that sees nothing gets 0 and -1e30."""
+    b, t, h, e = q.shape
+    kv = k.shape[2]
+    if scale is None:
+        scale = e ** -0.5
+    qg = q.astype(jnp.float32).reshape(b, t, kv, h // kv, e) * scale
+    scores = jnp.einsum("btkge,bske->btkgs", qg, k.astype(jnp.float32))
+    scores = jnp.where(visible[:, :, None, None, :], scores, _MASKED)
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    probs = jnp.where(visible[:, :, None, None, :], jnp.exp(scores - lse[..., None]), 0.0)
+    out = jnp.einsum("btkgs,bske->btkge", probs, v.astype(jnp.float32))
+    return out.reshape(b, t, h, e), lse.reshape(b, t, h)

@@ -1,55 +1,148 @@
-"""Per-layer model state. The dense family needs paged KV: one page pool per layer.
+"""Per-layer model state, declared by each family as a `CacheSpec` and created by the engine from it.
 
-A page pool is K and V arrays of shape [num_pages, page_size, kv_heads, head_dim]. A sequence
-owns a list of pages (its block table); token at position p lives in page
-`block_table[p // page_size]`, row `p % page_size`. Pages need not be contiguous or ordered.
-Each layer has its own arrays (not one stacked array): an update then touches one buffer in
-place, and a decode step never slices (and so copies) a stacked cache.
+Three kinds of per-layer state:
+1. paged KV (`PagedKV` -> `KVPages`): K and V pools [num_pages, page_size, kv_heads, head_dim];
+2. paged latent (`PagedLatent` -> `LatentPages`, MLA): one pool [num_pages, page_size, 1,
+   latent_dim + rope_dim] holding, per token, the normed compressed KV c_kv then the rotated
+   shared key k_pe; attention reads it as one key head whose first latent_dim values are also
+   the value (absorbed attention), so nothing is expanded per head;
+3. per-sequence recurrent state (`Recurrent`, linear attention: a causal-conv window and an f32
+   state matrix per sequence). Declared here so that families can state it; the engine does not
+   allocate it yet (the hybrid linear-attention issue adds the slot pool).
+
+Paged kinds share one page pool and one block table per sequence: token at position p lives in
+page `block_table[p // page_size]`, row `p % page_size`, in every paged layer at once. Pages
+need not be contiguous or ordered. Each layer has its own arrays (not one stacked array): an
+update then touches one buffer in place, and a decode step never slices (and so copies) a
+stacked cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
 
-@dataclasses.dataclass(frozen=True)
-class PagedKVSpec:
-    """What a family needs from the cache: shapes of one layer's K/V pages."""
+def _itemsize(dtype) -> int:
+    return jnp.dtype(dtype).itemsize
 
-    num_layers: int
+
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    """One attention layer's K and V pages. `window`: the layer attends to its last `window`
+    positions only (sliding-window attention), None: to all of them."""
+
     kv_heads: int
     head_dim: int
+    window: int | None = None
 
     def bytes_per_token(self, dtype) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * jnp.dtype(dtype).itemsize
+        return 2 * self.kv_heads * self.head_dim * _itemsize(dtype)
+
+    def create(self, num_pages: int, page_size: int, dtype) -> "KVPages":
+        shape = (num_pages, page_size, self.kv_heads, self.head_dim)
+        return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLatent:
+    """One MLA layer's latent pages: c_kv [latent_dim] and k_pe [rope_dim] per token."""
+
+    latent_dim: int
+    rope_dim: int
+    window: int | None = None
+
+    def bytes_per_token(self, dtype) -> int:
+        return (self.latent_dim + self.rope_dim) * _itemsize(dtype)
+
+    def create(self, num_pages: int, page_size: int, dtype) -> "LatentPages":
+        return LatentPages(pool=jnp.zeros((num_pages, page_size, 1, self.latent_dim + self.rope_dim), dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Recurrent:
+    """One linear-attention layer's per-sequence state: the last conv_width - 1 inputs of its causal
+    convolution [conv_channels, conv_width - 1] and its state matrix `state_shape`, both f32."""
+
+    conv_channels: int
+    conv_width: int
+    state_shape: tuple[int, ...]
+
+    def bytes_per_sequence(self) -> int:
+        return 4 * (self.conv_channels * (self.conv_width - 1) + math.prod(self.state_shape))
+
+
+LayerCache = PagedKV | PagedLatent | Recurrent
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """What a model needs from the cache: one entry per layer, in layer order."""
+
+    layers: tuple[LayerCache, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(self.layers))
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, (PagedKV, PagedLatent, Recurrent)):
+                raise TypeError(f"cache spec layer {i} is a {type(layer).__name__}, not a PagedKV, PagedLatent "
+                                "or Recurrent")
+
+    def bytes_per_token(self, dtype) -> int:
+        """Bytes of page memory one token takes across every paged layer."""
+        return sum(layer.bytes_per_token(dtype) for layer in self.layers if not isinstance(layer, Recurrent))
+
+    def bytes_per_sequence(self) -> int:
+        """Bytes of recurrent state one sequence takes across every linear-attention layer."""
+        return sum(layer.bytes_per_sequence() for layer in self.layers if isinstance(layer, Recurrent))
+
+    @property
+    def has_recurrent(self) -> bool:
+        return any(isinstance(layer, Recurrent) for layer in self.layers)
+
+    def create(self, num_pages: int, page_size: int, dtype) -> "Cache":
+        """Zeroed page pools for every layer. Raises ValueError for recurrent layers, whose slot
+        pool the engine does not have yet."""
+        if self.has_recurrent:
+            raise ValueError("this model has linear-attention layers (a per-sequence recurrent state), "
+                             "which weld's engine does not support yet")
+        return Cache(layers=[layer.create(num_pages, page_size, dtype) for layer in self.layers])
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class PagedKVCache:
-    """K and V page pools, one pair per layer: each [num_pages, page_size, kv_heads, head_dim]."""
+class KVPages:
+    """K and V page pools of one layer, each [num_pages, page_size, kv_heads, head_dim]."""
 
-    k: list[jax.Array]
-    v: list[jax.Array]
+    k: jax.Array
+    v: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LatentPages:
+    """The latent page pool of one MLA layer, [num_pages, page_size, 1, latent_dim + rope_dim]."""
+
+    pool: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Cache:
+    """Every layer's state, in layer order (what `forward` takes and returns, donated)."""
+
+    layers: list
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        return jax.tree_util.tree_leaves(self.layers[0])[0].shape[0]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[1]
-
-    @staticmethod
-    def create(spec: PagedKVSpec, num_pages: int, page_size: int, dtype) -> "PagedKVCache":
-        shape = (num_pages, page_size, spec.kv_heads, spec.head_dim)
-        return PagedKVCache(
-            k=[jnp.zeros(shape, dtype) for _ in range(spec.num_layers)],
-            v=[jnp.zeros(shape, dtype) for _ in range(spec.num_layers)],
-        )
+        return jax.tree_util.tree_leaves(self.layers[0])[0].shape[1]
 
 
 @jax.tree_util.register_dataclass

@@ -1,4 +1,4 @@
-"""Shared layers of the dense decoder family: RMSNorm, linear, SwiGLU, rotary embeddings.
+"""Shared layers: RMSNorm, linear over plain or packed weights, SwiGLU, GELU.
 
 Einsum letters used everywhere: b batch, t query tokens, s key/value tokens, d model dim,
 h query heads, k kv heads, g query heads per kv head, e head dim, f MLP dim, v vocabulary.
@@ -6,22 +6,26 @@ h query heads, k kv heads, g query heads per kv head, e head dim, f MLP dim, v v
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from weld.kernels import cpu as cpu_kernels
 from weld.utils.errors import InvalidInputError
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in f32, cast back to x's dtype, then scaled (as HF Llama does)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, plus_one: bool = False) -> jax.Array:
+    """RMSNorm over the last axis, computed in f32.
+
+    Plain (Llama, DeepSeek): cast back to x's dtype, then scaled by weight. plus_one (Gemma,
+    Qwen3-Next): scaled by (1 + weight) in f32, then cast; such weights are stored around 0.
+    """
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 
 
@@ -100,6 +104,28 @@ def unpacked(w: jax.Array | PackedWeight) -> jax.Array:
     return w.unpacked() if isinstance(w, PackedWeight) else w
 
 
+def pack_if_f32(w):
+    """The packed form of an f32 matrix [n, k] (what the native CPU kernel reads); anything else
+    (another dtype, an expert stack, an already packed weight) as it is."""
+    if w is not None and not isinstance(w, PackedWeight) and w.ndim == 2 and w.dtype == jnp.float32:
+        return jax.block_until_ready(pack_weight(w))
+    return w
+
+
+def pack_matrices(weights: dict, names: tuple[str, ...]) -> None:
+    """Packs the f32 matrices `names` of a weight dict in place (`pack_if_f32`)."""
+    for name in names:
+        if name in weights:
+            weights[name] = pack_if_f32(weights[name])
+
+
+def fuse_gate_up(mlp: dict) -> None:
+    """Concatenates a gated MLP's `w_gate` and `w_up` [f, d] into one `w_gate_up` [2 f, d], in
+    place (one matmul instead of two; `gated_mlp` takes either form)."""
+    if "w_gate" in mlp:
+        mlp["w_gate_up"] = jnp.concatenate([mlp.pop("w_gate"), mlp.pop("w_up")])
+
+
 def pack_weight(w: jax.Array) -> PackedWeight:
     n, k = w.shape
     padded = jnp.pad(w, ((0, -n % PANEL), (0, 0)))
@@ -133,74 +159,18 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) 
     return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Rotary-embedding frequency scaling. `kind` is one of default, linear, llama3, yarn."""
-
-    kind: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
-    truncate: bool = True
-
-    SUPPORTED = ("default", "linear", "llama3", "yarn")
+def gated_mlp(lw: dict, y: jax.Array, activation=jax.nn.silu) -> jax.Array:
+    """down(act(gate y) * up y) of the normed input y, from a fused `w_gate_up` [2 f, d] (gate
+    rows, then up rows) or separate `w_gate`, `w_up` [f, d]; `w_down` [d, f]. SwiGLU by default."""
+    if "w_gate_up" in lw:
+        gate_up = linear(y, lw["w_gate_up"])
+        f = gate_up.shape[-1] // 2
+        return linear(activation(gate_up[..., :f]) * gate_up[..., f:], lw["w_down"])
+    return linear(activation(linear(y, lw["w_gate"])) * linear(y, lw["w_up"]), lw["w_down"])
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling,
-                  max_position_embeddings: int) -> tuple[np.ndarray, float]:
-    """Inverse frequencies [head_dim // 2] and the factor applied to cos/sin (yarn's mscale)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    kind = scaling.kind
-    if kind == "default":
-        return inv_freq, 1.0
-    if kind == "linear":
-        return inv_freq / scaling.factor, 1.0
-    if kind == "llama3":
-        old_ctx = scaling.original_max_position_embeddings or 8192
-        low_wavelen = old_ctx / scaling.low_freq_factor
-        high_wavelen = old_ctx / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        smooth = (old_ctx / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return np.where(medium, smoothed, scaled), 1.0
-    if kind == "yarn":
-        old_ctx = scaling.original_max_position_embeddings or max_position_embeddings
-        factor = scaling.factor
-        mscale = scaling.attention_factor
-        if mscale is None:
-            mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-        def correction_dim(num_rotations: float) -> float:
-            return (head_dim * math.log(old_ctx / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
-
-        low = correction_dim(scaling.beta_fast)
-        high = correction_dim(scaling.beta_slow)
-        if scaling.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, head_dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-        extrapolation = 1 - ramp
-        inv = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
-        return inv, mscale
-    raise ValueError(f"unsupported rope scaling {kind!r}; weld supports {RopeScaling.SUPPORTED}")
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`)."""
+    return jax.nn.gelu(x, approximate=True)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, mscale: float) -> jax.Array:
-    """Rotates x [b, t, heads, e] by positions [b, t] in HF's rotate-half (NeoX) layout."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [b,t,e/2]
-    cos = (jnp.cos(freqs) * mscale)[:, :, None, :]
-    sin = (jnp.sin(freqs) * mscale)[:, :, None, :]
-    half = x.shape[-1] // 2
-    x1 = x[..., :half].astype(jnp.float32)
-    x2 = x[..., half:].astype(jnp.float32)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)

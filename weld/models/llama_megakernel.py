@@ -1,4 +1,4 @@
-"""The dense family (`weld.models.llama`) on the TPU decode megakernel.
+"""The llama family (`weld.models.llama`, dense variants) on the TPU decode megakernel.
 
 The kernel (`weld.kernels.megakernel.decode`) knows plain numbers and arrays; this adapter maps a
 llama-family `Config` to its `MegakernelSpec`, the family's weight tree to the kernel's operands
@@ -18,8 +18,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from weld.kernels.megakernel.decode import MATRICES, decode_step, quantize_int8
 from weld.kernels.megakernel.plan import MegakernelSpec
-from weld.models.common.cache import AttentionBatch, PagedKVCache
-from weld.models.llama import _rope_tables
+from weld.models import llama
+from weld.models.common.cache import AttentionBatch, Cache, KVPages
 
 # the kernel's matrix names -> the family's weight names
 _WEIGHT_NAMES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
@@ -27,8 +27,10 @@ _WEIGHT_NAMES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "
 
 def check_supported(cfg) -> None:
     """Raises ValueError for what the megakernel does not cover."""
-    if type(cfg).__module__ != __name__.replace("megakernel", "llama"):
-        raise ValueError(f"the megakernel runs the dense llama family only, got a {type(cfg).__module__} config")
+    if not isinstance(cfg, llama.Config):
+        raise ValueError(f"the megakernel runs the llama family only, got a {type(cfg).__module__} config")
+    if cfg.moe is not None:
+        raise ValueError(f"the megakernel has no mixture-of-experts layers ({cfg.architecture}); use backend='xla'")
     if any(cfg.window_for(i) is not None for i in range(cfg.num_layers)):
         raise ValueError(f"the megakernel has no sliding-window attention (sliding_window={cfg.sliding_window}); "
                          "use backend='xla'")
@@ -38,7 +40,7 @@ def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight
              pages_per_kv_tile: int = 8, int8: bool = False) -> MegakernelSpec:
     """The kernel's spec for `cfg` at this batch shape."""
     check_supported(cfg)
-    _, mscale = _rope_tables(cfg)
+    _, mscale = cfg.rope.tables()
     return MegakernelSpec(
         hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size, num_layers=cfg.num_layers,
@@ -53,7 +55,7 @@ def kernel_params(cfg, weights: dict, *, int8: bool = False) -> dict:
     (or their int8 quantization); only the small vectors are stacked per call."""
     layers = weights["layers"]
     quant = quantize_int8 if int8 else (lambda w: w)
-    inv_freq, _ = _rope_tables(cfg)
+    inv_freq, _ = cfg.rope.tables()
     params = {
         "embed": weights["embed"],
         "lm_head": quant(weights.get("lm_head", weights["embed"])),
@@ -86,24 +88,28 @@ class KernelOptions:
     interpret: object = None  # None: interpret mode (default InterpretParams) unless on a TPU
 
 
-def forward(weights: dict, cfg, tokens, positions, cache: PagedKVCache, batch: AttentionBatch, logits_indices=None,
-            *, options: KernelOptions = KernelOptions()):
-    """`llama.forward`'s contract for one group of rows with few tokens each, on the megakernel.
+def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: AttentionBatch, logits_indices=None,
+            capture_layers: tuple[int, ...] = (), *, options: KernelOptions = KernelOptions()):
+    """`llama.forward`'s contract for one group of rows with few tokens each, on the megakernel
+    (no capture_layers: the kernel returns no hidden states).
 
     tokens, positions: int32 [b, t] (t = 1 for decode, k + 1 for a verify block; -1 = padding).
     logits_indices: int32 [b, n] picks which of the t tokens get logits (None: all).
     Returns (logits f32 [b, n, v], None (no hidden states), the cache updated in place).
     """
+    if capture_layers:
+        raise ValueError("the megakernel returns no hidden states: capture_layers must be empty")
     b, t = tokens.shape
     interpret = options.interpret
     if interpret is None:
         interpret = False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
     spec = spec_for(cfg, batch=b, tokens_per_row=t, page_size=cache.page_size, weight_dtype=weights["embed"].dtype,
-                    kv_dtype=cache.k[0].dtype, pages_per_kv_tile=options.pages_per_kv_tile, int8=options.int8)
+                    kv_dtype=cache.layers[0].k.dtype, pages_per_kv_tile=options.pages_per_kv_tile, int8=options.int8)
     logits, _, k, v = decode_step(spec, kernel_params(cfg, weights, int8=options.int8), tokens, positions,
-                                  batch.block_tables, cache.k, cache.v, tile_rows=options.tile_rows,
+                                  batch.block_tables, [p.k for p in cache.layers], [p.v for p in cache.layers],
+                                  tile_rows=options.tile_rows,
                                   vocab_tile_rows=options.vocab_tile_rows, ring_depth=options.ring_depth,
                                   generation=options.generation, interpret=interpret)
     if logits_indices is not None:
         logits = jnp.take_along_axis(logits, logits_indices[:, :, None], axis=1)
-    return logits, None, PagedKVCache(k=k, v=v)
+    return logits, None, Cache(layers=[KVPages(kp, vp) for kp, vp in zip(k, v)])

@@ -1,4 +1,4 @@
-"""The llama family against HF transformers: prefill and paged decode logits, batching on scattered pages."""
+"""Every family against HF transformers: prefill and paged decode logits, batching on scattered pages."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from weld.models.common.cache import AttentionBatch, PagedKVCache
+from tests.conftest import FAMILY_VARIANTS
+from weld.models.common.cache import AttentionBatch
 from weld.weights import ModelSource, load_model
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+FAMILIES = FAMILY_VARIANTS
 PAGE = 4
 
 
@@ -50,7 +51,7 @@ def test_prefill_then_paged_decode_match_hf(family_case):
     full = prompt + rng.integers(0, loaded.cfg.vocab_size, steps).tolist()
     ref = hf_logits(hf_model, full)
 
-    cache = PagedKVCache.create(loaded.cfg.kv_spec, num_pages=32, page_size=PAGE, dtype=jnp.float32)
+    cache = loaded.family.cache_spec(loaded.cfg).create(num_pages=32, page_size=PAGE, dtype=jnp.float32)
     table = [[17, 3, 29, 8, 21, 0]]  # deliberately scattered, unordered pages
     logits, cache = run(loaded, cache, [prompt], [list(range(len(prompt)))], table)
     np.testing.assert_allclose(logits[0], ref[:len(prompt)], atol=1e-4, rtol=0)
@@ -71,7 +72,7 @@ def test_batched_prefill_and_decode_equal_single(family_case):
     t = max(lengths)
     tokens = [p + [0] * (t - len(p)) for p in prompts]
     positions = [list(range(len(p))) + [-1] * (t - len(p)) for p in prompts]
-    cache = PagedKVCache.create(loaded.cfg.kv_spec, num_pages=32, page_size=PAGE, dtype=jnp.float32)
+    cache = loaded.family.cache_spec(loaded.cfg).create(num_pages=32, page_size=PAGE, dtype=jnp.float32)
     logits, cache = run(loaded, cache, tokens, positions, tables)
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(logits[i, :len(p)], hf_logits(hf_model, p), atol=1e-4, rtol=0)
@@ -85,9 +86,9 @@ def test_batched_prefill_and_decode_equal_single(family_case):
 def test_padding_rows_write_nothing(family_case):
     """A padded token (position -1) must leave every page untouched."""
     _, loaded, _ = family_case
-    cache = PagedKVCache.create(loaded.cfg.kv_spec, num_pages=8, page_size=PAGE, dtype=jnp.float32)
+    cache = loaded.family.cache_spec(loaded.cfg).create(num_pages=8, page_size=PAGE, dtype=jnp.float32)
     _, cache = run(loaded, cache, [[1, 2, 3]], [[-1, -1, -1]], [[0, 1]])
-    assert all(float(jnp.abs(k).max()) == 0.0 for k in cache.k + cache.v)
+    assert all(float(jnp.abs(k).max()) == 0.0 for k in jax.tree.leaves(cache))
 
 
 def test_bfloat16_close_to_float32(tiny_model_dir):
@@ -99,7 +100,7 @@ def test_bfloat16_close_to_float32(tiny_model_dir):
     pos = [list(range(8))]
     outs = []
     for loaded, dtype in ((f32, jnp.float32), (bf16, jnp.bfloat16)):
-        cache = PagedKVCache.create(loaded.cfg.kv_spec, 4, PAGE, dtype)
+        cache = loaded.family.cache_spec(loaded.cfg).create(4, PAGE, dtype)
         logits, _ = run(loaded, cache, ids, pos, [[2, 0]])
         assert logits.dtype == np.float32
         outs.append(logits)

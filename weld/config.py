@@ -1,0 +1,312 @@
+"""Engine settings, defined once: frozen dataclasses, their checks, and the command-line flags.
+
+`EngineConfig` is what `LLM`, `AsyncLLM`, `weld serve`, `weld generate`, `weld chat` and `weld
+bench` take. Its keyword form follows vLLM (`LLM(model, max_model_len=..., max_num_seqs=...,
+speculative_config={...})`): `EngineConfig.create(**kwargs)` files each keyword into its
+group and checks every value before anything slow happens, with a one-line error naming the
+setting and the value. `add_engine_arguments` defines the flags (vLLM's names where vLLM has
+the setting) and `EngineConfig.from_args` reads them back, so no entry point spells a setting
+out on its own. Plain Python: no jax here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from weld.utils.errors import InvalidInputError
+
+BACKENDS = ("xla", "megakernel")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPEC_METHODS = ("ngram", "draft_model", "dspark")
+# Bounds on sizes a user sets, checked before anything is allocated from them.
+MAX_NUM_SEQS = 4096
+MAX_BATCHED_TOKENS = 1 << 20
+MAX_PAGE_SIZE = 1024
+MAX_STEPS_PER_CALL = 256
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise InvalidInputError(message)
+
+
+def _int_in(name: str, value: Any, low: int, high: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+    _check(ok, f"{name} must be an integer {bounds}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: page_size tokens per page (vLLM's block_size); num_pages pages, or as
+    many as kv_cache_memory_gb GiB hold (counted from the model's cache spec)."""
+
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        _int_in("page_size", self.page_size, 1, MAX_PAGE_SIZE)
+        if self.num_pages is not None:
+            _int_in("num_pages", self.num_pages, 1)
+        _check(isinstance(self.kv_cache_memory_gb, (int, float)) and 0 < self.kv_cache_memory_gb <= 1 << 14,
+               f"kv_cache_memory_gb must be > 0 (and at most 16384), got {self.kv_cache_memory_gb!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching: at most max_num_seqs sequences and max_num_batched_tokens prompt tokens per step;
+    max_model_len caps prompt + output (None: the model's context); steps_per_call decode steps
+    run in one device call."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    steps_per_call: int = 8
+
+    def __post_init__(self):
+        _int_in("max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS)
+        _int_in("max_num_batched_tokens", self.max_num_batched_tokens, 1, MAX_BATCHED_TOKENS)
+        if self.max_model_len is not None:
+            _int_in("max_model_len", self.max_model_len, 1)
+        _int_in("steps_per_call", self.steps_per_call, 1, MAX_STEPS_PER_CALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding; method None = off. `parse` takes vLLM's speculative_config dict."""
+
+    method: str | None = None  # "ngram" | "draft_model" | "dspark"
+    k: int | None = 0  # drafts per step (DSpark: None until the drafter's block size is known)
+    model: str | None = None  # the draft model, or the DSpark drafter's directory
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    confidence_threshold: float | None = None  # DSpark: None = the drafter's own default
+    rounds_per_call: int | None = None  # device drafters: rounds per device call (None: from steps_per_call)
+
+    KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
+            "confidence_threshold", "rounds_per_call")
+
+    @classmethod
+    def parse(cls, config: dict[str, Any] | None) -> "SpeculativeConfig":
+        if not config:
+            return cls()
+        if isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, dict):
+            raise InvalidInputError(f"speculative_config must be a dict, got {type(config).__name__}")
+        unknown = sorted(set(config) - set(cls.KEYS))
+        if unknown:
+            raise InvalidInputError(f"unknown speculative_config keys {unknown}; known: {list(cls.KEYS)}")
+        method = config.get("method") or ("draft_model" if config.get("model") else None)
+        if method == "draft":
+            method = "draft_model"
+        if method not in SPEC_METHODS:
+            raise InvalidInputError(f"speculative method must be one of {SPEC_METHODS}, got {method!r}")
+        k = config.get("num_speculative_tokens", None if method == "dspark" else 4)
+        if k is not None:
+            _int_in("num_speculative_tokens", k, 1, 16)
+        lo, hi = config.get("prompt_lookup_min", 1), config.get("prompt_lookup_max", 3)
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 64):
+            raise InvalidInputError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got {lo!r} and {hi!r}")
+        if method in ("draft_model", "dspark") and not config.get("model"):
+            raise InvalidInputError(f"speculative method {method!r} needs a draft model: give 'model'")
+        threshold = config.get("confidence_threshold")
+        if threshold is not None and not (isinstance(threshold, (int, float)) and 0 <= threshold <= 1):
+            raise InvalidInputError(f"confidence_threshold must lie in [0, 1], got {threshold!r}")
+        rounds = config.get("rounds_per_call")
+        if rounds is not None:
+            _int_in("rounds_per_call", rounds, 1, 64)
+        if method == "ngram" and rounds not in (None, 1):
+            raise InvalidInputError("n-gram drafts are made on the host between calls: rounds_per_call must be 1")
+        return cls(method, k, config.get("model"), lo, hi, threshold, rounds)
+
+    def rounds(self, steps_per_call: int) -> int:
+        """Rounds per device call: 1 for host drafts; else as given, or as many as fit in
+        steps_per_call tokens at k + 1 per round."""
+        if self.method in (None, "ngram"):
+            return 1
+        return self.rounds_per_call or max(1, steps_per_call // ((self.k or 1) + 1))
+
+    def as_dict(self) -> dict[str, Any] | None:
+        """vLLM's speculative_config dict of these settings (None when off)."""
+        if self.method is None:
+            return None
+        out = {"method": self.method, "num_speculative_tokens": self.k, "model": self.model,
+               "prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max,
+               "confidence_threshold": self.confidence_threshold, "rounds_per_call": self.rounds_per_call}
+        return {key: value for key, value in out.items() if value is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from. model: a GGUF file, a HF directory, a hub id, or None
+    for the bundled default; dtype of weights and KV cache ("auto": float32 on CPU, bfloat16
+    elsewhere); backend of the decode program ("xla" everywhere, "megakernel" the Pallas TPU
+    kernel, interpret mode off a TPU)."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    backend: str = "xla"
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPES or not isinstance(self.dtype, str),
+               f"unknown dtype {self.dtype!r}; use {', '.join(DTYPES)}")
+        _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.speculative.method == "dspark" and self.backend == "megakernel":
+            raise InvalidInputError("the DSpark drafter needs the target's hidden states, which the megakernel "
+                                    "backend does not return: use backend 'xla' or another speculative method")
+
+    @classmethod
+    def create(cls, model: str | None = None, dtype: Any = "auto", *, backend: str = "xla",
+               speculative_config: dict[str, Any] | SpeculativeConfig | None = None, **kwargs: Any) -> "EngineConfig":
+        """The config of vLLM-style keyword arguments: CacheConfig's and SchedulerConfig's fields
+        by name, speculative_config as vLLM's dict. Unknown keywords are an error."""
+        groups = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        values: dict[str, dict[str, Any]] = {name: {} for name in groups}
+        for key, value in kwargs.items():
+            group = next((g for g, c in groups.items() if key in {f.name for f in dataclasses.fields(c)}), None)
+            if group is None:
+                known = sorted(f.name for c in groups.values() for f in dataclasses.fields(c))
+                raise InvalidInputError(f"unknown engine setting {key!r}; known: {', '.join(known)}, backend, "
+                                        "speculative_config")
+            values[group][key] = value
+        return cls(model=None if model is None else str(model), dtype=dtype, backend=backend,
+                   cache=CacheConfig(**values["cache"]), scheduler=SchedulerConfig(**values["scheduler"]),
+                   speculative=SpeculativeConfig.parse(speculative_config))
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        """A copy with top-level fields or group fields (by their own names) changed."""
+        top = {k: v for k, v in changes.items() if k in {f.name for f in dataclasses.fields(self)}}
+        rest = {k: v for k, v in changes.items() if k not in top}
+        cache = {k: v for k, v in rest.items() if k in {f.name for f in dataclasses.fields(CacheConfig)}}
+        sched = {k: v for k, v in rest.items() if k in {f.name for f in dataclasses.fields(SchedulerConfig)}}
+        unknown = set(rest) - set(cache) - set(sched)
+        if unknown:
+            raise InvalidInputError(f"unknown engine settings {sorted(unknown)}")
+        return dataclasses.replace(self, **top, cache=dataclasses.replace(top.get("cache", self.cache), **cache),
+                                   scheduler=dataclasses.replace(top.get("scheduler", self.scheduler), **sched))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        """The config of the flags `add_engine_arguments` defined."""
+        return cls.create(model=args.model, dtype=args.dtype, backend=args.backend,
+                          speculative_config=speculative_config_from_args(args),
+                          max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                          page_size=args.block_size, num_pages=args.num_pages,
+                          enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, steps_per_call=args.steps_per_call)
+
+
+# ----- command-line flags -----
+
+SPEC_FLAGS = {"ngram": "ngram", "draft": "draft_model", "dspark": "dspark"}  # --spec value -> method
+DEFAULT_SPEC_K = 4
+DEFAULT_NGRAM_MIN, DEFAULT_NGRAM_MAX = 1, 3  # the engine's prompt_lookup_min / _max defaults
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, *, model_default_help: str = "bundled SmolLM2-135M-Instruct") -> None:
+    """The engine's flags: model, cache, scheduler, backend, speculative decoding."""
+    defaults, cache, sched = EngineConfig(), CacheConfig(), SchedulerConfig()
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, metavar="PATH_OR_ID",
+                   help=f"GGUF file, HF directory or hub id (default: {model_default_help})")
+    g.add_argument("--dtype", default=defaults.dtype, choices=list(DTYPES),
+                   help="weight and KV-cache dtype; auto is float32 on CPU, bfloat16 on GPU/TPU (default: auto)")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="context length (default: the model's)")
+    g.add_argument("--backend", default=defaults.backend, choices=list(BACKENDS),
+                   help="decode program: xla runs everywhere; megakernel is the Pallas TPU kernel "
+                        "(interpret mode off a TPU, for correctness only) (default: xla)")
+    g = p.add_argument_group("KV cache and batching")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=cache.kv_cache_memory_gb, metavar="GB",
+                   help=f"memory for the paged KV cache (default: {cache.kv_cache_memory_gb})")
+    g.add_argument("--block-size", type=int, default=cache.page_size, metavar="N",
+                   help=f"tokens per KV page (default: {cache.page_size})")
+    g.add_argument("--num-pages", type=int, default=None, metavar="N",
+                   help="exactly this many KV pages (default: as many as --kv-cache-memory-gb holds)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=cache.enable_prefix_caching, help="reuse the KV pages of shared prompt prefixes "
+                                                             "(default: on)")
+    g.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs, metavar="N",
+                   help=f"most sequences per batch (default: {sched.max_num_seqs})")
+    g.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens, metavar="N",
+                   help=f"prompt tokens per prefill step (default: {sched.max_num_batched_tokens})")
+    g.add_argument("--steps-per-call", type=int, default=sched.steps_per_call, metavar="K",
+                   help=f"decode steps per device call (default: {sched.steps_per_call})")
+    add_speculative_arguments(p)
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """--speculative-config JSON (vLLM's), or weld's short form --spec, --spec-k, --draft,
+    --spec-ngram-min, --spec-ngram-max (read by `speculative_config_from_args`)."""
+    g = p.add_argument_group("speculative decoding (greedy outputs stay the same; sampled ones keep their "
+                             "distribution)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's speculative_config as JSON, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4}' (or use --spec)")
+    g.add_argument("--spec", default=None, choices=list(SPEC_FLAGS),
+                   help="draft tokens cheaply and verify them in one step of the model: ngram (look up the "
+                        "context's last n-gram earlier in the context), draft (a smaller model with the same "
+                        "tokenizer: --draft), dspark (a DSpark drafter from weld train-draft: --draft) (default: off)")
+    g.add_argument("--spec-k", type=int, default=None, metavar="N",
+                   help=f"most drafted tokens per step (default: {DEFAULT_SPEC_K})")
+    g.add_argument("--draft", default=None, metavar="PATH",
+                   help="--spec draft: the draft model (GGUF file or HF directory); --spec dspark: the drafter "
+                        "directory")
+    g.add_argument("--spec-ngram-min", type=int, default=None, metavar="N",
+                   help=f"--spec ngram: shortest n-gram looked up (default: {DEFAULT_NGRAM_MIN})")
+    g.add_argument("--spec-ngram-max", type=int, default=None, metavar="N",
+                   help=f"--spec ngram: longest n-gram looked up, tried first (default: {DEFAULT_NGRAM_MAX})")
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The speculative flags as `LLM(speculative_config=...)` (vLLM's keys), None without them.
+
+    Combinations that make no sense are one-line errors; value ranges are checked by
+    `SpeculativeConfig.parse` (before anything loads)."""
+    ngram_flags = [flag for flag, value in (("--spec-ngram-min", args.spec_ngram_min),
+                                            ("--spec-ngram-max", args.spec_ngram_max)) if value is not None]
+    short = [flag for flag, value in (("--spec", args.spec), ("--spec-k", args.spec_k), ("--draft", args.draft))
+             if value is not None] + ngram_flags
+    if getattr(args, "speculative_config", None) is not None:
+        if short:
+            raise InvalidInputError(f"--speculative-config and {short[0]} both set speculative decoding: use one")
+        try:
+            config = json.loads(args.speculative_config)
+        except ValueError as err:
+            raise InvalidInputError(f"--speculative-config is not valid JSON: {err}") from None
+        if not isinstance(config, dict):
+            raise InvalidInputError("--speculative-config must be a JSON object")
+        SpeculativeConfig.parse(config)
+        return config
+    if args.spec is None:
+        if short:
+            raise InvalidInputError(f"{short[0]} needs --spec ngram, draft or dspark")
+        return None
+    k = DEFAULT_SPEC_K if args.spec_k is None else args.spec_k
+    if k < 1:
+        raise InvalidInputError(f"--spec-k must be >= 1, got {k}")
+    config: dict[str, Any] = {"method": SPEC_FLAGS[args.spec], "num_speculative_tokens": k}
+    if args.spec == "ngram":
+        if args.draft is not None:
+            raise InvalidInputError("--draft is for --spec draft or --spec dspark; --spec ngram drafts from the "
+                                    "context")
+        low = DEFAULT_NGRAM_MIN if args.spec_ngram_min is None else args.spec_ngram_min
+        high = DEFAULT_NGRAM_MAX if args.spec_ngram_max is None else args.spec_ngram_max
+        if not 1 <= low <= high:
+            raise InvalidInputError(f"need 1 <= --spec-ngram-min <= --spec-ngram-max, got {low} and {high}")
+        return config | {"prompt_lookup_min": low, "prompt_lookup_max": high}
+    if ngram_flags:
+        raise InvalidInputError(f"{ngram_flags[0]} is for --spec ngram, not --spec {args.spec}")
+    if args.draft is None:
+        what = "a draft model (GGUF file or HF directory)" if args.spec == "draft" else "a DSpark drafter directory"
+        raise InvalidInputError(f"--spec {args.spec} needs --draft PATH: {what}")
+    return config | {"model": args.draft}

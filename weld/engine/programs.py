@@ -1,0 +1,231 @@
+"""The device programs: prefill (chunked, mixed with decode rows), the fused decode loop and
+speculative verification. Each is jitted once per bucketed shape by the runner; the cache and a
+drafter's state are donated.
+
+They share one rule for what the next token may be (`constrain`: penalties, min_tokens' ban
+on EOS and stop ids, a grammar's mask) and one rule for where a row ends (`stop_hit`: EOS unless
+ignore_eos, or a stop id, once min_tokens are out), and they report per row whether its last
+token ended it (`stopped`), so the host never re-derives it.
+
+Conventions: b rows; v the vocabulary; ids -1 mark "no token" (padding, or after a row ended).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from weld.engine.batch import PenaltyArrays, SamplingArrays, StopArrays
+from weld.engine.sampler import (apply_allowed, apply_penalties, ban_tokens, sample, token_logprobs,
+                                 unpack_bitmask)
+from weld.models.common.cache import AttentionBatch
+
+
+def banned_ids(stop: StopArrays) -> jax.Array:
+    """[b, e + s]: the ids min_tokens keeps from being sampled (EOS unless ignore_eos, stop ids)."""
+    b = stop.stop_ids.shape[0]
+    eos = jnp.where(stop.ignore_eos[:, None], -1, jnp.broadcast_to(stop.eos_ids, (b,) + stop.eos_ids.shape))
+    return jnp.concatenate([eos, stop.stop_ids], axis=1)
+
+
+def constrain(scores: jax.Array, stop: StopArrays, num_out: jax.Array, penalties: PenaltyArrays | None = None,
+              allowed: jax.Array | None = None) -> jax.Array:
+    """Scores [b, v] for the next token of rows that have produced num_out [b] tokens: penalties
+    and logit bias, EOS and stop ids banned before min_tokens, then a grammar's allowed mask [b, v]."""
+    if penalties is not None:
+        scores = apply_penalties(scores, penalties)
+    scores = ban_tokens(scores, banned_ids(stop), num_out < stop.min_tokens)
+    if allowed is not None:
+        scores = apply_allowed(scores, allowed)
+    return scores
+
+
+def stop_hit(ids: jax.Array, num_out: jax.Array, stop: StopArrays) -> jax.Array:
+    """Whether each new token ends its row: ids [b] or [b, s], produced after num_out tokens
+    (same shape). EOS (unless ignore_eos) or a stop id, once min_tokens have been produced."""
+    extra = (1,) * (ids.ndim - 1)
+    b = ids.shape[0]
+    hit = jnp.isin(ids, stop.eos_ids) & ~stop.ignore_eos.reshape((b,) + extra)
+    hit |= jnp.any(ids[..., None] == stop.stop_ids.reshape((b,) + extra + (-1,)), axis=-1)
+    return hit & (num_out >= stop.min_tokens.reshape((b,) + extra))
+
+
+def _allowed(bitmask: jax.Array | None, vocab_size: int) -> jax.Array | None:
+    return None if bitmask is None else unpack_bitmask(bitmask, vocab_size)
+
+
+def prefill(forward: Callable, drafter: Any, weights, cache, draft_params, draft_state, tokens, positions,
+            block_tables, last_index, sampling: SamplingArrays, stop: StopArrays, penalties, prompt_targets,
+            token_bitmask, *, cfg, num_top: int, with_prompt_logprobs: bool):
+    """forward + sample for one padded batch of row groups.
+
+    tokens, positions, block_tables, last_index: tuples with one entry per group; group 0 holds
+    prompt chunks [bp, tp], an optional group 1 holds decode rows [bd, 1]. The per-row arrays
+    cover the groups' rows in order ([bp + bd]). Prompt logprobs (of prompt_targets [bp, tp])
+    are computed for group 0. A drafter observes the same tokens, so its state (same pages,
+    same block tables) covers every computed position too.
+    Returns (cache, draft_state, ids [b, 1], logprobs of them or None, prompt logprobs or None,
+    stopped [b]).
+    """
+    full = tuple(with_prompt_logprobs and g == 0 for g in range(len(tokens)))
+    indices = tuple(None if f else li[:, None] for f, li in zip(full, last_index))
+    capture = drafter.capture_layers if drafter is not None else ()
+    logits, features, cache = forward(weights, cfg, tokens, positions, cache, AttentionBatch(block_tables=block_tables),
+                                      indices, capture_layers=capture)
+    if drafter is not None:
+        draft_state = drafter.observe(draft_params, draft_state, tokens, positions, block_tables, last_index, features)
+    last_logits = jnp.concatenate([
+        jnp.take_along_axis(lg, li[:, None, None], axis=1)[:, 0] if f else lg[:, 0]
+        for lg, li, f in zip(logits, last_index, full)])  # [bp + bd, v]
+    prompt = token_logprobs(logits[0], prompt_targets, num_top) if with_prompt_logprobs else None
+    scores = constrain(last_logits, stop, stop.num_output, penalties, _allowed(token_bitmask, cfg.vocab_size))
+    ids = sample(scores, sampling)
+    chosen = None
+    if num_top:
+        chosen = tuple(x[:, None] for x in token_logprobs(last_logits, ids, num_top))  # [b, 1, ...]
+    stopped = stop_hit(ids, stop.num_output, stop) & (stop.max_steps > 0)
+    return cache, draft_state, ids[:, None], chosen, prompt, stopped
+
+
+def decode(forward: Callable, weights, cache, tokens, positions, block_tables, sampling: SamplingArrays,
+           stop: StopArrays, penalties, token_bitmask, *, cfg, steps: int, num_top: int):
+    """Up to `steps` decode steps in one device call.
+
+    tokens, positions [b]: each row's last token (not yet in the cache) and its position.
+    Each step feeds one token per live row, samples the next (key from the row's seed and the
+    new position, so results do not depend on how steps are grouped into calls), and ends the
+    row on `stop_hit` or its step budget; a finished row feeds padding (writes nothing) for the
+    rest of the call, and the loop ends early when every row has finished. token_bitmask masks
+    the first step only: a constrained row has a step budget of 1 (its next mask is computed on
+    the host). Returns (cache, ids [b, steps] (-1 after a row ended), logprobs or None, stopped [b]).
+    """
+    b = tokens.shape[0]
+    batch = AttentionBatch(block_tables=block_tables)
+    first_allowed = _allowed(token_bitmask, cfg.vocab_size)  # [b, v]
+    out_ids = jnp.full((b, steps), -1, jnp.int32)
+    out_lp = (jnp.zeros((b, steps), jnp.float32), jnp.zeros((b, steps), jnp.int32),
+              jnp.zeros((b, steps, num_top), jnp.int32), jnp.zeros((b, steps, num_top), jnp.float32))
+
+    def cond(carry):
+        i, done = carry[0], carry[4]
+        return (i < steps) & ~jnp.all(done)
+
+    def body(carry):
+        i, cache, tok, pos, done, num_out, out_ids, out_lp, pen, stopped = carry
+        live = ~done
+        logits, _, cache = forward(weights, cfg, tok[:, None], jnp.where(live, pos, -1)[:, None], cache, batch,
+                                   jnp.zeros((b, 1), jnp.int32))
+        logits = logits[:, 0]  # [b, v]
+        allowed = None if first_allowed is None else first_allowed | (i > 0)
+        new = sample(constrain(logits, stop, num_out, pen, allowed), dataclasses.replace(sampling, position=pos + 1))
+        hit = live & stop_hit(new, num_out, stop)
+        ended = hit | (i + 1 >= stop.max_steps)
+        num_out = num_out + live
+        out_ids = out_ids.at[:, i].set(jnp.where(live, new, -1))
+        if num_top:
+            out_lp = tuple(buf.at[:, i].set(x) for buf, x in zip(out_lp, token_logprobs(logits, new, num_top)))
+        if pen is not None:
+            pen = dataclasses.replace(pen, counts=pen.counts.at[jnp.arange(b), new].add(live.astype(jnp.int32)))
+        tok = jnp.where(live, new, tok)
+        pos = jnp.where(live, pos + 1, pos)
+        return i + 1, cache, tok, pos, done | (live & ended), num_out, out_ids, out_lp, pen, stopped | hit
+
+    carry = (jnp.int32(0), cache, tokens, positions, stop.max_steps <= 0, stop.num_output, out_ids, out_lp,
+             penalties, jnp.zeros((b,), bool))
+    _, cache, _, _, _, _, out_ids, out_lp, _, stopped = jax.lax.while_loop(cond, body, carry)
+    return cache, out_ids, (out_lp if num_top else None), stopped
+
+
+def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_state, tokens, positions, num_drafts,
+           block_tables, sampling: SamplingArrays, stop: StopArrays, penalties, token_bitmask, *, cfg, num_top: int,
+           rounds: int):
+    """Up to `rounds` speculative rounds (propose -> verify -> accept) in one device call.
+
+    tokens [b, k+1]: each row's last token (not yet in the cache), then its host drafts (n-gram;
+    then rounds is 1), ignored past num_drafts [b]. A device drafter (a draft model, DSpark)
+    makes each round's drafts here instead, and a row sends at most min(num_drafts, what the
+    drafter trusts). positions [b]: the last token's position; stop.max_steps [b]: tokens the
+    row may produce in this call (its pages hold that many slots).
+
+    A round scores each row's last token and drafts in one forward and accepts on device
+    (`acceptance.rejection_accept`: greedy rows keep the prefix equal to the target's argmax,
+    sampled rows use exact rejection sampling, so outputs are distributed as without
+    speculation). Rejected slots leave K/V past the row's new length, overwritten before read.
+    Penalties and grammar masks apply to slot 0 (rows using them send no drafts; a grammar row
+    has a budget of 1); min_tokens applies to every slot.
+    Returns (cache, draft_state, ids [b, rounds * (k+1)] (the row's tokens, then -1), logprobs
+    or None, (drafts sent, accepted) [b, rounds] each (-1: not in that round), stopped [b]).
+    """
+    from weld.engine.spec.acceptance import rejection_accept
+
+    b, s = tokens.shape
+    width = rounds * s
+    batch = AttentionBatch(block_tables=block_tables)
+    first_allowed = _allowed(token_bitmask, cfg.vocab_size)
+    slot = jnp.arange(s, dtype=jnp.int32)[None, :]
+    rows = jnp.arange(b)[:, None]
+    capture = drafter.capture_layers if drafter is not None and drafter.observes_verify else ()
+    out_lp = (jnp.zeros((b, width), jnp.float32), jnp.zeros((b, width), jnp.int32),
+              jnp.zeros((b, width, num_top), jnp.int32), jnp.zeros((b, width, num_top), jnp.float32))
+    history = (jnp.full((b, rounds), -1, jnp.int32), jnp.full((b, rounds), -1, jnp.int32))
+    ban_slots = jax.vmap(lambda sc, n: constrain(sc, stop, n), in_axes=(1, 1), out_axes=1)  # min_tokens per slot
+
+    def cond(carry):
+        r, done = carry[0], carry[4]
+        return (r < rounds) & ~jnp.all(done)
+
+    def body(carry):
+        r, cache, draft_state, last, done, made, out_ids, out_lp, history, pen, stopped = carry
+        live = ~done
+        budget = jnp.where(live, stop.max_steps - made, 0)  # slots the row still owns
+        pos = positions + made
+        sent = num_drafts  # the most each row may send per round
+        if drafter is not None:
+            draft_state, drafted, wanted = drafter.propose(draft_params, draft_state, weights, last, pos,
+                                                           block_tables, budget, s - 1)
+            feed = jnp.concatenate([last[:, None], drafted], axis=1)
+            sent = jnp.minimum(sent, wanted)
+        else:
+            feed = tokens.at[:, 0].set(last)
+        sent = jnp.where(live, jnp.clip(jnp.minimum(sent, budget - 1), 0, s - 1), 0)
+        fed_positions = jnp.where(live[:, None] & (slot <= sent[:, None]), pos[:, None] + slot, -1)
+        logits, features, cache = forward(weights, cfg, feed, fed_positions, cache, batch, capture_layers=capture)
+        if capture:
+            draft_state = drafter.observe(draft_params, draft_state, (feed,), (fed_positions,), (block_tables,),
+                                          (jnp.zeros((b,), jnp.int32),), (features,))
+        num_out = stop.num_output + made
+        scores = ban_slots(logits, num_out[:, None] + slot)
+        if pen is not None or first_allowed is not None:  # slot 0 only
+            allowed = None if first_allowed is None else first_allowed | (r > 0)
+            scores = scores.at[:, 0].set(constrain(logits[:, 0], stop, num_out, pen, allowed))
+        accepted, emitted = rejection_accept(scores, feed[:, 1:], sent, dataclasses.replace(sampling, position=pos + 1))
+        # The row emits its accepted drafts and one more token, within its budget, up to and
+        # including its first stop.
+        count = jnp.minimum(accepted + 1, budget)
+        is_stop = stop_hit(emitted, num_out[:, None] + slot, stop) & (slot < count[:, None])
+        first_stop = jnp.min(jnp.where(is_stop, slot, s), axis=1)
+        count = jnp.where(live, jnp.minimum(count, first_stop + 1), 0)
+        keep = slot < count[:, None]
+        target = jnp.where(keep, made[:, None] + slot, width)  # out of bounds: dropped
+        out_ids = out_ids.at[rows, target].set(emitted, mode="drop")
+        if num_top:
+            chosen = token_logprobs(logits, jnp.maximum(emitted, 0), num_top)
+            out_lp = tuple(buf.at[rows, target].set(x, mode="drop") for buf, x in zip(out_lp, chosen))
+        if pen is not None:
+            ids = jnp.where(keep, emitted, logits.shape[-1])
+            pen = dataclasses.replace(pen, counts=pen.counts.at[rows, ids].add(1, mode="drop"))
+        history = (history[0].at[:, r].set(jnp.where(live, sent, -1)),
+                   history[1].at[:, r].set(jnp.where(live, jnp.minimum(accepted, sent), -1)))
+        last = jnp.where(live, jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0], last)
+        hit = live & (first_stop < count)
+        made = made + count
+        done = done | hit | (made >= stop.max_steps)
+        return r + 1, cache, draft_state, last, done, made, out_ids, out_lp, history, pen, stopped | hit
+
+    carry = (jnp.int32(0), cache, draft_state, tokens[:, 0], stop.max_steps <= 0, jnp.zeros((b,), jnp.int32),
+             jnp.full((b, width), -1, jnp.int32), out_lp, history, penalties, jnp.zeros((b,), bool))
+    _, cache, draft_state, _, _, _, out_ids, out_lp, history, _, stopped = jax.lax.while_loop(cond, body, carry)
+    return cache, draft_state, out_ids, (out_lp if num_top else None), history, stopped

@@ -1,0 +1,103 @@
+"""What every family's `forward` shares: row groups, the layer loop with captured streams, the heads.
+
+A forward call takes one group of rows (tokens, positions [b, t]) or, in a mixed step, a tuple
+of groups (e.g. prefill chunks [bp, tp] and decode rows [bd, 1]) with one block table and one
+logits-index array per group. Every matmul runs once over all groups' tokens, flattened to
+[N, ...] (the weights are read once); only attention runs per group (`Rows.attend`). Logits
+and hidden states come back per group, as tuples when the input was grouped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from weld.models.common.cache import AttentionBatch, Cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """The row groups of one forward call."""
+
+    shapes: tuple[tuple[int, int], ...]  # (b, t) per group
+    positions: tuple[jax.Array, ...]  # int32 [b, t] per group, -1 = padding
+    tables: tuple[jax.Array, ...]  # int32 [b, max_pages] per group
+    indices: tuple[jax.Array | None, ...]  # int32 [b, n] per group: which tokens get logits (None: all)
+    grouped: bool
+
+    @classmethod
+    def of(cls, tokens, positions, batch: AttentionBatch, logits_indices=None) -> tuple["Rows", jax.Array]:
+        """The rows, and every group's token ids flattened [N]."""
+        grouped = isinstance(tokens, (tuple, list))
+        groups = tuple(tokens) if grouped else (tokens,)
+        pos = tuple(positions) if grouped else (positions,)
+        tables = tuple(batch.block_tables) if grouped else (batch.block_tables,)
+        if logits_indices is None:
+            indices = (None,) * len(groups)
+        else:
+            indices = tuple(logits_indices) if grouped else (logits_indices,)
+        rows = cls(tuple(g.shape for g in groups), pos, tables, indices, grouped)
+        return rows, jnp.concatenate([g.reshape(-1) for g in groups])
+
+    @property
+    def splits(self) -> list[int]:
+        return list(itertools.accumulate(b * t for b, t in self.shapes))[:-1]
+
+    @property
+    def flat_positions(self) -> jax.Array:
+        """int32 [N]: every token's position, groups one after another."""
+        return jnp.concatenate([p.reshape(-1) for p in self.positions])
+
+    def attend(self, fn: Callable, state: Any, *per_token: jax.Array) -> tuple[jax.Array, Any]:
+        """Runs attention group by group: per_token arrays [N, ...] are split and reshaped to
+        [b, t, ...]; fn(state, positions [b, t], tables, *arrays) -> (out [b, t, ...], state).
+        Returns the outputs flattened back to [N, ...] and the final state."""
+        outs = []
+        parts = [jnp.split(x, self.splits) for x in per_token]
+        for g, ((b, t), pos, tables) in enumerate(zip(self.shapes, self.positions, self.tables)):
+            arrays = [p[g].reshape((b, t) + p[g].shape[1:]) for p in parts]
+            out, state = fn(state, pos, tables, *arrays)
+            outs.append(out.reshape((b * t,) + out.shape[2:]))
+        return (outs[0] if len(outs) == 1 else jnp.concatenate(outs)), state
+
+    def outputs(self, hidden: jax.Array, states: jax.Array, head: Callable[[jax.Array], jax.Array]):
+        """(logits f32, hidden) per group from the final hidden states [N, d] (head applied to the
+        tokens the logits indices pick) and the states to return [N, s]."""
+        all_logits, all_states = [], []
+        for (b, t), hg, sg, idx in zip(self.shapes, jnp.split(hidden, self.splits), jnp.split(states, self.splits),
+                                       self.indices):
+            hg = hg.reshape(b, t, -1)
+            selected = hg if idx is None else jnp.take_along_axis(hg, idx[:, :, None], axis=1)
+            all_logits.append(head(selected).astype(jnp.float32))
+            all_states.append(sg.reshape(b, t, -1))
+        if self.grouped:
+            return tuple(all_logits), tuple(all_states)
+        return all_logits[0], all_states[0]
+
+
+def run_layers(x: jax.Array, layers: list, cache: Cache, block: Callable) -> tuple[jax.Array, Cache, list]:
+    """x [N, d] through every layer: block(i, layer_weights, x, layer_state) -> (x, layer_state).
+    Returns (x, the new cache, the residual stream after each layer)."""
+    states, streams = [], []
+    for i, lw in enumerate(layers):
+        x, state = block(i, lw, x, cache.layers[i])
+        states.append(state)
+        streams.append(x)
+    return x, Cache(layers=states), streams
+
+
+def captured(streams: list, hidden: jax.Array, capture_layers: tuple[int, ...]) -> jax.Array:
+    """The states a forward returns: the final hidden states [N, d] when capture_layers is empty,
+    else the residual streams after those layers (the input of the next layer, before any norm),
+    concatenated in that order [N, len(capture_layers) * d]; index num_layers stands for the
+    final-normed hidden states themselves (what a DSpark drafter reads, and trains against)."""
+    if not capture_layers:
+        return hidden
+    bad = [i for i in capture_layers if not 0 <= i <= len(streams)]
+    if bad:
+        raise ValueError(f"capture_layers {capture_layers} must lie in [0, {len(streams)}]")
+    return jnp.concatenate([hidden if i == len(streams) else streams[i] for i in capture_layers], axis=-1)

@@ -1,0 +1,104 @@
+"""Grouped-query self-attention on paged K/V: the attention block of the Llama, Gemma and gpt-oss
+families, written once.
+
+    q, k, v = y W_qᵀ (+ b_q), y W_kᵀ (+ b_k), y W_vᵀ (+ b_v)   (fused `wqkv` at load on XLA)
+    q, k    = RMSNorm per head (Qwen3, Gemma: before RoPE), then RoPE
+    o       = softmax(q kᵀ · scale [+ sliding window mask]) v    (+ gpt-oss's sink per head)
+    out     = o W_oᵀ (+ b_o)
+
+Einsum letters: n tokens, h query heads, k kv heads, e head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from weld.models.common.attention import paged_attention
+from weld.models.common.cache import KVPages
+from weld.models.common.decoder import Rows
+from weld.models.common.layers import linear, rms_norm
+from weld.models.common.rope import Rope
+from weld.models.common.spec import WeightSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class GQA:
+    """One family's attention shapes and switches (hashable: derived from its Config)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    norm_eps: float = 1e-6  # of the q/k norms
+    norm_plus_one: bool = False  # Gemma's (1 + w) norms
+    sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's denominator
+    scale: float | None = None  # None: head_dim ** -0.5
+
+
+def gqa_specs(g: GQA, d: int) -> dict:
+    """One attention layer's weights, matrices [out, in]."""
+    q_dim, kv_dim, e = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, g.head_dim
+    spec = {
+        "wq": WeightSpec((q_dim, d), ("q_heads", "embed")),
+        "wk": WeightSpec((kv_dim, d), ("kv_heads", "embed")),
+        "wv": WeightSpec((kv_dim, d), ("kv_heads", "embed")),
+        "wo": WeightSpec((d, q_dim), ("embed", "q_heads")),
+    }
+    if g.qkv_bias:
+        spec.update(bq=WeightSpec((q_dim,), ("q_heads",), init="zeros"),
+                    bk=WeightSpec((kv_dim,), ("kv_heads",), init="zeros"),
+                    bv=WeightSpec((kv_dim,), ("kv_heads",), init="zeros"))
+    if g.o_bias:
+        spec["bo"] = WeightSpec((d,), ("embed",), init="zeros")
+    if g.qk_norm:
+        init = "zeros" if g.norm_plus_one else "ones"
+        spec.update(q_norm=WeightSpec((e,), (None,), init=init), k_norm=WeightSpec((e,), (None,), init=init))
+    if g.sinks:
+        spec["sinks"] = WeightSpec((g.num_heads,), ("q_heads",), init="zeros")
+    return spec
+
+
+def qkv_projections(g: GQA, lw: dict, y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [..., h * e], k and v [..., kv * e] of the normed input y, from fused or separate weights."""
+    if "wqkv" in lw:
+        qkv = linear(y, lw["wqkv"], lw.get("bqkv"))
+        qd, kd = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+        return qkv[..., :qd], qkv[..., qd:qd + kd], qkv[..., qd + kd:]
+    return linear(y, lw["wq"], lw.get("bq")), linear(y, lw["wk"], lw.get("bk")), linear(y, lw["wv"], lw.get("bv"))
+
+
+def self_attention(g: GQA, lw: dict, y: jax.Array, rows: Rows, pages: KVPages, *, rope: Rope | None,
+                   window: int | None = None) -> tuple[jax.Array, KVPages]:
+    """Attention of normed y [N, d] (this call's K/V written to the pages first) -> ([N, d], pages)."""
+    h, kvh, e = g.num_heads, g.num_kv_heads, g.head_dim
+    q, k, v = qkv_projections(g, lw, y)
+    q, k, v = q.reshape(1, -1, h, e), k.reshape(1, -1, kvh, e), v.reshape(-1, kvh, e)
+    if g.qk_norm:
+        q = rms_norm(q, lw["q_norm"], g.norm_eps, plus_one=g.norm_plus_one)
+        k = rms_norm(k, lw["k_norm"], g.norm_eps, plus_one=g.norm_plus_one)
+    if rope is not None:
+        positions = rows.flat_positions[None]  # [1, N]
+        q, k = rope(q, positions), rope(k, positions)
+    attn, pages = rows.attend(functools.partial(_attend, window=window, scale=g.scale, sinks=lw.get("sinks")),
+                              pages, q[0], k[0], v)
+    return linear(attn.reshape(-1, h * e), lw["wo"], lw.get("bo")), pages
+
+
+def _attend(pages: KVPages, positions, tables, q, k, v, *, window, scale, sinks):
+    out, k_pages, v_pages = paged_attention(q, k, v, pages.k, pages.v, positions, tables, sliding_window=window,
+                                            scale=scale, sinks=sinks)
+    return out, KVPages(k_pages, v_pages)
+
+
+def fuse_qkv(lw: dict) -> None:
+    """Concatenates q/k/v projections (and biases) into `wqkv` [q + 2 kv, d] (`bqkv`), in place."""
+    if "wq" in lw:
+        lw["wqkv"] = jnp.concatenate([lw.pop("wq"), lw.pop("wk"), lw.pop("wv")])
+        if "bq" in lw:
+            lw["bqkv"] = jnp.concatenate([lw.pop("bq"), lw.pop("bk"), lw.pop("bv")])

@@ -1,0 +1,267 @@
+"""Mixture-of-experts layers: routers and a dispatch that reads only the experts tokens chose.
+
+Routers (`MoE.router`), as transformers implements them:
+- "softmax_topk" (Qwen3-MoE, Mixtral): p = softmax(x Wᵀ) over all experts in f32, top-k of p,
+  renormalised to sum 1 when norm_topk_prob;
+- "topk_softmax" (gpt-oss): top-k of the logits x Wᵀ + b, softmax over the k selected;
+- "sigmoid_group" (DeepSeek-V3, Kimi K2): s = sigmoid(x Wᵀ); selection on s + the score
+  correction bias, restricted to the topk_group groups (of n_group) with the best sum of their
+  two best biased scores; weights are the unbiased s of the chosen experts, renormalised (plus
+  1e-20) when norm_topk_prob, times routed_scaling_factor;
+- "softmax_group" (DeepSeek-V2): p = softmax(x Wᵀ); group score = the group's best p; top-k
+  within the best topk_group groups (n_group 1: plain top-k); weights p, never renormalised,
+  times routed_scaling_factor.
+
+Dispatch (`experts`). Each (token, slot) pair goes to its expert; pairs are sorted by expert and
+laid out in tiles of `tile` rows, each tile holding one expert's pairs (its group padded to
+whole tiles), so that a loop over the tiles in use runs each tile's FFN with only that
+expert's matrices [out, in], read from the stacked weights [experts, out, in] in place. At
+decode sizes every pair is its own tile (tile 1): a step reads the chosen experts' weights and
+nothing else, never the whole stack (a dense einsum over all experts would, and a gather of
+the chosen matrices would copy them first). Prefill uses 16-row tiles: a grouped matmul whose
+padding is at most one tile per expert. The result rows, scaled by their routing weights, are
+added back to their tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from weld.models.common.checkpoint import Convert, split_rows
+from weld.models.common.layers import fuse_gate_up, gated_mlp, linear
+from weld.models.common.spec import WeightSpec
+
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group", "softmax_group")
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
+# Up to this many (token, slot) pairs, every pair is its own tile (decode, verification).
+PAIR_TILE_LIMIT = 256
+PREFILL_TILE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class MoE:
+    """One family's MoE settings (hashable: part of its Config)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    shared_intermediate_size: int = 0  # 0: no shared expert (DeepSeek: moe_intermediate_size x n_shared_experts)
+    activation: str = "swiglu"
+    expert_bias: bool = False  # gpt-oss: biases on the experts' projections
+    router_bias: bool = False  # gpt-oss: a bias on the router's logits
+    score_bias: bool = False  # DeepSeek-V3: e_score_correction_bias, for selection only
+    swiglu_limit: float = 7.0  # clamped_swiglu
+    swiglu_alpha: float = 1.702
+
+    def __post_init__(self):
+        def check(cond: bool, msg: str):
+            if not cond:
+                raise ValueError(f"invalid MoE config: {msg}")
+
+        for name in ("num_experts", "top_k", "intermediate_size", "n_group", "topk_group"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        check(self.top_k <= self.num_experts, f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+        check(self.router in ROUTERS, f"router {self.router!r} is not one of {ROUTERS}")
+        check(self.activation in ACTIVATIONS, f"activation {self.activation!r} is not one of {ACTIVATIONS}")
+        check(self.num_experts % self.n_group == 0,
+              f"num_experts ({self.num_experts}) must be a multiple of n_group ({self.n_group})")
+        check(self.topk_group <= self.n_group, f"topk_group ({self.topk_group}) exceeds n_group ({self.n_group})")
+        if self.router == "sigmoid_group" and self.n_group > 1:
+            per_group = self.num_experts // self.n_group
+            check(per_group >= 2, f"sigmoid_group routing scores groups by their best two experts, but a group "
+                                  f"has {per_group}")
+            check(self.topk_group * per_group >= self.top_k,
+                  f"topk_group ({self.topk_group}) groups of {per_group} hold fewer than top_k ({self.top_k}) experts")
+
+
+def route(moe: MoE, logits: jax.Array, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Routing weights f32 [n, k] and expert ids int32 [n, k] of router logits [n, E] (f32).
+    bias: gpt-oss's router bias (added to the logits) or DeepSeek-V3's score correction bias."""
+    logits = logits.astype(jnp.float32)
+    k = moe.top_k
+    if moe.router == "softmax_topk":
+        weights, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+        if moe.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights, idx.astype(jnp.int32)
+    if moe.router == "topk_softmax":
+        if bias is not None:
+            logits = logits + bias.astype(jnp.float32)
+        top, idx = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1), idx.astype(jnp.int32)
+    if moe.router == "sigmoid_group":
+        scores = jax.nn.sigmoid(logits)
+        choice = scores if bias is None else scores + bias.astype(jnp.float32)
+        if moe.n_group > 1:
+            grouped = choice.reshape(choice.shape[:-1] + (moe.n_group, -1))
+            group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [n, groups]
+            choice = _keep_groups(choice, group_score, moe, 0.0)
+        _, idx = jax.lax.top_k(choice, k)
+        weights = jnp.take_along_axis(scores, idx, axis=-1)
+        if moe.norm_topk_prob:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        return weights * moe.routed_scaling_factor, idx.astype(jnp.int32)
+    # softmax_group (DeepSeek-V2): greedy or group-limited greedy
+    probs = jax.nn.softmax(logits, axis=-1)
+    choice = probs
+    if moe.n_group > 1:
+        group_score = jnp.max(probs.reshape(probs.shape[:-1] + (moe.n_group, -1)), axis=-1)
+        choice = _keep_groups(probs, group_score, moe, 0.0)
+    weights, idx = jax.lax.top_k(choice, k)
+    return weights * moe.routed_scaling_factor, idx.astype(jnp.int32)
+
+
+def _keep_groups(scores: jax.Array, group_score: jax.Array, moe: MoE, fill: float) -> jax.Array:
+    """scores [n, E] with every expert outside the topk_group best groups set to `fill`."""
+    _, best = jax.lax.top_k(group_score, moe.topk_group)  # [n, topk_group]
+    keep = jnp.zeros(group_score.shape, bool).at[jnp.arange(group_score.shape[0])[:, None], best].set(True)
+    keep = jnp.repeat(keep, moe.num_experts // moe.n_group, axis=-1)
+    return jnp.where(keep, scores, fill)
+
+
+def expert_ffn(moe: MoE, x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, b_gate_up: jax.Array | None = None,
+               b_down: jax.Array | None = None) -> jax.Array:
+    """One expert's FFN on rows x [r, d]: w_gate_up [2 i, d] (gate rows then up rows), w_down [d, i]."""
+    gate_up = linear(x, w_gate_up, b_gate_up)
+    i = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :i], gate_up[..., i:]
+    if moe.activation == "clamped_swiglu":  # gpt-oss
+        gate = jnp.minimum(gate, moe.swiglu_limit)
+        up = jnp.clip(up, -moe.swiglu_limit, moe.swiglu_limit)
+        h = (up + 1) * (gate * jax.nn.sigmoid(moe.swiglu_alpha * gate))
+    else:
+        h = jax.nn.silu(gate) * up
+    return linear(h, w_down, b_down)
+
+
+def experts(moe: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, lw: dict) -> jax.Array:
+    """sum_k weights[n, k] * FFN_{idx[n, k]}(x[n]) for x [n, d]; lw holds the stacked experts:
+    "w_gate_up" [E, 2 i, d] (or "w_gate" and "w_up" [E, i, d]), "w_down" [E, d, i], and with
+    expert_bias "b_gate_up" [E, 2 i] (or "b_gate", "b_up") and "b_down" [E, d]."""
+    n, d = x.shape
+    k = idx.shape[-1]
+    pairs = n * k
+    tile = 1 if pairs <= PAIR_TILE_LIMIT else PREFILL_TILE
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # pairs sorted by expert
+    expert_of = flat[order]
+    if tile == 1:  # every pair its own tile, in expert order
+        num_tiles, rows, tile_expert, used = pairs, order, expert_of, pairs
+    else:
+        sizes = jnp.bincount(flat, length=moe.num_experts)
+        padded = (sizes + tile - 1) // tile * tile  # each expert's group padded to whole tiles
+        rank = jnp.arange(pairs) - (jnp.cumsum(sizes) - sizes)[expert_of]
+        dest = (jnp.cumsum(padded) - padded)[expert_of] + rank  # row of each sorted pair
+        num_tiles = -(-pairs // tile) + moe.num_experts
+        rows = jnp.full((num_tiles * tile,), -1, jnp.int32).at[dest].set(order)  # -1: padding
+        tile_expert = jnp.zeros((num_tiles,), jnp.int32).at[dest // tile].set(expert_of)
+        used = jnp.sum(padded) // tile
+    token = jnp.maximum(rows, 0) // k
+    xr = x[token]  # [num_tiles * tile, d]
+    scale = jnp.where(rows >= 0, weights.reshape(-1)[jnp.maximum(rows, 0)], 0.0)
+    gate_up = _stacked_gate_up(lw)
+    bias = (_stacked_gate_up(lw, "b") if moe.expert_bias else None), lw.get("b_down")
+
+    def body(j, out):
+        e = tile_expert[j]
+        pick = lambda w: None if w is None else jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False)  # noqa: E731
+        xj = jax.lax.dynamic_slice_in_dim(xr, j * tile, tile, 0)
+        yj = expert_ffn(moe, xj, pick(gate_up), pick(lw["w_down"]), pick(bias[0]), pick(bias[1]))
+        return jax.lax.dynamic_update_slice_in_dim(out, yj.astype(out.dtype), j * tile, 0)
+
+    out = jax.lax.fori_loop(0, used, body, jnp.zeros((num_tiles * tile, d), jnp.float32))
+    out = out * scale[:, None]
+    return jnp.zeros((n, d), jnp.float32).at[token].add(out).astype(x.dtype)
+
+
+def _stacked_gate_up(lw: dict, prefix: str = "w") -> jax.Array | None:
+    """The stacked [E, 2 i, ...] gate/up of an MoE layer, fused at load or (unfused) concatenated."""
+    if f"{prefix}_gate_up" in lw:
+        return lw[f"{prefix}_gate_up"]
+    if f"{prefix}_gate" not in lw:
+        return None
+    return jnp.concatenate([lw[f"{prefix}_gate"], lw[f"{prefix}_up"]], axis=1)
+
+
+def fuse_experts(lw: dict) -> None:
+    """Stacks an MoE layer's gate and up experts into one w_gate_up [E, 2 i, d] (and their biases),
+    and fuses the shared expert's gate/up, in place: one matmul per tile instead of two."""
+    for prefix in ("w", "b"):
+        if f"{prefix}_gate" in lw:
+            lw[f"{prefix}_gate_up"] = jnp.concatenate([lw.pop(f"{prefix}_gate"), lw.pop(f"{prefix}_up")], axis=1)
+    if "shared" in lw:
+        fuse_gate_up(lw["shared"])
+
+
+def moe_block(moe: MoE, lw: dict, x: jax.Array) -> jax.Array:
+    """The routed experts (and the shared expert, if any) of normed input x [n, d]. lw: "router"
+    [E, d] (+ "router_bias" / "score_bias" [E]), the stacked experts, and "shared" {w_gate,
+    w_up, w_down} (or its fused "w_gate_up")."""
+    logits = jnp.dot(x.astype(jnp.float32), lw["router"].astype(jnp.float32).T)  # the router in f32
+    weights, idx = route(moe, logits, lw.get("router_bias", lw.get("score_bias")))
+    y = experts(moe, x, weights, idx, lw)
+    if moe.shared_intermediate_size:
+        y = y + gated_mlp(lw["shared"], x)
+    return y
+
+
+# ----- declaration and checkpoint names -----
+
+def moe_specs(moe: MoE, d: int) -> dict:
+    """An MoE layer's router and stacked experts [E, out, in] (what `moe_block` reads)."""
+    n, i = moe.num_experts, moe.intermediate_size
+    spec = {
+        "router": WeightSpec((n, d), ("experts", "embed")),
+        "w_gate": WeightSpec((n, i, d), ("experts", "expert_mlp", "embed")),
+        "w_up": WeightSpec((n, i, d), ("experts", "expert_mlp", "embed")),
+        "w_down": WeightSpec((n, d, i), ("experts", "embed", "expert_mlp")),
+    }
+    if moe.router_bias:
+        spec["router_bias"] = WeightSpec((n,), ("experts",), init="zeros")
+    if moe.score_bias:
+        spec["score_bias"] = WeightSpec((n,), ("experts",), init="zeros")
+    if moe.expert_bias:
+        spec.update(b_gate=WeightSpec((n, i), ("experts", "expert_mlp"), init="zeros"),
+                    b_up=WeightSpec((n, i), ("experts", "expert_mlp"), init="zeros"),
+                    b_down=WeightSpec((n, d), ("experts", "embed"), init="zeros"))
+    if moe.shared_intermediate_size:
+        s = moe.shared_intermediate_size
+        spec["shared"] = {"w_gate": WeightSpec((s, d), ("mlp", "embed")), "w_up": WeightSpec((s, d), ("mlp", "embed")),
+                          "w_down": WeightSpec((d, s), ("embed", "mlp"))}
+    return spec
+
+
+def hf_moe_keys(prefix: str, path: tuple) -> dict:
+    """transformers' names of an MoE block under `prefix` (e.g. "model.layers.{i}.mlp."): the
+    router `gate`, experts one by one (`experts.{e}.gate_proj` ...) or stacked as transformers 5
+    holds them in memory (`experts.gate_up_proj` [E, 2 i, d], gate rows then up rows;
+    `experts.down_proj` [E, d, i]), and DeepSeek's `shared_experts` and score correction bias."""
+    keys = {
+        prefix + "gate.weight": path + ("router",),
+        prefix + "gate.e_score_correction_bias": path + ("score_bias",),
+        prefix + "experts.gate_up_proj": Convert(split_rows(1, 1), path + ("w_gate",), path + ("w_up",)),
+        prefix + "experts.down_proj": path + ("w_down",),
+    }
+    for hf, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
+        keys[prefix + f"experts.{{e}}.{hf}.weight"] = path + (ours,)
+        keys[prefix + f"shared_experts.{hf}.weight"] = path + ("shared", ours)
+    return keys
+
+
+def gguf_moe_keys(blk: str, path: tuple) -> dict:
+    """llama.cpp's names of an MoE block (`blk` e.g. "blk.{i}."): router, stacked experts,
+    shared experts and DeepSeek-V3's score correction bias."""
+    keys = {blk + "ffn_gate_inp.weight": path + ("router",), blk + "exp_probs_b.bias": path + ("score_bias",)}
+    for name, ours in (("gate", "w_gate"), ("up", "w_up"), ("down", "w_down")):
+        keys[blk + f"ffn_{name}_exps.weight"] = path + (ours,)
+        keys[blk + f"ffn_{name}_shexp.weight"] = path + ("shared", ours)
+    return keys
