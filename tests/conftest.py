@@ -64,7 +64,7 @@ TINY_VARIANTS = {
                     layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
                     rope_parameters={**YARN, "factor": 32.0, "original_max_position_embeddings": 16, "truncate": False}),
 }
-FAMILY_VARIANTS = sorted(v for v in TINY_VARIANTS if v.split(':')[0] in ('llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'mixtral'))
+FAMILY_VARIANTS = sorted(TINY_VARIANTS)
 
 
 def make_tiny_hf_model(variant: str, directory: pathlib.Path, seed: int = 0, **overrides):

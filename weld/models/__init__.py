@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from weld.models import llama
+from weld.models import deepseek, gemma3, gpt_oss, llama
 
-FAMILIES: tuple[ModuleType, ...] = (llama,)
+FAMILIES: tuple[ModuleType, ...] = (llama, deepseek, gemma3, gpt_oss)
 
 
 def _index(attribute: str) -> dict[str, ModuleType]:

@@ -1,0 +1,101 @@
+"""Every family through the engine users get (`LLM`: fused and packed weights, native kernels,
+the scheduler, paged caches of the family's kind), checked against HF transformers' greedy
+generation on the same tiny random model: batched rows, prefix-cache hits, chunked prefill,
+n > 1, structured outputs and n-gram speculation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import FAMILY_VARIANTS
+from weld import LLM, SamplingParams
+from weld.engine.sampling_params import StructuredOutputsParams
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):", "Paris is the capital of France. Paris is"]
+NEW_TOKENS = 10
+ENGINE = dict(dtype="float32", max_model_len=96, page_size=4, kv_cache_memory_gb=0.004, max_num_seqs=4,
+              steps_per_call=4)
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module", params=FAMILY_VARIANTS)
+def case(request, tiny_family_dir):
+    directory, hf = tiny_family_dir(request.param)
+    llm = LLM(str(directory), **ENGINE)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, greedy)
+    return request.param, directory, llm, hf, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def assert_no_leaks(llm):
+    bm = llm.engine.block_manager
+    assert bm.num_free_pages == bm.num_pages and not llm.engine.requests
+
+
+def test_batched_greedy_equals_hf(case):
+    variant, _, llm, hf, batched = case
+    for prompt, tokens in zip(PROMPTS, batched):
+        assert tokens == hf_greedy(hf, llm.tokenizer.encode(prompt), NEW_TOKENS), (variant, prompt)
+    assert_no_leaks(llm)
+
+
+def test_prefix_cache_hits_and_chunked_prefill_keep_outputs(case):
+    _, _, llm, _, batched = case
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    hits = llm.engine.block_manager.prefix_hits
+    again = llm.generate(PROMPTS, greedy)
+    assert llm.engine.block_manager.prefix_hits > hits  # full pages of the first run were reused
+    assert [list(o.outputs[0].token_ids) for o in again] == batched
+    scheduler = llm.engine.scheduler
+    budget, scheduler.max_num_batched_tokens = scheduler.max_num_batched_tokens, 5
+    try:  # prompts in chunks of at most 5 tokens, mixed with the other rows' decode steps
+        llm.engine.block_manager.enable_prefix_caching = False
+        chunked = llm.generate(PROMPTS, greedy)
+    finally:
+        scheduler.max_num_batched_tokens = budget
+        llm.engine.block_manager.enable_prefix_caching = True
+    assert [list(o.outputs[0].token_ids) for o in chunked] == batched
+    assert_no_leaks(llm)
+
+
+def test_n_samples_and_structured_outputs(case):
+    _, _, llm, _, _ = case
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7)
+    first, second = (llm.generate(PROMPTS[1], params)[0] for _ in range(2))
+    samples = [list(c.token_ids) for c in first.outputs]
+    assert samples == [list(c.token_ids) for c in second.outputs]  # seeded: reproducible
+    assert len(set(map(tuple, samples))) > 1  # three different completions of one prompt
+    choice = SamplingParams(max_tokens=8, temperature=0,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"]))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    as_json = SamplingParams(max_tokens=24, temperature=0, structured_outputs=StructuredOutputsParams(json=schema))
+    picked, structured = llm.generate([PROMPTS[0], PROMPTS[2]], [choice, as_json])
+    assert picked.outputs[0].text in ("yes", "no", "maybe")
+    if structured.outputs[0].finish_reason == "stop":  # a tiny random model may run out of tokens first
+        assert isinstance(json.loads(structured.outputs[0].text)["a"], int)
+    assert_no_leaks(llm)
+
+
+def test_ngram_speculation_equals_plain(case):
+    variant, directory, llm, _, batched = case
+    spec = LLM(str(directory), **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    outs = spec.generate(PROMPTS, greedy)
+    assert [list(o.outputs[0].token_ids) for o in outs] == batched, variant
+    # A prompt that repeats itself and the model's own continuation, so the n-gram lookup drafts.
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    echo = {"prompt_token_ids": ids + batched[2] + ids}
+    plain, drafted = llm.generate(echo, greedy)[0], spec.generate(echo, greedy)[0]
+    assert list(drafted.outputs[0].token_ids) == list(plain.outputs[0].token_ids), variant
+    assert spec.engine.spec_stats()["spec_num_draft_tokens"] > 0
+    assert_no_leaks(spec)
