@@ -32,7 +32,8 @@ def run(loaded, cache, ids, positions, block_tables):
     tokens = jnp.asarray(ids, jnp.int32)
     pos = jnp.asarray(positions, jnp.int32)
     logits, _, cache = jitted_forward(loaded.family.forward)(
-        loaded.weights, loaded.cfg, tokens, pos, cache, AttentionBatch(jnp.asarray(block_tables, jnp.int32)))
+        loaded.weights, loaded.cfg, tokens, pos, cache,
+        AttentionBatch(loaded.family.cache_spec(loaded.cfg).tables(jnp.asarray(block_tables, jnp.int32))))
     return np.asarray(logits), cache
 
 

@@ -130,7 +130,7 @@ def test_mixed_row_groups_equal_separate_calls(module, tiny_model_dir):
     rng = np.random.default_rng(0)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 9)), jnp.int32)
     decode_prefix = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
-    tables = jnp.asarray([[0, 1, 2], [3, 4, 5], [6, 7, 8]], jnp.int32)
+    tables = spec.tables(jnp.asarray([[0, 1, 2], [3, 4, 5], [6, 7, 8]], jnp.int32))
     fwd = jax.jit(module.forward, static_argnames=("cfg",))
     cache = spec.create(9, 4, jnp.float32)
     _, _, cache = fwd(loaded.weights, cfg, decode_prefix, jnp.broadcast_to(jnp.arange(5), (2, 5)), cache,
@@ -157,7 +157,7 @@ def test_random_weights_of_every_family_run_with_captured_layers():
     weights = random_weights(gemma3.weight_specs(cfg), seed=0)
     tokens = jnp.asarray([[1, 2, 3, 4, 5]], jnp.int32)
     args = (weights, cfg, tokens, jnp.arange(5)[None])
-    table = AttentionBatch(jnp.asarray([[0, 1]], jnp.int32))
+    table = AttentionBatch(gemma3.cache_spec(cfg).tables(jnp.asarray([[0, 1]], jnp.int32)))
     _, hidden, _ = gemma3.forward(*args, gemma3.cache_spec(cfg).create(2, 4, jnp.float32), table)
     _, states, _ = gemma3.forward(*args, gemma3.cache_spec(cfg).create(2, 4, jnp.float32), table,
                                   capture_layers=(2, 0, 3))

@@ -30,7 +30,7 @@ def paged_forward(weights, cfg, tokens):
     b, t = tokens.shape
     page = 4
     cache = cache_spec(cfg).create(b * t // page, page, jnp.float32)
-    tables = jnp.arange(b * (t // page), dtype=jnp.int32).reshape(b, t // page)
+    tables = cache_spec(cfg).tables(jnp.arange(b * (t // page), dtype=jnp.int32).reshape(b, t // page))
     return jax.jit(llama.forward, static_argnames=("cfg",))(
         weights, cfg, tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), cache, AttentionBatch(block_tables=tables))
 

@@ -66,7 +66,7 @@ class HostBatch:
 
     kind: str  # the plan's kind
     rows: list[int]
-    block_tables: np.ndarray  # i32 [b, max_pages]
+    block_tables: np.ndarray  # i32 [b, page groups * max_pages]
     sampling: SamplingArrays
     stop: StopArrays
     penalties: PenaltyArrays | None  # None: no row uses any (the programs skip them)
@@ -85,6 +85,7 @@ class HostBatch:
 
 
 def build(plan: SchedulerOutput, *, max_pages_per_seq: int, vocab_size: int, eos_ids: np.ndarray,
+          num_page_groups: int = 1,
           num_spec_tokens: int = 0, want_prompt_logprobs: bool = False, token_bitmask: np.ndarray | None = None,
           drafts: np.ndarray | None = None, num_drafts: np.ndarray | None = None) -> HostBatch:
     """The host arrays of `plan`. token_bitmask int32 [len(plan.entries), ceil(vocab / 32)], row i
@@ -99,9 +100,12 @@ def build(plan: SchedulerOutput, *, max_pages_per_seq: int, vocab_size: int, eos
         bp, num_decode = bucket(plan.num_prefill), n - plan.num_prefill
         b = bp + (bucket(num_decode) if num_decode else 0)
         rows = list(range(plan.num_prefill)) + [bp + j for j in range(num_decode)]
-    block_tables = np.zeros((b, max_pages_per_seq), np.int32)
+    # Each page group's table side by side; pages a sliding window freed (-1) read as page 0,
+    # which they never write and the window's mask never shows.
+    block_tables = np.zeros((b, num_page_groups * max_pages_per_seq), np.int32)
     for r, e in zip(rows, entries):
-        block_tables[r, :len(e.seq.block_table)] = e.seq.block_table
+        for g, table in enumerate(e.seq.block_tables[:num_page_groups]):
+            block_tables[r, g * max_pages_per_seq:g * max_pages_per_seq + len(table)] = np.maximum(table, 0)
     host = HostBatch(plan.kind, rows, block_tables, sampling_arrays(entries, rows, b),
                      stop_arrays(entries, rows, b, eos_ids), penalty_arrays(entries, rows, b, vocab_size),
                      bitmask_rows(token_bitmask, rows, b, vocab_size))
@@ -236,7 +240,7 @@ def sampling_arrays(entries: list[ScheduledSeq], rows: list[int], b: int) -> Sam
 
 
 def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
-                 speculative: bool = False) -> list[SchedulerOutput]:
+                 speculative: bool = False, num_page_groups: int = 1) -> list[SchedulerOutput]:
     """One dummy plan per bucketed shape the scheduler can produce: fused decodes (or, with
     `speculative`, verification steps) of bd rows,
     and prefills of bp rows x tp tokens with bd decode rows riding along (bd = 0: none).
@@ -256,7 +260,7 @@ def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
 
     def dummy(num_tokens: int, chunk: int, decode: bool) -> ScheduledSeq:
         seq = Sequence("warmup", [0] * num_tokens, params)
-        seq.block_table = list(range(-(-num_tokens // page_size)))
+        seq.block_tables = [list(range(-(-num_tokens // page_size)))] * num_page_groups
         if decode:
             return ScheduledSeq(seq, num_tokens - 1, 1, sample=True, max_steps=1)
         return ScheduledSeq(seq, 0, chunk, sample=True)

@@ -112,13 +112,17 @@ class LLM:
         target = WeightTarget(config.backend, self.dtype == jnp.float32 and cpu_kernels.available())
         drafter, draft_params, spec = self._load_drafter(config.speculative, target, progress)
         self.model.weights = family.prepare_weights(self.model.weights, self.cfg, target)
-        num_pages = cache.num_pages or self._pages_for_memory(family, drafter, cache)
+        groups = family.cache_spec(self.cfg).page_groups()
+        num_pages = self._pages_per_group(family, drafter, config)
         runner = ModelRunner(family, self.cfg, self.model.weights, num_pages=num_pages,
                              page_size=cache.page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len,
                              steps_per_call=sched.steps_per_call, eos_token_ids=eos, backend=config.backend,
                              drafter=drafter, draft_params=draft_params, num_spec_tokens=spec.k,
                              spec_rounds=spec.rounds(sched.steps_per_call))
-        scheduler = Scheduler(BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching),
+        # A device drafter keeps per-token state on group 0's pages for the whole context: then
+        # no group frees its pages as a window moves.
+        windows = tuple(None if drafter is not None else g.window for g in groups)
+        scheduler = Scheduler(BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, windows=windows),
                               sched.max_num_seqs, sched.max_num_batched_tokens, max_model_len=self.max_model_len,
                               steps_per_call=sched.steps_per_call, num_spec_tokens=spec.k,
                               spec_rounds=spec.rounds(sched.steps_per_call))
@@ -127,14 +131,26 @@ class LLM:
         self._counter = itertools.count()
         self._progress = progress
 
-    def _pages_for_memory(self, family, drafter, cache) -> int:
-        """As many pages as kv_cache_memory_gb holds (the model's cache spec plus a drafter's state,
-        which lives on the same pages), and at least one sequence of max_model_len."""
-        per_token = family.cache_spec(self.cfg).bytes_per_token(self.dtype)
+    def _pages_per_group(self, family, drafter, config: EngineConfig) -> tuple[int, ...]:
+        """Pages of each page group (`CacheSpec.page_groups`). With cache.num_pages, that many in
+        every group. Else kv_cache_memory_gb is shared so that every group holds the same number of
+        sequences: a full-context group needs max_model_len tokens of pages per sequence, a
+        sliding group its window plus a prefill chunk and a call's decode steps (its older pages
+        are freed as it moves on). A drafter's state lives on group 0's pages and counts there.
+        At least one sequence of max_model_len always fits."""
+        cache, sched = config.cache, config.scheduler
+        spec = family.cache_spec(self.cfg)
+        groups = spec.page_groups()
+        if cache.num_pages:
+            return (cache.num_pages,) * len(groups)
+        span = sched.max_num_batched_tokens + sched.steps_per_call * ((config.speculative.k or 0) + 1)
+        per_seq = [-(-(self.max_model_len if g.window is None or drafter is not None
+                       else min(self.max_model_len, g.window + span)) // cache.page_size) + 1 for g in groups]
+        page_bytes = [cache.page_size * spec.bytes_per_token(self.dtype, i) for i in range(len(groups))]
         if drafter is not None:
-            per_token += drafter.cache_spec().bytes_per_token(self.dtype)
-        fit = int(cache.kv_cache_memory_gb * (1 << 30)) // (cache.page_size * per_token)
-        return max(fit, -(-self.max_model_len // cache.page_size))
+            page_bytes[0] += cache.page_size * drafter.cache_spec().bytes_per_token(self.dtype)
+        sequences = int(cache.kv_cache_memory_gb * (1 << 30)) / sum(n * b for n, b in zip(per_seq, page_bytes))
+        return tuple(max(int(sequences * n), n) for n in per_seq)
 
     def _load_drafter(self, spec: SpeculativeConfig, target: WeightTarget, progress: bool | None):
         """(device drafter, its weights, the config with k settled) for the method, or Nones."""
@@ -166,6 +182,9 @@ class LLM:
             raise InvalidInputError(
                 f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) differs from the target's "
                 f"({self.cfg.vocab_size}): a draft model must share the target's tokenizer")
+        if len(draft.family.cache_spec(draft.cfg).page_groups()) > 1:
+            raise InvalidInputError("the draft model mixes sliding-window and full layers, which a draft model "
+                                    "cannot have in weld yet: pick a draft model without sliding-window layers")
         if draft.cfg.max_position_embeddings < self.max_model_len:
             raise InvalidInputError(
                 f"the draft model's context ({draft.cfg.max_position_embeddings}) is shorter than "

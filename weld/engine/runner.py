@@ -58,7 +58,7 @@ class ModelRunner:
     """drafter: a device drafter (`weld.engine.spec.drafters`) with its weights draft_params, or
     None; its state gets pools of its own over the same pages, so block tables serve both."""
 
-    def __init__(self, family: ModuleType, cfg: Any, weights: Any, *, num_pages: int, page_size: int,
+    def __init__(self, family: ModuleType, cfg: Any, weights: Any, *, num_pages: int | tuple[int, ...], page_size: int,
                  kv_dtype: Any, max_model_len: int, steps_per_call: int = 8, eos_token_ids: tuple[int, ...] = (),
                  backend: str = "xla", drafter: Any = None, draft_params: Any = None, num_spec_tokens: int = 0,
                  spec_rounds: int = 1):
@@ -67,10 +67,13 @@ class ModelRunner:
         self.weights = weights
         self.page_size = page_size
         self.max_pages_per_seq = bucket(-(-max_model_len // page_size), 8)
-        self.cache = family.cache_spec(cfg).create(num_pages, page_size, kv_dtype)
+        spec = family.cache_spec(cfg)
+        self.num_page_groups = len(spec.page_groups())
+        self.cache = spec.create(num_pages, page_size, kv_dtype)
         self.drafter = drafter
         self.draft_params = draft_params
-        self.draft_state = (drafter.cache_spec().create(num_pages, page_size, kv_dtype)
+        group0 = num_pages if isinstance(num_pages, int) else num_pages[0]  # a drafter's state: on group 0's pages
+        self.draft_state = (drafter.cache_spec().create(group0, page_size, kv_dtype)
                             if drafter is not None else None)
         self.num_spec_tokens = num_spec_tokens
         self.spec_rounds = spec_rounds  # speculative rounds per device call (host drafts: 1)
@@ -104,7 +107,8 @@ class ModelRunner:
                 drafts: np.ndarray | None = None, num_drafts: np.ndarray | None = None) -> StepResult:
         """Runs `plan` (see `batch.build` for the bitmask and draft arguments)."""
         num_top = MAX_LOGPROBS if want_logprobs or want_prompt_logprobs else 0
-        host = host_batch.build(plan, max_pages_per_seq=self.max_pages_per_seq, vocab_size=self.cfg.vocab_size,
+        host = host_batch.build(plan, max_pages_per_seq=self.max_pages_per_seq, num_page_groups=self.num_page_groups,
+                                vocab_size=self.cfg.vocab_size,
                                 eos_ids=self.eos_token_ids, num_spec_tokens=self.num_spec_tokens,
                                 want_prompt_logprobs=want_prompt_logprobs, token_bitmask=token_bitmask,
                                 drafts=drafts if self.drafter is None else None, num_drafts=num_drafts)
@@ -144,7 +148,7 @@ class ModelRunner:
         dummies write into free pages. Returns the number of programs compiled.
         """
         plans = host_batch.warmup_plans(max_num_seqs, max_num_batched_tokens, self.page_size,
-                                        self.num_spec_tokens > 0)
+                                        self.num_spec_tokens > 0, self.num_page_groups)
         before = self.num_compiles
         with Progress(len(plans), "Compiling", unit="program", enabled=progress) as bar:
             for plan in plans:

@@ -125,7 +125,7 @@ class Scheduler:
             if entries and width > MIN_TOKEN_BUCKET and bucket(len(entries) + 1) * width > slots:
                 break
             if not bm.can_allocate(seq, seq.num_computed_tokens + chunk):
-                if not entries and not self.running and bm.num_free_pages == bm.num_pages - len(seq.block_table):
+                if not entries and not self.running and bm.holds_only(seq):
                     raise RuntimeError(
                         f"a sequence of {seq.num_tokens} tokens needs {bm.pages_for(seq.num_tokens)} pages "
                         f"but the KV cache has only {bm.num_pages}")
@@ -173,7 +173,7 @@ class Scheduler:
         # its chunked prefill). Queueing the victim behind it keeps that true, so the head can
         # always get the pages it needs once running sequences finish: no deadlock.
         head = self.waiting[0] if self.waiting else None
-        if head is not None and head.block_table:
+        if head is not None and any(head.block_tables):
             self.waiting.insert(1, seq)
         else:
             self.waiting.appendleft(seq)
@@ -193,6 +193,7 @@ class Scheduler:
             if plan.kind == "verify":
                 self.block_manager.trim(seq, seq.num_tokens)
             self.block_manager.cache_full_pages(seq)
+            self.block_manager.release_outside_window(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Marks `seq` finished (or aborted) and frees its pages, wherever it is."""

@@ -20,8 +20,8 @@ _ids = itertools.count()
 class Sequence:
     """Token ids (prompt then output), the pages holding their K/V, and how far they are computed.
 
-    `num_computed_tokens` tokens already have K/V in the pages of `block_table`; the rest are
-    to be fed to the model. A preempted sequence drops its pages and starts again from 0
+    `num_computed_tokens` tokens already have K/V in the pages of `block_tables` (one table per
+    page group, `BlockManager`; `block_table` is group 0's); the rest are to be fed to the model. A preempted sequence drops its pages and starts again from 0
     (recompute), keeping the tokens it had generated.
     """
 
@@ -34,13 +34,22 @@ class Sequence:
         self.seed = seed  # the sampling key is derived from (seed, position)
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = [[]]
         self.num_computed_tokens = 0
         self.num_hashed_pages = 0  # leading pages registered in the prefix cache
         self.last_page_hash: int | None = None  # hash of the last of them (the chain continues from it)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's block table (the only one of a model without sliding-window layers)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, pages: list[int]) -> None:
+        self.block_tables[0] = pages
 
     @property
     def num_prompt_tokens(self) -> int:

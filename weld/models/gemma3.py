@@ -263,13 +263,15 @@ def lm_head(weights: dict, cfg: Config, hidden: jax.Array) -> jax.Array:
 def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: AttentionBatch,
             logits_indices=None, capture_layers: tuple[int, ...] = ()):
     """The family contract (`weld.models.family.ModelFamily.forward`)."""
-    rows, ids = Rows.of(tokens, positions, batch, logits_indices)
+    spec = cache_spec(cfg)
+    rows, ids = Rows.of(tokens, positions, batch, logits_indices, num_page_groups=len(spec.page_groups()))
     attention, eps = cfg.attention, cfg.rms_norm_eps
     norm = lambda x, w: rms_norm(x, w, eps, plus_one=True)  # noqa: E731
 
     def block(i: int, lw: dict, x: jax.Array, pages: KVPages):
         attn, pages = self_attention(attention, lw, norm(x, lw["attn_norm"]), rows, pages, rope=cfg.rope_for(i),
-                                     window=cfg.window_for(i))
+                                     window=cfg.window_for(i),
+                                     page_group=spec.group_of(i))
         x = x + norm(attn, lw["post_attn_norm"])
         x = x + norm(gated_mlp(lw, norm(x, lw["mlp_norm"]), activation=gelu_tanh), lw["post_mlp_norm"])
         return x, pages

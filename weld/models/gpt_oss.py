@@ -252,12 +252,14 @@ def lm_head(weights: dict, cfg: Config, hidden: jax.Array) -> jax.Array:
 def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: AttentionBatch,
             logits_indices=None, capture_layers: tuple[int, ...] = ()):
     """The family contract (`weld.models.family.ModelFamily.forward`)."""
-    rows, ids = Rows.of(tokens, positions, batch, logits_indices)
+    spec = cache_spec(cfg)
+    rows, ids = Rows.of(tokens, positions, batch, logits_indices, num_page_groups=len(spec.page_groups()))
     attention = cfg.attention
 
     def block(i: int, lw: dict, x: jax.Array, pages: KVPages):
         attn, pages = self_attention(attention, lw, rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps), rows, pages,
-                                     rope=cfg.rope, window=cfg.window_for(i))
+                                     rope=cfg.rope, window=cfg.window_for(i),
+                                     page_group=spec.group_of(i))
         x = x + attn
         return x + moe_lib.moe_block(cfg.moe, lw["moe"], rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)), pages
 

@@ -482,12 +482,14 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
     capture_layers, the hidden states are instead the residual streams after those layers,
     concatenated [b, t, len(capture_layers) * d]. Row groups (tuples): see `decoder.Rows`.
     """
-    rows, ids = Rows.of(tokens, positions, batch, logits_indices)
+    spec = cache_spec(cfg)
+    rows, ids = Rows.of(tokens, positions, batch, logits_indices, num_page_groups=len(spec.page_groups()))
     attention, rope = cfg.attention, cfg.rope
 
     def block(i: int, lw: dict, x: jax.Array, pages: KVPages):
         attn, pages = self_attention(attention, lw, rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps), rows, pages,
-                                     rope=rope, window=cfg.window_for(i))
+                                     rope=rope, window=cfg.window_for(i),
+                                     page_group=spec.group_of(i))
         x = x + attn
         y = rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)
         x = x + (moe_lib.moe_block(cfg.moe, lw["moe"], y) if "moe" in lw else gated_mlp(lw, y))

@@ -30,8 +30,9 @@ def target_hidden_states(family: ModuleType, weights: dict, cfg: Any, tokens: ja
     """
     b, t = tokens.shape
     pages = -(-t // PAGE)
-    cache = family.cache_spec(cfg).create(b * pages, PAGE, weights["final_norm"].dtype)
-    tables = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+    spec = family.cache_spec(cfg)
+    cache = spec.create(b * pages, PAGE, weights["final_norm"].dtype)
+    tables = spec.tables(jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     _, states, _ = family.forward(weights, cfg, tokens, positions, cache, AttentionBatch(tables),
                                   jnp.zeros((b, 1), jnp.int32), capture_layers=tuple(layers) + (cfg.num_layers,))

@@ -10,9 +10,12 @@ Three kinds of per-layer state:
    state matrix per sequence). Declared here so that families can state it; the engine does not
    allocate it yet (the hybrid linear-attention issue adds the slot pool).
 
-Paged kinds share one page pool and one block table per sequence: token at position p lives in
-page `block_table[p // page_size]`, row `p % page_size`, in every paged layer at once. Pages
-need not be contiguous or ordered. Each layer has its own arrays (not one stacked array): an
+Paged layers form page groups (`CacheSpec.page_groups`): group 0 holds the layers that see the
+whole context (and MLA's latent layers), then one group per sliding window, whose pages are
+freed as the window moves on. Each group has a pool and a block table per sequence: token at
+position p lives in page `block_table[p // page_size]`, row `p % page_size`, of every layer in
+the group. Pages need not be contiguous or ordered. The runner sends one table per row with the
+groups side by side ([b, groups * width]); `decoder.Rows.attend` hands each layer its group's. Each layer has its own arrays (not one stacked array): an
 update then touches one buffer in place, and a decode step never slices (and so copies) a
 stacked cache.
 """
@@ -79,6 +82,14 @@ LayerCache = PagedKV | PagedLatent | Recurrent
 
 
 @dataclasses.dataclass(frozen=True)
+class PageGroup:
+    """Paged layers that share pages: the same window (None: the whole context)."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class CacheSpec:
     """What a model needs from the cache: one entry per layer, in layer order."""
 
@@ -91,9 +102,29 @@ class CacheSpec:
                 raise TypeError(f"cache spec layer {i} is a {type(layer).__name__}, not a PagedKV, PagedLatent "
                                 "or Recurrent")
 
-    def bytes_per_token(self, dtype) -> int:
-        """Bytes of page memory one token takes across every paged layer."""
-        return sum(layer.bytes_per_token(dtype) for layer in self.layers if not isinstance(layer, Recurrent))
+    def bytes_per_token(self, dtype, group: int | None = None) -> int:
+        """Bytes of page memory one token takes across every paged layer (of one page group)."""
+        layers = range(len(self.layers)) if group is None else self.page_groups()[group].layers
+        return sum(self.layers[i].bytes_per_token(dtype) for i in layers if not isinstance(self.layers[i], Recurrent))
+
+    def page_groups(self) -> tuple[PageGroup, ...]:
+        """Group 0: the paged layers without a window; then one group per distinct window, in
+        order of first appearance (a model whose layers all slide has no window-free group)."""
+        windows: list[int | None] = []
+        for layer in self.layers:
+            if not isinstance(layer, Recurrent) and layer.window not in windows:
+                windows.append(layer.window)
+        windows.sort(key=lambda w: w is not None)  # the full-context group first
+        return tuple(PageGroup(w, tuple(i for i, layer in enumerate(self.layers)
+                                        if not isinstance(layer, Recurrent) and layer.window == w)) for w in windows)
+
+    def tables(self, block_tables: jax.Array) -> jax.Array:
+        """[b, groups * m]: the same page ids [b, m] in every page group's table (a caller that
+        gives each sequence the same pages in every group's pool, e.g. a scratch cache)."""
+        return jnp.tile(block_tables, (1, len(self.page_groups())))
+
+    def group_of(self, layer: int) -> int:
+        return next(g for g, group in enumerate(self.page_groups()) if layer in group.layers)
 
     def bytes_per_sequence(self) -> int:
         """Bytes of recurrent state one sequence takes across every linear-attention layer."""
@@ -103,13 +134,19 @@ class CacheSpec:
     def has_recurrent(self) -> bool:
         return any(isinstance(layer, Recurrent) for layer in self.layers)
 
-    def create(self, num_pages: int, page_size: int, dtype) -> "Cache":
-        """Zeroed page pools for every layer. Raises ValueError for recurrent layers, whose slot
-        pool the engine does not have yet."""
+    def create(self, num_pages: int | tuple[int, ...], page_size: int, dtype) -> "Cache":
+        """Zeroed page pools for every layer: num_pages pages each, or num_pages[g] for the layers
+        of page group g. Raises ValueError for recurrent layers, whose slot pool the engine does
+        not have yet."""
         if self.has_recurrent:
             raise ValueError("this model has linear-attention layers (a per-sequence recurrent state), "
                              "which weld's engine does not support yet")
-        return Cache(layers=[layer.create(num_pages, page_size, dtype) for layer in self.layers])
+        groups = self.page_groups()
+        sizes = (num_pages,) * len(groups) if isinstance(num_pages, int) else tuple(num_pages)
+        if len(sizes) != len(groups):
+            raise ValueError(f"{len(sizes)} pool sizes for {len(groups)} page groups")
+        pages_of = {i: n for group, n in zip(groups, sizes) for i in group.layers}
+        return Cache(layers=[layer.create(pages_of[i], page_size, dtype) for i, layer in enumerate(self.layers)])
 
 
 @jax.tree_util.register_dataclass

@@ -28,9 +28,11 @@ class Rows:
     tables: tuple[jax.Array, ...]  # int32 [b, max_pages] per group
     indices: tuple[jax.Array | None, ...]  # int32 [b, n] per group: which tokens get logits (None: all)
     grouped: bool
+    num_page_groups: int = 1  # the tables hold this many page groups' tables side by side
 
     @classmethod
-    def of(cls, tokens, positions, batch: AttentionBatch, logits_indices=None) -> tuple["Rows", jax.Array]:
+    def of(cls, tokens, positions, batch: AttentionBatch, logits_indices=None,
+           num_page_groups: int = 1) -> tuple["Rows", jax.Array]:
         """The rows, and every group's token ids flattened [N]."""
         grouped = isinstance(tokens, (tuple, list))
         groups = tuple(tokens) if grouped else (tokens,)
@@ -40,7 +42,7 @@ class Rows:
             indices = (None,) * len(groups)
         else:
             indices = tuple(logits_indices) if grouped else (logits_indices,)
-        rows = cls(tuple(g.shape for g in groups), pos, tables, indices, grouped)
+        rows = cls(tuple(g.shape for g in groups), pos, tables, indices, grouped, num_page_groups)
         return rows, jnp.concatenate([g.reshape(-1) for g in groups])
 
     @property
@@ -52,13 +54,15 @@ class Rows:
         """int32 [N]: every token's position, groups one after another."""
         return jnp.concatenate([p.reshape(-1) for p in self.positions])
 
-    def attend(self, fn: Callable, state: Any, *per_token: jax.Array) -> tuple[jax.Array, Any]:
-        """Runs attention group by group: per_token arrays [N, ...] are split and reshaped to
-        [b, t, ...]; fn(state, positions [b, t], tables, *arrays) -> (out [b, t, ...], state).
-        Returns the outputs flattened back to [N, ...] and the final state."""
+    def attend(self, fn: Callable, state: Any, *per_token: jax.Array, page_group: int = 0) -> tuple[jax.Array, Any]:
+        """Runs attention row group by row group: per_token arrays [N, ...] are split and reshaped
+        to [b, t, ...]; fn(state, positions [b, t], tables of `page_group`, *arrays) -> (out [b, t, ...],
+        state). Returns the outputs flattened back to [N, ...] and the final state."""
         outs = []
         parts = [jnp.split(x, self.splits) for x in per_token]
         for g, ((b, t), pos, tables) in enumerate(zip(self.shapes, self.positions, self.tables)):
+            width = tables.shape[1] // self.num_page_groups
+            tables = tables[:, page_group * width:(page_group + 1) * width]
             arrays = [p[g].reshape((b, t) + p[g].shape[1:]) for p in parts]
             out, state = fn(state, pos, tables, *arrays)
             outs.append(out.reshape((b * t,) + out.shape[2:]))

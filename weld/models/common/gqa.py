@@ -74,8 +74,9 @@ def qkv_projections(g: GQA, lw: dict, y: jax.Array) -> tuple[jax.Array, jax.Arra
 
 
 def self_attention(g: GQA, lw: dict, y: jax.Array, rows: Rows, pages: KVPages, *, rope: Rope | None,
-                   window: int | None = None) -> tuple[jax.Array, KVPages]:
-    """Attention of normed y [N, d] (this call's K/V written to the pages first) -> ([N, d], pages)."""
+                   window: int | None = None, page_group: int = 0) -> tuple[jax.Array, KVPages]:
+    """Attention of normed y [N, d] (this call's K/V written to the pages first) -> ([N, d], pages).
+    page_group: whose block tables the layer's pages are in (`CacheSpec.page_groups`)."""
     h, kvh, e = g.num_heads, g.num_kv_heads, g.head_dim
     q, k, v = qkv_projections(g, lw, y)
     q, k, v = q.reshape(1, -1, h, e), k.reshape(1, -1, kvh, e), v.reshape(-1, kvh, e)
@@ -86,7 +87,7 @@ def self_attention(g: GQA, lw: dict, y: jax.Array, rows: Rows, pages: KVPages, *
         positions = rows.flat_positions[None]  # [1, N]
         q, k = rope(q, positions), rope(k, positions)
     attn, pages = rows.attend(functools.partial(_attend, window=window, scale=g.scale, sinks=lw.get("sinks")),
-                              pages, q[0], k[0], v)
+                              pages, q[0], k[0], v, page_group=page_group)
     return linear(attn.reshape(-1, h * e), lw["wo"], lw.get("bo")), pages
 
 
