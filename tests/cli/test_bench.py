@@ -86,6 +86,17 @@ def test_tied_embedding_is_read_whole_as_the_lm_head():
     assert roofline.floor_bytes(tied, 10, batch=4, input_len=6, output_len=4)["kv_mean"] == 4 * 10 * 8
 
 
+def test_the_floor_of_a_mixture_of_experts_counts_the_experts_a_batch_chose():
+    """Batch 1 reads top_k of num_experts; a large batch reads nearly all of them (uniform routing)."""
+    moe = roofline.WeightBytes(total=1000, untied_embedding=0, embedding_row=0, experts=800, top_k=2, num_experts=8)
+    one = roofline.floor_bytes(moe, 0, batch=1, input_len=1, output_len=2)
+    assert one["weights"] == 200 + 800 * 2 / 8 and one["all_weights"] == 1000
+    sixteen = roofline.floor_bytes(moe, 0, batch=16, input_len=1, output_len=2)
+    assert sixteen["weights"] == pytest.approx(200 + 800 * (1 - 0.75 ** 16))
+    dense = roofline.WeightBytes(total=1000, untied_embedding=0, embedding_row=0)
+    assert roofline.floor_bytes(dense, 0, batch=1, input_len=1, output_len=2)["weights"] == 1000
+
+
 def test_prompts_are_seeded_and_in_vocabulary():
     a = runner.make_prompts(100, 3, 5, seed=7)
     assert a == runner.make_prompts(100, 3, 5, seed=7) != runner.make_prompts(100, 3, 5, seed=8)

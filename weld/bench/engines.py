@@ -59,9 +59,14 @@ class WeldEngine:
         weights = self.llm.model.weights
         embed = weights.get("embed")
         untied = embed is not None and output_matrix(weights) is not embed
+        moe = self.cfg.moe
+        routed = [x for lw in weights["layers"] for name, x in lw.get("moe", {}).items()
+                  if name not in ("router", "router_bias", "score_bias", "shared")]  # the stacked experts
         self.weight_bytes = WeightBytes(total=sum(x.nbytes for x in jax.tree_util.tree_leaves(weights)),
                                         untied_embedding=embed.nbytes if untied else 0,
-                                        embedding_row=embed.nbytes // embed.shape[0] if embed is not None else 0)
+                                        embedding_row=embed.nbytes // embed.shape[0] if embed is not None else 0,
+                                        experts=sum(x.nbytes for x in routed),
+                                        top_k=moe.top_k if moe else 0, num_experts=moe.num_experts if moe else 0)
         self.cache_spec = self.llm.model.family.cache_spec(self.cfg)  # what the other engines' KV is counted from
         self.kv_bytes_per_token = self.cache_spec.bytes_per_token(self.llm.dtype)
         self.info = {"dtype": dtype_name, "backend": jax.default_backend(), "batching": "continuous batching",
@@ -87,7 +92,7 @@ class HFEngine:
 
     name = "hf"
 
-    def __init__(self, source, threads: int, cache_spec):
+    def __init__(self, source, threads: int, cache_spec, moe=None):
         import torch
         import transformers
         from transformers import AutoModelForCausalLM
@@ -109,10 +114,13 @@ class HFEngine:
         embed = model.get_input_embeddings().weight
         head = model.get_output_embeddings()
         untied = head is not None and head.weight.data_ptr() != embed.data_ptr()
+        routed = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                     if ".experts." in name and "shared" not in name)
         self.weight_bytes = WeightBytes(
             total=sum(p.numel() * p.element_size() for p in model.parameters()),  # tied shared once
             untied_embedding=embed.numel() * embed.element_size() if untied else 0,
-            embedding_row=embed.shape[1] * embed.element_size())
+            embedding_row=embed.shape[1] * embed.element_size(), experts=routed,
+            top_k=moe.top_k if moe else 0, num_experts=moe.num_experts if moe else 0)
         self.kv_bytes_per_token = cache_spec.bytes_per_token(np.float32)  # the cache is in the model's dtype
         self.label = "HF f32"
         self.info = {"dtype": "float32", "torch_threads": threads, "batching": "padded batch (left padding, "
@@ -141,7 +149,7 @@ class LlamaCppEngine:
 
     name = "llamacpp"
 
-    def __init__(self, path: pathlib.Path, max_batch: int, max_model_len: int, threads: int, cache_spec):
+    def __init__(self, path: pathlib.Path, max_batch: int, max_model_len: int, threads: int, cache_spec, moe=None):
         import logging
 
         import llama_cpp
@@ -167,7 +175,7 @@ class LlamaCppEngine:
             raise WeldError(f"llama.cpp could not create a context of {params.n_ctx} tokens x {max_batch} sequences")
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self.weight_bytes = gguf_weight_bytes(path)
+        self.weight_bytes = gguf_weight_bytes(path, moe)
         self.kv_bytes_per_token = cache_spec.bytes_per_token(np.float16)  # llama.cpp's default K/V type
         file_type = path.stem.rsplit(".", 1)[-1] if "." in path.stem else "GGUF"
         self.label = f"llama.cpp {file_type}"
@@ -217,7 +225,7 @@ class LlamaCppEngine:
         return outs
 
 
-def gguf_weight_bytes(path: pathlib.Path) -> WeightBytes:
+def gguf_weight_bytes(path: pathlib.Path, moe=None) -> WeightBytes:
     """Tensor bytes of a GGUF as stored (quantized blocks included)."""
     from gguf import GGUFReader
 
@@ -227,4 +235,6 @@ def gguf_weight_bytes(path: pathlib.Path) -> WeightBytes:
     rows = int(embed.shape[-1]) if embed is not None else 1  # GGUF lists dims innermost first
     return WeightBytes(total=sum(int(t.n_bytes) for t in tensors.values()),
                        untied_embedding=int(embed.n_bytes) if untied else 0,
-                       embedding_row=int(embed.n_bytes) // rows if embed is not None else 0)
+                       embedding_row=int(embed.n_bytes) // rows if embed is not None else 0,
+                       experts=sum(int(t.n_bytes) for name, t in tensors.items() if "_exps." in name),
+                       top_k=moe.top_k if moe else 0, num_experts=moe.num_experts if moe else 0)

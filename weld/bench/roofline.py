@@ -47,23 +47,36 @@ class WeightBytes:
     total: int  # every weight tensor once (a tied embedding is stored, and counted, once)
     untied_embedding: int  # the input embedding table when a separate lm_head exists, else 0
     embedding_row: int  # bytes of one embedding row (a step gathers one per sequence)
+    experts: int = 0  # the routed experts' weights (part of total); a token reads top_k of num_experts
+    top_k: int = 0
+    num_experts: int = 0
+
+    def expert_share(self, batch: int) -> float:
+        """The expected share of the routed experts a step of `batch` tokens reads: each expert
+        that at least one token chose, under uniform routing: 1 - (1 - k / E)^batch."""
+        if not self.experts:
+            return 1.0
+        return 1.0 - (1.0 - self.top_k / self.num_experts) ** batch
 
 
 def floor_bytes(weights: WeightBytes, kv_bytes_per_token: int, batch: int, input_len: int,
                 output_len: int) -> dict:
     """Bytes one decode step at batch `batch` must read.
 
-    Weights: all of them, once per step (the batch shares them). The lm_head is read whole,
-    so a tied embedding counts in full; an untied input embedding is only gathered, one row per
-    sequence. KV: every sequence reads its K and V of every layer for the tokens in context. The
-    decode steps j = 1 .. out-1 run at context input_len + j, whose mean is input_len + out/2.
+    Weights: all of them, once per step (the batch shares them), but of a mixture of experts only
+    the experts the batch's tokens chose (`WeightBytes.expert_share`: at batch 1, top_k of
+    num_experts). The lm_head is read whole, so a tied embedding counts in full; an untied input
+    embedding is only gathered, one row per sequence. KV: every sequence reads its K and V of every
+    layer for the tokens in context. The decode steps j = 1 .. out-1 run at context input_len + j,
+    whose mean is input_len + out/2.
     """
-    weight = weights.total - weights.untied_embedding
+    weight = weights.total - weights.untied_embedding - weights.experts * (1 - weights.expert_share(batch))
     if weights.untied_embedding:
         weight += batch * weights.embedding_row
     mean_context = input_len + output_len / 2
     kv = batch * kv_bytes_per_token * mean_context
-    return {"weights": weight, "kv_mean": kv, "total": weight + kv, "mean_context": mean_context}
+    return {"weights": weight, "kv_mean": kv, "total": weight + kv, "mean_context": mean_context,
+            "all_weights": weights.total, "expert_share": weights.expert_share(batch)}
 
 
 def machine_info(load_start: tuple[float, float, float]) -> dict:

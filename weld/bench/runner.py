@@ -121,9 +121,10 @@ def load_engines(cfg: BenchConfig, source, text_prompts: list[list[int]] | None,
     if cfg.spec is not None:
         load(f"weld with {cfg.spec['method']} speculation", lambda: weld_engine(cfg.spec))
     if "hf" in cfg.vs:
-        load("HF transformers (dequantizing to f32)", lambda: HFEngine(source, cfg.threads, weld.cache_spec))
+        load("HF transformers (dequantizing to f32)", lambda: HFEngine(source, cfg.threads, weld.cache_spec, weld.cfg.moe))
     if "llamacpp" in cfg.vs:
-        load("llama.cpp", lambda: LlamaCppEngine(source.path, max_batch, model_len, cfg.threads, weld.cache_spec))
+        load("llama.cpp", lambda: LlamaCppEngine(source.path, max_batch, model_len, cfg.threads, weld.cache_spec,
+                                                           weld.cfg.moe))
     prompts = text_prompts if text_prompts else make_prompts(weld.cfg.vocab_size, max_batch, cfg.input_len, cfg.seed)
     prefill_prompt = make_prompts(weld.cfg.vocab_size, 1, prefill_len, cfg.seed + 1)
     return Loaded(engines, load_s, prompts, prefill_prompt, prefill_len, model_len)

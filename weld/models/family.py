@@ -31,6 +31,7 @@ class ModelConfig(Protocol):
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    moe: Any  # `common.moe.MoE` of the routed experts, or None: a dense model (what bench floors count)
 
 
 ENGINE_CONFIG_FIELDS = tuple(ModelConfig.__annotations__)

@@ -59,6 +59,7 @@ class Config:
     final_logit_softcapping: float | None = None
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = True
+    moe: None = None  # a dense family
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
