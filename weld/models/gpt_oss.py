@@ -138,7 +138,9 @@ class Config:
         scaling = RopeScaling()
         if key("rope.scaling.type", "none") == "yarn":
             scaling = RopeScaling(kind="yarn", factor=float(key("rope.scaling.factor")), truncate=False,
-                                  original_max_position_embeddings=key("rope.scaling.original_context_length", None))
+                                  original_max_position_embeddings=key("rope.scaling.original_context_length", None),
+                                  beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                                  beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)))
         moe = moe_lib.MoE(num_experts=int(key("expert_count")), top_k=int(key("expert_used_count")),
                           intermediate_size=int(key("expert_feed_forward_length")), router="topk_softmax",
                           activation="clamped_swiglu", expert_bias=True, router_bias=True)

@@ -182,7 +182,9 @@ class Config:
         kind = key("rope.scaling.type", "none")
         if kind in ("linear", "yarn"):
             scaling = RopeScaling(kind=kind, factor=float(key("rope.scaling.factor")),
-                                  original_max_position_embeddings=key("rope.scaling.original_context_length", None))
+                                  original_max_position_embeddings=key("rope.scaling.original_context_length", None),
+                                  beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                                  beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)))
         elif kind not in ("none", None):
             raise ValueError(f"unsupported GGUF rope scaling {kind!r}")
         freqs = None
