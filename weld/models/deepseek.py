@@ -25,12 +25,12 @@ import numpy as np
 from weld.models.common import moe as moe_lib
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, LatentPages, PagedLatent
 from weld.models.common.checkpoint import Convert, KeyMap
-from weld.models.common.decoder import Rows, captured, run_layers
+from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.layers import fuse_gate_up, gated_mlp, linear, pack_matrices, rms_norm
+from weld.models.common.metadata import gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
 from weld.models.common.mla import MLA, mla_attention, mla_scale, mla_specs, split_kv_b
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
 from weld.models.common.spec import WeightSpec, iter_specs
-from weld.models.llama import gguf_eos_ids, hf_field
 
 NAME = "deepseek"
 HF_ARCHITECTURES = {
@@ -124,8 +124,6 @@ class Config:
                               shared_intermediate_size=int(hf_field(text, "moe_intermediate_size"))
                               * int(text.get("n_shared_experts") or 0),
                               score_bias=v3)
-        eos = text.get("eos_token_id", config.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         return cls(architecture=arch, vocab_size=int(hf_field(text, "vocab_size")),
                    hidden_size=int(hf_field(text, "hidden_size")),
                    intermediate_size=int(hf_field(text, "intermediate_size")), num_layers=layers, mla=mla, moe=moe,
@@ -134,8 +132,8 @@ class Config:
                    max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
                    tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                    num_mtp_layers=int(text.get("num_nextn_predict_layers") or text.get("num_mtp_layers") or 0),
-                   bos_token_id=text.get("bos_token_id", config.get("bos_token_id")),
-                   eos_token_ids=tuple(int(e) for e in eos_ids))
+                   bos_token_id=hf_bos_id(config, text),
+                   eos_token_ids=hf_eos_ids(config, text))
 
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
@@ -145,15 +143,7 @@ class Config:
         arch = metadata.get("general.architecture")
         if arch != "deepseek2":
             raise ValueError(f"unsupported GGUF architecture {arch!r} for the deepseek family")
-
-        def key(name: str, default: Any = KeyError):
-            full = f"{arch}.{name}"
-            if full in metadata:
-                return metadata[full]
-            if default is KeyError:
-                raise ValueError(f"GGUF metadata has no {full!r}")
-            return default
-
+        key = gguf_reader(metadata, arch)
         heads = int(key("attention.head_count"))
         r, dr = int(key("attention.kv_lora_rank")), int(key("rope.dimension_count"))
         qk_head = int(key("attention.key_length_mla", None) or key("attention.key_length"))
@@ -311,9 +301,8 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
         return x + (moe_lib.moe_block(cfg.moe, lw["moe"], y) if "moe" in lw else gated_mlp(lw, y)), pages
 
     x, cache, streams = run_layers(embed_tokens(weights, cfg, ids), weights["layers"], cache, block)
-    hidden = rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
-    logits, states = rows.outputs(hidden, captured(streams, hidden, capture_layers),
-                                  lambda hs: lm_head(weights, cfg, hs))
+    logits, states = finish(rows, x, streams, capture_layers, lambda h: rms_norm(h, weights["final_norm"], cfg.rms_norm_eps),
+                            lambda h: lm_head(weights, cfg, h))
     return logits, states, cache
 
 

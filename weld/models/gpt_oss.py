@@ -26,12 +26,12 @@ import numpy as np
 from weld.models.common import moe as moe_lib
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, PagedKV
 from weld.models.common.checkpoint import Convert, KeyMap
-from weld.models.common.decoder import Rows, captured, run_layers
+from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
 from weld.models.common.layers import linear, pack_matrices, rms_norm
+from weld.models.common.metadata import gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
 from weld.models.common.spec import WeightSpec, iter_specs
-from weld.models.llama import gguf_eos_ids, hf_field
 
 NAME = "gpt_oss"
 HF_ARCHITECTURES = {"GptOssForCausalLM": "gpt_oss", "gpt_oss": "gpt_oss"}
@@ -106,16 +106,14 @@ class Config:
                           activation="clamped_swiglu", expert_bias=True, router_bias=True,
                           swiglu_limit=float(text.get("swiglu_limit", 7.0)), swiglu_alpha=float(text.get("swiglu_alpha", 1.702)))
         layer_types = tuple(text.get("layer_types") or (SLIDING if (i + 1) % 2 else FULL for i in range(layers)))
-        eos = text.get("eos_token_id", config.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         return cls(architecture="gpt_oss", vocab_size=int(hf_field(text, "vocab_size")), hidden_size=hidden,
                    num_layers=layers, num_heads=heads, num_kv_heads=int(text.get("num_key_value_heads") or heads),
                    head_dim=head_dim, moe=moe, layer_types=layer_types,
                    sliding_window=int(text.get("sliding_window") or 128), rope=Rope(head_dim, theta, scaling, ctx),
                    rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)), max_position_embeddings=ctx,
                    tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   bos_token_id=text.get("bos_token_id", config.get("bos_token_id")),
-                   eos_token_ids=tuple(int(e) for e in eos_ids))
+                   bos_token_id=hf_bos_id(config, text),
+                   eos_token_ids=hf_eos_ids(config, text))
 
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
@@ -123,15 +121,7 @@ class Config:
         arch = metadata.get("general.architecture")
         if arch != "gpt-oss":
             raise ValueError(f"unsupported GGUF architecture {arch!r} for the gpt_oss family")
-
-        def key(name: str, default: Any = KeyError):
-            full = f"{arch}.{name}"
-            if full in metadata:
-                return metadata[full]
-            if default is KeyError:
-                raise ValueError(f"GGUF metadata has no {full!r}")
-            return default
-
+        key = gguf_reader(metadata, arch)
         layers, hidden, heads = int(key("block_count")), int(key("embedding_length")), int(key("attention.head_count"))
         head_dim = int(key("attention.key_length", hidden // heads))
         ctx = int(key("context_length", 131072))
@@ -266,9 +256,8 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
         return x + moe_lib.moe_block(cfg.moe, lw["moe"], rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)), pages
 
     x, cache, streams = run_layers(embed_tokens(weights, cfg, ids), weights["layers"], cache, block)
-    hidden = rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
-    logits, states = rows.outputs(hidden, captured(streams, hidden, capture_layers),
-                                  lambda hs: lm_head(weights, cfg, hs))
+    logits, states = finish(rows, x, streams, capture_layers, lambda h: rms_norm(h, weights["final_norm"], cfg.rms_norm_eps),
+                            lambda h: lm_head(weights, cfg, h))
     return logits, states, cache
 
 

@@ -21,9 +21,11 @@ import numpy as np
 from weld.models.common import moe as moe_lib
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, PagedKV
 from weld.models.common.checkpoint import Convert, KeyMap, unpermute_rows
-from weld.models.common.decoder import Rows, captured, run_layers
+from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
 from weld.models.common.layers import fuse_gate_up, gated_mlp, linear, pack_matrices, rms_norm
+from weld.models.common.metadata import (gguf_eos_ids, gguf_reader, gguf_vocab_size, hf_bos_id, hf_eos_ids,
+                                          hf_field, single)
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
 from weld.models.common.spec import WeightSpec, iter_specs
 
@@ -135,8 +137,6 @@ class Config:
         if text.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported by weld's llama family")
         moe, sparse = _moe_from_hf(arch, text, layers)
-        eos = text.get("eos_token_id", config.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         attention_bias = bool(text.get("attention_bias", False))
         return cls(
             architecture=arch,
@@ -159,8 +159,8 @@ class Config:
             layer_types=layer_types,
             moe=moe,
             sparse_layers=sparse,
-            bos_token_id=text.get("bos_token_id", config.get("bos_token_id")),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
+            bos_token_id=hf_bos_id(config, text),
+            eos_token_ids=hf_eos_ids(config, text),
         )
 
     @classmethod
@@ -173,10 +173,10 @@ class Config:
             raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; the llama family covers "
                              f"{sorted(GGUF_ARCHITECTURES)}")
         arch = GGUF_ARCHITECTURES[gguf_arch]
-        key = _gguf_reader(metadata, gguf_arch)
+        key = gguf_reader(metadata, gguf_arch)
         hidden = int(key("embedding_length"))
         heads = int(key("attention.head_count"))
-        kv_heads = _uniform(key("attention.head_count_kv", heads), "head_count_kv")
+        kv_heads = single(key("attention.head_count_kv", heads), "head_count_kv")
         head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
         scaling = RopeScaling()
         kind = key("rope.scaling.type", "none")
@@ -202,7 +202,7 @@ class Config:
             sparse = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes)
         return cls(
             architecture=arch,
-            vocab_size=_gguf_vocab(metadata, key),
+            vocab_size=gguf_vocab_size(metadata, key),
             hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length") if moe is None
                                   else key("feed_forward_length", moe.intermediate_size)),
@@ -249,15 +249,6 @@ class Config:
         return sum(math.prod(s.shape) for _, s in iter_specs(weight_specs(self)))
 
 
-def hf_field(text: Mapping[str, Any], *names: str) -> Any:
-    """The first of `names` that config.json has (hub checkpoints and transformers 5 spell some
-    fields differently, e.g. num_experts / num_local_experts); ValueError naming them if none."""
-    for name in names:
-        if text.get(name) is not None:
-            return text[name]
-    raise ValueError(f"config.json has no {' or '.join(repr(n) for n in names)}")
-
-
 def _moe_from_hf(arch: str, text: Mapping[str, Any], layers: int) -> tuple[moe_lib.MoE | None, tuple[int, ...]]:
     if arch == "mixtral":
         moe = moe_lib.MoE(num_experts=int(hf_field(text, "num_local_experts", "num_experts")),
@@ -273,44 +264,6 @@ def _moe_from_hf(arch: str, text: Mapping[str, Any], layers: int) -> tuple[moe_l
         dense = set(text.get("mlp_only_layers") or ())
         return moe, tuple(i for i in range(layers) if i not in dense and step > 0 and (i + 1) % step == 0)
     return None, ()
-
-
-def _gguf_reader(metadata: Mapping[str, Any], gguf_arch: str) -> Callable:
-    """key(name, default) reads `{arch}.{name}` from GGUF metadata (ValueError when missing and no default)."""
-    def key(name: str, default: Any = KeyError):
-        full = f"{gguf_arch}.{name}"
-        if full in metadata:
-            return metadata[full]
-        if default is KeyError:
-            raise ValueError(f"GGUF metadata has no {full!r}")
-        return default
-
-    return key
-
-
-def _uniform(value: Any, what: str) -> int:
-    if isinstance(value, (list, tuple)):
-        if len(set(value)) != 1:
-            raise ValueError(f"per-layer {what} is not supported")
-        value = value[0]
-    return int(value)
-
-
-def _gguf_vocab(metadata: Mapping[str, Any], key: Callable) -> int:
-    vocab = key("vocab_size", None)
-    if vocab is None:
-        tokens = metadata.get("tokenizer.ggml.tokens")
-        if tokens is None:
-            raise ValueError("GGUF metadata has neither a vocab_size nor tokenizer.ggml.tokens")
-        vocab = len(tokens)
-    return int(vocab)
-
-
-def gguf_eos_ids(metadata: Mapping[str, Any]) -> tuple[int, ...]:
-    """The GGUF's end-of-sequence and end-of-turn token ids."""
-    eos = metadata.get("tokenizer.ggml.eos_token_id")
-    eot = metadata.get("tokenizer.ggml.eot_token_id")
-    return tuple(dict.fromkeys(int(e) for e in (eos, eot) if e is not None))
 
 
 # ----- weights -----
@@ -498,9 +451,8 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
         return x, pages
 
     x, cache, streams = run_layers(embed_tokens(weights, cfg, ids), weights["layers"], cache, block)
-    hidden = rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
-    logits, states = rows.outputs(hidden, captured(streams, hidden, capture_layers),
-                                  lambda hs: lm_head(weights, cfg, hs))
+    logits, states = finish(rows, x, streams, capture_layers, lambda h: rms_norm(h, weights["final_norm"], cfg.rms_norm_eps),
+                            lambda h: lm_head(weights, cfg, h))
     return logits, states, cache
 
 

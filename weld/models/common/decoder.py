@@ -105,3 +105,12 @@ def captured(streams: list, hidden: jax.Array, capture_layers: tuple[int, ...]) 
     if bad:
         raise ValueError(f"capture_layers {capture_layers} must lie in [0, {len(streams)}]")
     return jnp.concatenate([hidden if i == len(streams) else streams[i] for i in capture_layers], axis=-1)
+
+
+def finish(rows: Rows, x: jax.Array, streams: list, capture_layers: tuple[int, ...], norm: Callable,
+           head: Callable) -> tuple[Any, Any]:
+    """A forward's last part: the final norm of the residual stream x [N, d], then per row group
+    the logits (head of the tokens the logits indices pick) and the states to return (the final
+    hidden states, or the captured streams)."""
+    hidden = norm(x)
+    return rows.outputs(hidden, captured(streams, hidden, capture_layers), head)
