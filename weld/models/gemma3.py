@@ -24,12 +24,12 @@ import numpy as np
 
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, PagedKV
 from weld.models.common.checkpoint import Convert, KeyMap
-from weld.models.common.decoder import Rows, captured, run_layers
+from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
 from weld.models.common.layers import fuse_gate_up, gated_mlp, gelu_tanh, linear, pack_matrices, rms_norm
+from weld.models.common.metadata import gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
 from weld.models.common.spec import WeightSpec, iter_specs
-from weld.models.llama import gguf_eos_ids, hf_field
 
 NAME = "gemma3"
 HF_ARCHITECTURES = {"Gemma3ForCausalLM": "gemma3_text", "gemma3_text": "gemma3_text"}
@@ -116,8 +116,6 @@ class Config:
             local_theta, local_scaling = float(text.get("rope_local_base_freq", LOCAL_THETA)), RopeScaling()
         else:
             local_theta, local_scaling = rope_from_hf(text, SLIDING)
-        eos = text.get("eos_token_id", config.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         return cls(architecture="gemma3_text", vocab_size=int(hf_field(text, "vocab_size")),
                    hidden_size=int(hf_field(text, "hidden_size")),
                    intermediate_size=int(hf_field(text, "intermediate_size")), num_layers=layers,
@@ -130,8 +128,8 @@ class Config:
                    rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
                    final_logit_softcapping=text.get("final_logit_softcapping"), max_position_embeddings=ctx,
                    tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))),
-                   bos_token_id=text.get("bos_token_id", config.get("bos_token_id")),
-                   eos_token_ids=tuple(int(e) for e in eos_ids))
+                   bos_token_id=hf_bos_id(config, text),
+                   eos_token_ids=hf_eos_ids(config, text))
 
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
@@ -142,15 +140,7 @@ class Config:
         arch = metadata.get("general.architecture")
         if arch != "gemma3":
             raise ValueError(f"unsupported GGUF architecture {arch!r} for the gemma3 family")
-
-        def key(name: str, default: Any = KeyError):
-            full = f"{arch}.{name}"
-            if full in metadata:
-                return metadata[full]
-            if default is KeyError:
-                raise ValueError(f"GGUF metadata has no {full!r}")
-            return default
-
+        key = gguf_reader(metadata, arch)
         layers, hidden, heads = int(key("block_count")), int(key("embedding_length")), int(key("attention.head_count"))
         head_dim = int(key("attention.key_length", hidden // heads))
         window = key("attention.sliding_window", None)
@@ -278,9 +268,8 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
         return x, pages
 
     x, cache, streams = run_layers(embed_tokens(weights, cfg, ids), weights["layers"], cache, block)
-    hidden = norm(x, weights["final_norm"])
-    logits, states = rows.outputs(hidden, captured(streams, hidden, capture_layers),
-                                  lambda hs: lm_head(weights, cfg, hs))
+    logits, states = finish(rows, x, streams, capture_layers, lambda h: norm(h, weights["final_norm"]),
+                            lambda h: lm_head(weights, cfg, h))
     return logits, states, cache
 
 
