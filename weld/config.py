@@ -212,7 +212,8 @@ DEFAULT_SPEC_K = 4
 DEFAULT_NGRAM_MIN, DEFAULT_NGRAM_MAX = 1, 3  # the engine's prompt_lookup_min / _max defaults
 
 
-def add_engine_arguments(p: argparse.ArgumentParser, *, model_default_help: str = "bundled SmolLM2-135M-Instruct") -> None:
+def add_engine_arguments(p: argparse.ArgumentParser, *,
+                         model_default_help: str = "bundled SmolLM2-135M-Instruct") -> None:
     """The engine's flags: model, cache, scheduler, backend, speculative decoding."""
     defaults, cache, sched = EngineConfig(), CacheConfig(), SchedulerConfig()
     g = p.add_argument_group("model")

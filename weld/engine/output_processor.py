@@ -70,7 +70,8 @@ class OutputProcessor:
     def owner(self, seq: Sequence) -> Request:
         return self._owner[seq.seq_id]
 
-    def process(self, plan: SchedulerOutput, result: StepResult, with_prompt_logprobs: bool) -> tuple[list[int], list[Request]]:
+    def process(self, plan: SchedulerOutput, result: StepResult,
+                with_prompt_logprobs: bool) -> tuple[list[int], list[Request]]:
         """Appends the call's tokens; returns how many each entry took and the requests touched."""
         appended, touched = [], {}
         for i, entry in enumerate(plan.entries):

@@ -21,8 +21,9 @@ class Sequence:
     """Token ids (prompt then output), the pages holding their K/V, and how far they are computed.
 
     `num_computed_tokens` tokens already have K/V in the pages of `block_tables` (one table per
-    page group, `BlockManager`; `block_table` is group 0's); the rest are to be fed to the model. A preempted sequence drops its pages and starts again from 0
-    (recompute), keeping the tokens it had generated.
+    page group, `BlockManager`; `block_table` is group 0's); the rest are to be fed to the model.
+    A preempted sequence drops its pages and starts again from 0 (recompute), keeping the tokens
+    it had generated.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -25,8 +25,9 @@ import numpy as np
 from weld.models.common import moe as moe_lib
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, LatentPages, PagedLatent
 from weld.models.common.checkpoint import Convert, KeyMap
+from weld.models.common import decoder
 from weld.models.common.decoder import Rows, finish, run_layers
-from weld.models.common.layers import fuse_gate_up, gated_mlp, linear, pack_matrices, rms_norm
+from weld.models.common.layers import fuse_gate_up, gated_mlp, pack_head, pack_matrices, rms_norm
 from weld.models.common.metadata import gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
 from weld.models.common.mla import MLA, mla_attention, mla_scale, mla_specs, split_kv_b
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
@@ -66,7 +67,8 @@ class Config:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "max_position_embeddings"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value > 0):
-                raise ValueError(f"invalid {self.architecture} config: {name} must be a positive integer, got {value!r}")
+                raise ValueError(f"invalid {self.architecture} config: {name} must be a positive integer, "
+                                 f"got {value!r}")
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             raise ValueError(f"invalid {self.architecture} config: first_k_dense_replace "
                              f"({self.first_k_dense_replace}) must lie in [0, {self.num_layers}]")
@@ -193,8 +195,8 @@ def weight_specs(cfg: Config) -> dict:
     d, f = cfg.hidden_size, cfg.intermediate_size
 
     def layer(i: int) -> dict:
-        spec = {"attn_norm": WeightSpec((d,), ("embed",), init="ones"), "mlp_norm": WeightSpec((d,), ("embed",), init="ones"),
-                **mla_specs(cfg.mla, d)}
+        spec = {"attn_norm": WeightSpec((d,), ("embed",), init="ones"),
+                "mlp_norm": WeightSpec((d,), ("embed",), init="ones"), **mla_specs(cfg.mla, d)}
         if i in cfg.sparse_layers:
             spec["moe"] = moe_lib.moe_specs(cfg.moe, d)
         else:
@@ -275,18 +277,14 @@ def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
                 pack_matrices(lw["moe"]["shared"], PROJECTIONS)
         jax.block_until_ready(lw)
     if target.pack_for_cpu_kernels:
-        pack_matrices(weights, ("lm_head",) if "lm_head" in weights else ("embed",))
+        pack_head(weights)
     return weights
 
 
 # ----- forward -----
 
-def embed_tokens(weights: dict, cfg: Config, tokens: jax.Array) -> jax.Array:
-    return weights["embed"][tokens]
-
-
-def lm_head(weights: dict, cfg: Config, hidden: jax.Array) -> jax.Array:
-    return linear(hidden, weights.get("lm_head", weights["embed"]))
+embed_tokens = decoder.embed_tokens  # plain embedding rows
+lm_head = decoder.lm_head  # the lm_head or the tied embedding
 
 
 def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: AttentionBatch,
@@ -301,7 +299,8 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
         return x + (moe_lib.moe_block(cfg.moe, lw["moe"], y) if "moe" in lw else gated_mlp(lw, y)), pages
 
     x, cache, streams = run_layers(embed_tokens(weights, cfg, ids), weights["layers"], cache, block)
-    logits, states = finish(rows, x, streams, capture_layers, lambda h: rms_norm(h, weights["final_norm"], cfg.rms_norm_eps),
+    logits, states = finish(rows, x, streams, capture_layers,
+                            lambda h: rms_norm(h, weights["final_norm"], cfg.rms_norm_eps),
                             lambda h: lm_head(weights, cfg, h))
     return logits, states, cache
 

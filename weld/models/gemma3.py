@@ -26,7 +26,7 @@ from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, 
 from weld.models.common.checkpoint import Convert, KeyMap
 from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
-from weld.models.common.layers import fuse_gate_up, gated_mlp, gelu_tanh, linear, pack_matrices, rms_norm
+from weld.models.common.layers import fuse_gate_up, gated_mlp, gelu_tanh, linear, pack_head, pack_matrices, rms_norm
 from weld.models.common.metadata import gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
 from weld.models.common.spec import WeightSpec, iter_specs
@@ -153,7 +153,8 @@ class Config:
         if key("rope.scaling.type", "none") == "linear":
             scaling = RopeScaling(kind="linear", factor=float(key("rope.scaling.factor")))
         ctx = int(key("context_length", 32768))
-        vocab = key("vocab_size", None) or len(metadata.get("tokenizer.ggml.tokens") or ()) or shapes["token_embd.weight"][0]
+        vocab = (key("vocab_size", None) or len(metadata.get("tokenizer.ggml.tokens") or ())
+                 or shapes["token_embd.weight"][0])
         kv_heads = key("attention.head_count_kv", heads)
         return cls(architecture="gemma3_text", vocab_size=int(vocab), hidden_size=hidden,
                    intermediate_size=int(key("feed_forward_length")), num_layers=layers, num_heads=heads,
@@ -232,7 +233,7 @@ def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
             pack_matrices(lw, PROJECTIONS)
         jax.block_until_ready(lw)
     if target.pack_for_cpu_kernels:
-        pack_matrices(weights, ("embed",))
+        pack_head(weights)
     return weights
 
 

@@ -26,9 +26,10 @@ import numpy as np
 from weld.models.common import moe as moe_lib
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, PagedKV
 from weld.models.common.checkpoint import Convert, KeyMap
+from weld.models.common import decoder
 from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
-from weld.models.common.layers import linear, pack_matrices, rms_norm
+from weld.models.common.layers import pack_head, pack_matrices, rms_norm
 from weld.models.common.metadata import gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
 from weld.models.common.spec import WeightSpec, iter_specs
@@ -104,7 +105,8 @@ class Config:
                           top_k=int(hf_field(text, "num_experts_per_tok", "experts_per_token")),
                           intermediate_size=int(hf_field(text, "intermediate_size")), router="topk_softmax",
                           activation="clamped_swiglu", expert_bias=True, router_bias=True,
-                          swiglu_limit=float(text.get("swiglu_limit", 7.0)), swiglu_alpha=float(text.get("swiglu_alpha", 1.702)))
+                          swiglu_limit=float(text.get("swiglu_limit", 7.0)),
+                          swiglu_alpha=float(text.get("swiglu_alpha", 1.702)))
         layer_types = tuple(text.get("layer_types") or (SLIDING if (i + 1) % 2 else FULL for i in range(layers)))
         return cls(architecture="gpt_oss", vocab_size=int(hf_field(text, "vocab_size")), hidden_size=hidden,
                    num_layers=layers, num_heads=heads, num_kv_heads=int(text.get("num_key_value_heads") or heads),
@@ -138,7 +140,8 @@ class Config:
         kv_heads = key("attention.head_count_kv", heads)
         return cls(architecture="gpt_oss", vocab_size=int(vocab), hidden_size=hidden, num_layers=layers,
                    num_heads=heads, num_kv_heads=int(kv_heads[0] if isinstance(kv_heads, (list, tuple)) else kv_heads),
-                   head_dim=head_dim, moe=moe, layer_types=tuple(SLIDING if (i + 1) % 2 else FULL for i in range(layers)),
+                   head_dim=head_dim, moe=moe,
+                   layer_types=tuple(SLIDING if (i + 1) % 2 else FULL for i in range(layers)),
                    sliding_window=int(key("attention.sliding_window", 128)),
                    rope=Rope(head_dim, float(key("rope.freq_base", 150000.0)), scaling, ctx),
                    rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)), max_position_embeddings=ctx,
@@ -227,18 +230,14 @@ def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
             pack_matrices(lw, ("wqkv", "wo"))
         jax.block_until_ready(lw)
     if target.pack_for_cpu_kernels:
-        pack_matrices(weights, ("lm_head",) if "lm_head" in weights else ("embed",))
+        pack_head(weights)
     return weights
 
 
 # ----- forward -----
 
-def embed_tokens(weights: dict, cfg: Config, tokens: jax.Array) -> jax.Array:
-    return weights["embed"][tokens]
-
-
-def lm_head(weights: dict, cfg: Config, hidden: jax.Array) -> jax.Array:
-    return linear(hidden, weights.get("lm_head", weights["embed"]))
+embed_tokens = decoder.embed_tokens  # plain embedding rows
+lm_head = decoder.lm_head  # the lm_head or the tied embedding
 
 
 def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: AttentionBatch,
@@ -256,7 +255,8 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
         return x + moe_lib.moe_block(cfg.moe, lw["moe"], rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps)), pages
 
     x, cache, streams = run_layers(embed_tokens(weights, cfg, ids), weights["layers"], cache, block)
-    logits, states = finish(rows, x, streams, capture_layers, lambda h: rms_norm(h, weights["final_norm"], cfg.rms_norm_eps),
+    logits, states = finish(rows, x, streams, capture_layers,
+                            lambda h: rms_norm(h, weights["final_norm"], cfg.rms_norm_eps),
                             lambda h: lm_head(weights, cfg, h))
     return logits, states, cache
 

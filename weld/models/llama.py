@@ -21,9 +21,10 @@ import numpy as np
 from weld.models.common import moe as moe_lib
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, PagedKV
 from weld.models.common.checkpoint import Convert, KeyMap, unpermute_rows
+from weld.models.common import decoder
 from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
-from weld.models.common.layers import fuse_gate_up, gated_mlp, linear, pack_matrices, rms_norm
+from weld.models.common.layers import fuse_gate_up, gated_mlp, pack_head, pack_matrices, rms_norm
 from weld.models.common.metadata import (gguf_eos_ids, gguf_reader, gguf_vocab_size, hf_bos_id, hf_eos_ids,
                                           hf_field, single)
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
@@ -409,20 +410,14 @@ def pack_weights(weights: dict) -> dict:
     only serves lookups and stays as it is. Expert stacks stay as they are."""
     for lw in weights["layers"]:
         pack_matrices(lw, PROJECTIONS)
-    pack_matrices(weights, ("lm_head",) if "lm_head" in weights else ("embed",))
+    pack_head(weights)
     return weights
 
 
 # ----- forward -----
 
-def embed_tokens(weights: dict, cfg: Config, tokens: jax.Array) -> jax.Array:
-    """Input embeddings [..., d] of token ids."""
-    return weights["embed"][tokens]
-
-
-def lm_head(weights: dict, cfg: Config, hidden: jax.Array) -> jax.Array:
-    """Logits [..., v] of final-normed hidden states [..., d] (in the hidden dtype)."""
-    return linear(hidden, weights.get("lm_head", weights["embed"]))
+embed_tokens = decoder.embed_tokens  # plain embedding rows
+lm_head = decoder.lm_head  # the lm_head or the tied embedding
 
 
 def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: AttentionBatch,
@@ -451,7 +446,8 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
         return x, pages
 
     x, cache, streams = run_layers(embed_tokens(weights, cfg, ids), weights["layers"], cache, block)
-    logits, states = finish(rows, x, streams, capture_layers, lambda h: rms_norm(h, weights["final_norm"], cfg.rms_norm_eps),
+    logits, states = finish(rows, x, streams, capture_layers,
+                            lambda h: rms_norm(h, weights["final_norm"], cfg.rms_norm_eps),
                             lambda h: lm_head(weights, cfg, h))
     return logits, states, cache
 

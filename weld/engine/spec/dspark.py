@@ -6,7 +6,8 @@ block's coherence with a tiny sequential Markov head and sends each request's dr
 verification only as far as a confidence head trusts them. This is a small version of it:
 
 Context. For every token the target has processed (positions < the anchor's), the residual
-stream after a few target layers (the family's forward with capture_layers; features.py), concatenated [n * d], is projected and normed:
+stream after a few target layers (the family's forward with capture_layers; features.py),
+concatenated [n * d], is projected and normed:
   c = RMSNorm(W_fc x)                                                      [d]
 and kept as the drafter's context (the runner can store c, or each layer's K/V of c, per token).
 

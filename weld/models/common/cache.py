@@ -15,9 +15,9 @@ whole context (and MLA's latent layers), then one group per sliding window, whos
 freed as the window moves on. Each group has a pool and a block table per sequence: token at
 position p lives in page `block_table[p // page_size]`, row `p % page_size`, of every layer in
 the group. Pages need not be contiguous or ordered. The runner sends one table per row with the
-groups side by side ([b, groups * width]); `decoder.Rows.attend` hands each layer its group's. Each layer has its own arrays (not one stacked array): an
-update then touches one buffer in place, and a decode step never slices (and so copies) a
-stacked cache.
+groups side by side ([b, groups * width]); `decoder.Rows.attend` hands each layer its group's.
+Each layer has its own arrays (not one stacked array): an update then touches one buffer in
+place, and a decode step never slices (and so copies) a stacked cache.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from weld.models.common.cache import AttentionBatch, Cache
+from weld.models.common.layers import linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,17 @@ class Rows:
         if self.grouped:
             return tuple(all_logits), tuple(all_states)
         return all_logits[0], all_states[0]
+
+
+def embed_tokens(weights: dict, cfg: Any, tokens: jax.Array) -> jax.Array:
+    """Input embeddings [..., d] of token ids: rows of weights["embed"] (the families that scale
+    or otherwise change them write their own)."""
+    return weights["embed"][tokens]
+
+
+def lm_head(weights: dict, cfg: Any, hidden: jax.Array) -> jax.Array:
+    """Logits [..., v] of final-normed hidden states: the lm_head, or the tied embedding."""
+    return linear(hidden, weights.get("lm_head", weights["embed"]))
 
 
 def run_layers(x: jax.Array, layers: list, cache: Cache, block: Callable) -> tuple[jax.Array, Cache, list]:

@@ -119,6 +119,12 @@ def pack_matrices(weights: dict, names: tuple[str, ...]) -> None:
             weights[name] = pack_if_f32(weights[name])
 
 
+def pack_head(weights: dict) -> None:
+    """Packs the LM head (the tied embedding when there is no lm_head; lookups gather rows from
+    its panels), in place; an untied input embedding only serves lookups and stays as it is."""
+    pack_matrices(weights, ("lm_head",) if "lm_head" in weights else ("embed",))
+
+
 def fuse_gate_up(mlp: dict) -> None:
     """Concatenates a gated MLP's `w_gate` and `w_up` [f, d] into one `w_gate_up` [2 f, d], in
     place (one matmul instead of two; `gated_mlp` takes either form)."""
