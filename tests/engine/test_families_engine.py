@@ -1,7 +1,7 @@
 """Every family through the engine users get (`LLM`: fused and packed weights, native kernels,
 the scheduler, paged caches of the family's kind), checked against HF transformers' greedy
 generation on the same tiny random model: batched rows, prefix-cache hits, chunked prefill,
-n > 1, structured outputs and n-gram speculation."""
+preemption, n > 1, structured outputs, n-gram and DSpark speculation."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from tests.conftest import FAMILY_VARIANTS
 from weld import LLM, SamplingParams
+from weld.engine.block_manager import BlockManager
 from weld.engine.sampling_params import StructuredOutputsParams
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):", "Paris is the capital of France. Paris is"]
@@ -67,6 +68,22 @@ def test_prefix_cache_hits_and_chunked_prefill_keep_outputs(case):
     assert_no_leaks(llm)
 
 
+def test_preemption_by_recompute_keeps_outputs(case):
+    """A pool too small for the three rows at once: the newest is preempted and recomputed."""
+    _, _, llm, _, batched = case
+    scheduler = llm.engine.scheduler
+    roomy = scheduler.block_manager
+    windows = tuple(pool.window for pool in roomy.pools)
+    scheduler.block_manager = BlockManager([10] * len(windows), roomy.page_size, False, windows=windows)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+        assert scheduler.num_preemptions > 0
+        assert [list(o.outputs[0].token_ids) for o in outs] == batched
+        assert scheduler.block_manager.num_free_pages == scheduler.block_manager.num_pages
+    finally:
+        scheduler.block_manager = roomy
+
+
 def test_n_samples_and_structured_outputs(case):
     _, _, llm, _, _ = case
     params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7)
@@ -97,5 +114,37 @@ def test_ngram_speculation_equals_plain(case):
     echo = {"prompt_token_ids": ids + batched[2] + ids}
     plain, drafted = llm.generate(echo, greedy)[0], spec.generate(echo, greedy)[0]
     assert list(drafted.outputs[0].token_ids) == list(plain.outputs[0].token_ids), variant
+    assert spec.engine.spec_stats()["spec_num_draft_tokens"] > 0
+    assert_no_leaks(spec)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(case, tmp_path_factory):
+    """An untrained DSpark drafter for this case's target (random Markov and confidence terms)."""
+    import numpy as np
+
+    from weld.engine.spec import dspark
+
+    _, _, llm, _, _ = case
+    cfg = dspark.DraftConfig.for_target(llm.cfg, block_size=3, target_layers=(0, llm.cfg.num_layers - 1),
+                                        num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32, markov_rank=4)
+    params = dspark.init_params(cfg, seed=1, target_weights=llm.model.weights)
+    rng = np.random.default_rng(0)
+    params["markov_out"] = params["markov_out"] + 0.3 * rng.standard_normal(params["markov_out"].shape)
+    directory = tmp_path_factory.mktemp("dspark")
+    dspark.save(directory, params, cfg)
+    return directory
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3", "gemma3_text", "gpt_oss", "qwen3_moe"], indirect=True)
+def test_dspark_speculation_equals_plain(case, drafter_dir):
+    """The drafter reads the family's own captured residual streams (MLA's latent cache, page
+    groups, MoE layers alike) and verification keeps the plain greedy output. (The dense llama
+    variants run DSpark in tests/engine/test_speculative.py.)"""
+    variant, directory, _, _, batched = case
+    spec = LLM(str(directory), **ENGINE, speculative_config={"method": "dspark", "model": str(drafter_dir),
+                                                           "confidence_threshold": 0.0})
+    outs = spec.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    assert [list(o.outputs[0].token_ids) for o in outs] == batched, variant
     assert spec.engine.spec_stats()["spec_num_draft_tokens"] > 0
     assert_no_leaks(spec)
