@@ -26,6 +26,7 @@ MAX_NUM_SEQS = 4096
 MAX_BATCHED_TOKENS = 1 << 20
 MAX_PAGE_SIZE = 1024
 MAX_STEPS_PER_CALL = 256
+MAX_NUM_PAGES = 1 << 24
 
 
 def _check(cond: bool, message: str) -> None:
@@ -52,7 +53,7 @@ class CacheConfig:
     def __post_init__(self):
         _int_in("page_size", self.page_size, 1, MAX_PAGE_SIZE)
         if self.num_pages is not None:
-            _int_in("num_pages", self.num_pages, 1)
+            _int_in("num_pages", self.num_pages, 1, MAX_NUM_PAGES)
         _check(isinstance(self.kv_cache_memory_gb, (int, float)) and 0 < self.kv_cache_memory_gb <= 1 << 14,
                f"kv_cache_memory_gb must be > 0 (and at most 16384), got {self.kv_cache_memory_gb!r}")
 

@@ -155,3 +155,32 @@ def test_the_form_follows_the_row_count(monkeypatch):
     for b, t in [(3, 1), (1, 3)]:
         text = program(b, t)
         assert f"f32[{b},{KV},{H // KV},{t},{tile}]" in text and f"f32[{b},{t * H},{tile * KV}]" not in text
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (3, 20)])  # all-kv-heads rows, grouped rows (a prefill chunk)
+def test_pages_wholly_before_the_window_are_never_read(b, t, form):
+    """A sliding window's loop starts at the first tile some query's window reaches: NaNs in the
+    tiles before it (freed pages a sliding group hands to others) leave the output finite and
+    equal to the reference on the clean pool."""
+    rng = np.random.default_rng(5)
+    window, start = 6, 70  # queries at 70.. see 65..: tiles of 8 pages x 4 = 32 positions, tiles 0 and 1 skipped
+    tables = np.arange(b * 24, dtype=np.int32).reshape(b, 24)
+    q = rng.standard_normal((b, t, H, E)).astype(np.float32)
+    k_pool = rng.standard_normal((b * 24, PAGE, KV, E)).astype(np.float32)
+    v_pool = rng.standard_normal((b * 24, PAGE, KV, E)).astype(np.float32)
+    positions = np.broadcast_to(start + np.arange(t), (b, t)).astype(np.int32)
+    k_new = rng.standard_normal((b, t, KV, E)).astype(np.float32)
+    v_new = rng.standard_normal((b, t, KV, E)).astype(np.float32)
+    for i in range(b):
+        for j in range(t):
+            p = positions[i, j]
+            k_pool[tables[i][p // PAGE], p % PAGE], v_pool[tables[i][p // PAGE], p % PAGE] = k_new[i, j], v_new[i, j]
+    ref, _ = reference(q, k_pool, v_pool, tables, positions, window)
+    poisoned_k, poisoned_v = k_pool.copy(), v_pool.copy()
+    for i in range(b):
+        poisoned_k[tables[i][:16]] = np.nan  # positions 0..63: before every query's window
+        poisoned_v[tables[i][:16]] = np.nan
+    out, _, _ = attention.paged_attention(jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new),
+                                          jnp.asarray(poisoned_k), jnp.asarray(poisoned_v), jnp.asarray(positions),
+                                          jnp.asarray(tables), sliding_window=window)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4)

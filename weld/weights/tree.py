@@ -162,7 +162,11 @@ def fill_tree(where: str, plan: Iterable[Planned], specs: Any, cfg: Any, dtype: 
             array, mapped = read(item.name)
             m = item.match
             if m.convert is not None:
-                parts = m.convert(array, cfg)
+                try:
+                    parts = m.convert(array, cfg)
+                except (ValueError, IndexError) as err:  # a layout the rule cannot read (np.AxisError too)
+                    raise CheckpointError(f"{where}: {item.name} of shape {tuple(array.shape)} is not in the layout "
+                                          f"expected for {path_str(m.paths[0])}: {err}") from None
                 parts = parts if isinstance(parts, tuple) else (parts,)
                 mapped = False
             else:

@@ -53,8 +53,9 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
     Query at position p of row i attends to that row's kv positions <= p (and
     > p - sliding_window when a window is set).
     Keys stream in tiles of `pages_per_tile` pages under an online softmax, and the loop runs
-    only as far as the largest position in the batch: the program's shape does not depend on
-    sequence lengths (no recompiles as they grow), and short sequences read only a few pages.
+    only as far as the largest position in the batch (and, with a window, from the first tile the
+    lowest query's window reaches): the program's shape does not depend on sequence lengths (no
+    recompiles as they grow), and short sequences (or windows) read only a few pages.
 
     v_pages None (and v None): the keys are also the values (MLA's latent pages: c_kv is both
     the key's and the value's latent); the output then has the keys' width e, of which the
@@ -85,6 +86,10 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
     block_tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % pages_per_tile)))
     tile = pages_per_tile * page_size
     num_tiles = jnp.max(query_positions) // tile + 1  # tiles holding a position some query sees
+    first_tile = 0
+    if sliding_window is not None:  # tiles wholly before every query's window are skipped
+        lowest = jnp.min(jnp.where(query_positions >= 0, query_positions, jnp.iinfo(jnp.int32).max))
+        first_tile = jnp.minimum(jnp.maximum(lowest - sliding_window + 1, 0) // tile, num_tiles)
     # Rows of queries: [b, t * h] when every head scores every kv head (few rows), else
     # [b, kv, g, t] grouped by kv head.
     all_heads = b * t <= ALL_KV_HEADS_ROWS
@@ -135,7 +140,8 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
 
     init = (k_pages, v_pages, jnp.full(row_shape, _MASKED, jnp.float32), jnp.zeros(row_shape, jnp.float32),
             jnp.zeros(row_shape + (e,), jnp.float32))
-    k_pages, v_pages, m, l, acc = jax.lax.fori_loop(0, num_tiles, tile_step, init)
+    # With no query at all (every row padding) nothing is written, as padding writes nothing.
+    k_pages, v_pages, m, l, acc = jax.lax.fori_loop(first_tile, num_tiles, tile_step, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # padding rows (nothing visible) give 0
     lse = m + jnp.log(jnp.maximum(l, 1e-30))
     if not all_heads:
