@@ -109,6 +109,9 @@ V32 = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"
     ({"architectures": ["Gemma3ForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
       "num_hidden_layers": 1, "num_attention_heads": 1, "use_bidirectional_attention": True},
      "'use_bidirectional_attention'"),
+    ({**V32, "architectures": ["DeepseekV3ForCausalLM"], "index_topk": None, "index_n_heads": None,
+      "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "quantization_config.quant_method = 'fp8'"),
 ])
 def test_unsupported_variants_are_refused_at_load_naming_the_field(tmp_path, config, needle):
     write_config(tmp_path / "m", config)

@@ -94,6 +94,10 @@ def load_hf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool | N
     dtype = parse_dtype(dtype)
     directory = pathlib.Path(path)
     config = read_config(directory)
+    quantized = (config.get("quantization_config") or {}).get("quant_method")
+    if quantized:  # FP8 (DeepSeek-V3, Kimi K2), MXFP4 (gpt-oss), GPTQ, AWQ ...: weld reads float tensors
+        raise UnsupportedModelError(f"{directory}: config.json sets quantization_config.quant_method = "
+                                    f"{quantized!r}; weld loads unquantized safetensors (or a GGUF)")
     try:
         family = family_for_hf(config)
         cfg = family.Config.from_hf(config)
