@@ -1,0 +1,15 @@
+"""The suite's own layout: pytest imports test modules by basename here (no packages under tests/),
+so two test files with one name break collection on a clean checkout (a stale module wins)."""
+
+import collections
+import pathlib
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def test_test_module_basenames_are_unique():
+    names = collections.defaultdict(list)
+    for path in TESTS.rglob("*.py"):
+        if path.name.startswith("test_"):
+            names[path.name].append(str(path.relative_to(TESTS)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
