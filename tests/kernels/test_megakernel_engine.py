@@ -59,3 +59,13 @@ def test_cli_backend_flag():
         assert parser.parse_args(command + ["--backend", "megakernel"]).backend == "megakernel"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--backend", "cuda"])
+
+
+@pytest.mark.parametrize("variant,needle", [("deepseek_v3", "does not cover the deepseek family"),
+                                            ("mistral", "no sliding-window attention")])
+def test_what_the_megakernel_does_not_cover_is_a_one_line_input_error(tiny_family_dir, variant, needle):
+    from weld.utils.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=needle) as err:
+        LLM(str(tiny_family_dir(variant)[0]), backend="megakernel", max_model_len=32, kv_cache_memory_gb=0.001)
+    assert str(err.value).startswith("backend 'megakernel': ") and "\n" not in str(err.value)

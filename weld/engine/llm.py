@@ -104,6 +104,11 @@ class LLM:
         self.cfg = self.model.cfg
         family = self.model.family
         check_config(self.cfg)
+        if config.backend == "megakernel":  # fail before any weight work: what the kernel does not cover
+            try:
+                family.megakernel(self.cfg)
+            except ValueError as err:
+                raise InvalidInputError(f"backend 'megakernel': {err}") from None
         self.tokenizer = load_tokenizer(self.model)
         sched, cache = config.scheduler, config.cache
         self.max_model_len = min(sched.max_model_len or self.cfg.max_position_embeddings,
