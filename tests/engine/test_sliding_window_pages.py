@@ -99,3 +99,16 @@ def test_the_engine_sizes_and_frees_each_group(gemma):
     assert 0 < most_window_pages <= 7 < -(-(len(prompt) + 40) // 4)
     assert tokens == hf_greedy(hf, prompt, 40)  # freeing what the window left changed nothing
     assert bm.num_free_pages == bm.num_pages
+
+
+def test_a_sliding_only_model_takes_requests_longer_than_its_pool(tiny_family_dir):
+    """Every Mistral layer has a window of 6: its one pool holds windows, and a request far longer
+    than the pool runs to the end (pages come back as the window moves)."""
+    llm = LLM(str(tiny_family_dir("mistral")[0]), dtype="float32", max_model_len=200, page_size=4, num_pages=12,
+              max_num_seqs=1, max_num_batched_tokens=16, steps_per_call=4)
+    bm = llm.engine.block_manager
+    assert [p.window for p in bm.pools] == [6] and bm.full_context_pages is None
+    out = llm.generate({"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=60, temperature=0,
+                                                                                 ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 60 and -(-(37 + 60) // 4) > bm.num_pages
+    assert bm.num_free_pages == bm.num_pages

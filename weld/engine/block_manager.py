@@ -93,6 +93,13 @@ class BlockManager:
         return sum(p.num_pages for p in self.pools)
 
     @property
+    def full_context_pages(self) -> int | None:
+        """Pages of the smallest pool whose layers see the whole context: the most one sequence
+        can hold (None when every paged layer has a window, which frees pages as it goes)."""
+        sizes = [p.num_pages for p in self.pools if p.window is None]
+        return min(sizes) if sizes else None
+
+    @property
     def num_free_pages(self) -> int:
         return sum(len(p.free) for p in self.pools)
 

@@ -74,9 +74,10 @@ class EngineCore:
                 f"{self.max_model_len}: it must leave room for at least one new token")
         need = self.block_manager.pages_for(self.max_model_len if params.max_tokens is None
                                             else min(self.max_model_len, len(ids) + params.max_tokens))
-        if need > self.block_manager.pools[0].num_pages:
+        have = self.block_manager.full_context_pages  # a window's pool is sized for its window, never the context
+        if have is not None and need > have:
             raise InvalidInputError(
-                f"this request may need {need} KV pages but the cache has {self.block_manager.pools[0].num_pages}; "
+                f"this request may need {need} KV pages but the cache has {have}; "
                 f"lower max_tokens or give the KV cache more memory")
         spec = params.structured_outputs
         matchers = [self.grammars.matcher(spec) if spec is not None else None for _ in range(params.n)]
