@@ -34,6 +34,8 @@ def test_keywords_go_to_their_groups():
     (dict(steps_per_call=0), "steps_per_call"),
     (dict(max_num_batched_tokens=True), "max_num_batched_tokens must be an integer"),
     (dict(kv_cache_memory_gb=0), "kv_cache_memory_gb must be > 0"),
+    (dict(kv_cache_memory_gb=True), "kv_cache_memory_gb must be > 0"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"),
     (dict(max_model_len=-3), "max_model_len must be an integer >= 1, got -3"),
     (dict(backend="cuda"), "backend must be one of ('xla', 'megakernel'), got 'cuda'"),
     (dict(dtype="int4"), "unknown dtype 'int4'"),
@@ -56,9 +58,11 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_flags_are_vllms_names_and_read_back():
     cfg = EngineConfig.from_args(parse("--model", "x", "--max-model-len", "256", "--block-size", "8",
                                        "--no-enable-prefix-caching", "--max-num-seqs", "3", "--num-pages", "40",
+                                       "--kv-cache-dtype", "float16",
                                        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'))
     assert (cfg.model, cfg.scheduler.max_model_len, cfg.cache.page_size, cfg.cache.num_pages) == ("x", 256, 8, 40)
     assert not cfg.cache.enable_prefix_caching and cfg.scheduler.max_num_seqs == 3
+    assert cfg.cache.kv_cache_dtype == "float16" and cfg.cache.kv_cache_memory_gb is None
     assert (cfg.speculative.method, cfg.speculative.k) == ("ngram", 2)
     assert EngineConfig.from_args(parse()) == EngineConfig()  # the flags' defaults are the config's
 

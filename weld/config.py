@@ -20,6 +20,15 @@ from weld.utils.errors import InvalidInputError
 
 BACKENDS = ("xla", "megakernel")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --kv-cache-dtype (vLLM's flag): "auto" stores K/V in the model's dtype.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV pool's memory when no size is given: at most this, and no more than max_num_seqs
+# sequences of max_model_len tokens need.
+DEFAULT_KV_CACHE_GB = 1.0
+# --quantization (vLLM's flag): None keeps a GGUF's quantized blocks (quant.GGUF_KEPT) quantized and loads
+# anything else as stored; "none" dequantizes every tensor to dtype; "int8" / "int4" quantize the
+# projections and the LM head once at load (blocks of 32, `weld.models.common.quant`).
+QUANTIZATIONS = ("none", "int8", "int4")
 SPEC_METHODS = ("ngram", "draft_model", "dspark")
 # Bounds on sizes a user sets, checked before anything is allocated from them.
 MAX_NUM_SEQS = 4096
@@ -43,19 +52,26 @@ def _int_in(name: str, value: Any, low: int, high: int | None = None) -> None:
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: page_size tokens per page (vLLM's block_size); num_pages pages, or as
-    many as kv_cache_memory_gb GiB hold (counted from the model's cache spec)."""
+    many as kv_cache_memory_gb GiB hold (counted from the model's cache spec; None: what
+    max_num_seqs sequences of max_model_len tokens take, at most DEFAULT_KV_CACHE_GB);
+    kv_cache_dtype the pools' element type ("auto": the model's dtype)."""
 
     page_size: int = 16
     num_pages: int | None = None
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         _int_in("page_size", self.page_size, 1, MAX_PAGE_SIZE)
         if self.num_pages is not None:
             _int_in("num_pages", self.num_pages, 1, MAX_NUM_PAGES)
-        _check(isinstance(self.kv_cache_memory_gb, (int, float)) and 0 < self.kv_cache_memory_gb <= 1 << 14,
+        _check(self.kv_cache_memory_gb is None or (isinstance(self.kv_cache_memory_gb, (int, float))
+                                                    and not isinstance(self.kv_cache_memory_gb, bool)
+                                                    and 0 < self.kv_cache_memory_gb <= 1 << 14),
                f"kv_cache_memory_gb must be > 0 (and at most 16384), got {self.kv_cache_memory_gb!r}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,11 +164,13 @@ class EngineConfig:
     """Everything an engine is built from. model: a GGUF file, a HF directory, a hub id, or None
     for the bundled default; dtype of weights and KV cache ("auto": float32 on CPU, bfloat16
     elsewhere); backend of the decode program ("xla" everywhere, "megakernel" the Pallas TPU
-    kernel, interpret mode off a TPU)."""
+    kernel, interpret mode off a TPU); quantization of the weights (`QUANTIZATIONS`; None: as the
+    checkpoint stores them, a GGUF's blocks kept)."""
 
     model: str | None = None
     dtype: str = "auto"
     backend: str = "xla"
+    quantization: str | None = None
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
@@ -161,12 +179,25 @@ class EngineConfig:
         _check(self.dtype in DTYPES or not isinstance(self.dtype, str),
                f"unknown dtype {self.dtype!r}; use {', '.join(DTYPES)}")
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        _check(self.quantization is None or self.quantization in QUANTIZATIONS,
+               f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        _check(self.backend != "megakernel" or self.quantization in (None, "none"),
+               f"the megakernel backend quantizes its own weights: quantization {self.quantization!r} is for "
+               "backend 'xla'")
         if self.speculative.method == "dspark" and self.backend == "megakernel":
             raise InvalidInputError("the DSpark drafter needs the target's hidden states, which the megakernel "
                                     "backend does not return: use backend 'xla' or another speculative method")
 
+    @property
+    def keep_gguf_blocks(self) -> bool:
+        """Whether a GGUF's quantized matrices load as they are (`quant.QuantWeight`): by default on
+        the XLA backend; the megakernel takes dense matrices, and "none" / "int8" / "int4" ask
+        for others."""
+        return self.quantization is None and self.backend == "xla"
+
     @classmethod
     def create(cls, model: str | None = None, dtype: Any = "auto", *, backend: str = "xla",
+               quantization: str | None = None,
                speculative_config: dict[str, Any] | SpeculativeConfig | None = None, **kwargs: Any) -> "EngineConfig":
         """The config of vLLM-style keyword arguments: CacheConfig's and SchedulerConfig's fields
         by name, speculative_config as vLLM's dict. Unknown keywords are an error."""
@@ -177,9 +208,10 @@ class EngineConfig:
             if group is None:
                 known = sorted(f.name for c in groups.values() for f in dataclasses.fields(c))
                 raise InvalidInputError(f"unknown engine setting {key!r}; known: {', '.join(known)}, backend, "
-                                        "speculative_config")
+                                        "quantization, speculative_config")
             values[group][key] = value
         return cls(model=None if model is None else str(model), dtype=dtype, backend=backend,
+                   quantization=quantization,
                    cache=CacheConfig(**values["cache"]), scheduler=SchedulerConfig(**values["scheduler"]),
                    speculative=SpeculativeConfig.parse(speculative_config))
 
@@ -198,10 +230,10 @@ class EngineConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
         """The config of the flags `add_engine_arguments` defined."""
-        return cls.create(model=args.model, dtype=args.dtype, backend=args.backend,
+        return cls.create(model=args.model, dtype=args.dtype, backend=args.backend, quantization=args.quantization,
                           speculative_config=speculative_config_from_args(args),
                           max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                          page_size=args.block_size, num_pages=args.num_pages,
+                          page_size=args.block_size, num_pages=args.num_pages, kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, steps_per_call=args.steps_per_call)
 
@@ -222,6 +254,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, *,
                    help=f"GGUF file, HF directory or hub id (default: {model_default_help})")
     g.add_argument("--dtype", default=defaults.dtype, choices=list(DTYPES),
                    help="weight and KV-cache dtype; auto is float32 on CPU, bfloat16 on GPU/TPU (default: auto)")
+    add_quantization_argument(g)
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="context length (default: the model's)")
     g.add_argument("--backend", default=defaults.backend, choices=list(BACKENDS),
@@ -229,7 +262,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, *,
                         "(interpret mode off a TPU, for correctness only) (default: xla)")
     g = p.add_argument_group("KV cache and batching")
     g.add_argument("--kv-cache-memory-gb", type=float, default=cache.kv_cache_memory_gb, metavar="GB",
-                   help=f"memory for the paged KV cache (default: {cache.kv_cache_memory_gb})")
+                   help="memory for the paged KV cache (default: what --max-num-seqs sequences of "
+                        f"--max-model-len tokens take, at most {DEFAULT_KV_CACHE_GB:g})")
+    g.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                   help="KV cache element type; float16 / bfloat16 halve a float32 cache (default: auto, "
+                        "the model's dtype)")
     g.add_argument("--block-size", type=int, default=cache.page_size, metavar="N",
                    help=f"tokens per KV page (default: {cache.page_size})")
     g.add_argument("--num-pages", type=int, default=None, metavar="N",
@@ -244,6 +281,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, *,
     g.add_argument("--steps-per-call", type=int, default=sched.steps_per_call, metavar="K",
                    help=f"decode steps per device call (default: {sched.steps_per_call})")
     add_speculative_arguments(p)
+
+
+def add_quantization_argument(g) -> None:
+    """--quantization / -q (vLLM's name), for the engine's flags and `weld bench`'s."""
+    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
+                   help="weight quantization: int8 or int4 quantize the projections and LM head at load "
+                        "(blocks of 32); none dequantizes a GGUF (default: as stored, a GGUF's Q8_0/Q4_*/Q5_* "
+                        "blocks kept)")
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:

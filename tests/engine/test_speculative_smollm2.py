@@ -1,5 +1,10 @@
 """Real weights: greedy outputs of SmolLM2 with each proposer equal its outputs without speculation.
 
+The weights are dequantized (quantization "none"): with the GGUF's blocks kept, activations are
+rounded to int8 per block, which turns last-bit differences between a verification batch and a
+decode step (XLA's reductions vectorize by shape) into whole rounding steps, so greedy ties may
+break differently (docs/quantization.md).
+
 Slow (SmolLM2's verification programs compile for a while): `pytest -m slow`.
 """
 
@@ -16,7 +21,7 @@ TEXT = ("The committee met on Tuesday to discuss the budget for next year. After
         "agreed to increase funding for the public library by ten percent and to repair the roof of the town hall.")
 MESSAGES = [[{"role": "user", "content": "Repeat the following text exactly:\n\n" + TEXT}],
             [{"role": "user", "content": "What is the capital of France?"}]]
-ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory_gb=0.05, max_num_seqs=4, progress=False)
+ENGINE = dict(dtype="float32", quantization="none", max_model_len=512, kv_cache_memory_gb=0.05, max_num_seqs=4, progress=False)
 
 
 def prompts(llm: LLM) -> list[dict]:

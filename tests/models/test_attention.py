@@ -52,20 +52,32 @@ CASES = [(1, 1, None, False), (2, 1, None, False), (1, 2, 5, False), (4, 1, None
          (1, 2, None, True), (3, 2, None, True)]
 
 
+POOL_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]  # --kv-cache-dtype
+
+
 @pytest.mark.parametrize("b,t,window,drafter", CASES)
-def test_every_form_matches_dense_reference(b, t, window, drafter, form):
-    check_against_reference(b, t, window, drafter, page=PAGE, heads=H, kv_heads=KV, head_dim=E)
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
+def test_every_form_matches_dense_reference(b, t, window, drafter, form, pool_dtype):
+    check_against_reference(b, t, window, drafter, page=PAGE, heads=H, kv_heads=KV, head_dim=E, pool_dtype=pool_dtype)
 
 
-@pytest.mark.parametrize("b,t,window,drafter", CASES + [(16, 1, None, False), (5, 1, 20, False)])
+# prefill-sized chunks: several blocks of 16 queries, a window inside the chunk, padding, drafter rows
+LONG = [(2, 40, None, False), (1, 37, 9, False), (3, 20, None, True), (3, 33, 30, False)]
+
+
+@pytest.mark.parametrize("b,t,window,drafter", CASES + [(16, 1, None, False), (5, 1, 20, False)] + LONG)
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 4), (40, 8, 2)])
-def test_kernel_at_model_sizes(b, t, window, drafter, head_dim, heads, kv_heads, monkeypatch):
-    """The kernel's vector paths (head_dim 64, 128) and its generic path (40), 16-token pages."""
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
+def test_kernel_at_model_sizes(b, t, window, drafter, head_dim, heads, kv_heads, pool_dtype, monkeypatch):
+    """The kernel's vector paths (head_dim 64, 128) and its generic path (40), 16-token pages, for
+    every pool element type (the 16-bit ones widened as they are read)."""
     monkeypatch.setenv("WELD_CPU_KERNELS", "1")
-    check_against_reference(b, t, window, drafter, page=16, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    check_against_reference(b, t, window, drafter, page=16, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                            pool_dtype=pool_dtype)
 
 
-def check_against_reference(b, t, window, drafter, *, page, heads, kv_heads, head_dim):
+def check_against_reference(b, t, window, drafter, *, page, heads, kv_heads, head_dim, pool_dtype=jnp.float32):
+    """The pools hold pool_dtype; the reference reads the same (rounded) values in float64."""
     PAGE, H, KV, E = page, heads, kv_heads, head_dim
     PAGES = max(48, b * 12)
     rng = np.random.default_rng(b * 10 + t)
@@ -82,13 +94,16 @@ def check_against_reference(b, t, window, drafter, *, page, heads, kv_heads, hea
     q_positions = positions
     if drafter:  # queries beyond the written context: they read it, they do not write there
         q_positions = np.where(positions >= 0, positions + 2, -1).astype(np.int32)
+    as_pool = lambda a: np.asarray(jnp.asarray(a).astype(pool_dtype))  # noqa: E731
+    k_pool, v_pool = as_pool(k_pool), as_pool(v_pool)
     written_k, written_v = k_pool.copy(), v_pool.copy()
     for i in range(b):
         for j in range(t):
             if positions[i, j] >= 0:
                 page, row = tables[i][positions[i, j] // PAGE], positions[i, j] % PAGE
-                written_k[page, row], written_v[page, row] = k[i, j], v[i, j]
-    want, want_lse = reference(q, written_k, written_v, tables, q_positions, window)
+                written_k[page, row], written_v[page, row] = as_pool(k[i, j]), as_pool(v[i, j])
+    want, want_lse = reference(q, written_k.astype(np.float64), written_v.astype(np.float64), tables, q_positions,
+                               window)
     out, k_pages, v_pages, lse = attention.paged_attention(
         jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(k_pool), jnp.asarray(v_pool),
         jnp.asarray(positions), jnp.asarray(tables), sliding_window=window, pages_per_tile=2,
@@ -111,14 +126,13 @@ def _program(b, t, dtype=jnp.float32):
     return str(jax.make_jaxpr(lambda *a: attention.paged_attention(*a))(*args))
 
 
-def test_kernel_takes_short_f32_queries_only(monkeypatch):
-    """Decode-sized calls with f32 pools go to the kernel; prefill chunks and other dtypes keep
-    the jnp path; WELD_CPU_KERNELS=0 turns it off and any other value is an error."""
+def test_the_kernel_takes_every_call_on_the_cpu(monkeypatch):
+    """Decode steps and prefill chunks alike go to the kernel (pools of f32, f16 or bf16);
+    WELD_CPU_KERNELS=0 turns it off and any other value is an error."""
     monkeypatch.setenv("WELD_CPU_KERNELS", "1")
-    limit = attention.CPU_KERNEL_MAX_TOKENS
-    assert "weld_paged_attention" in _program(1, 1) and "weld_paged_attention" in _program(16, limit)
-    assert "weld_paged_attention" not in _program(1, limit + 1)
-    assert "weld_paged_attention" not in _program(4, 1, jnp.bfloat16)
+    assert "weld_paged_attention" in _program(1, 1) and "weld_paged_attention" in _program(16, 16)
+    assert "weld_paged_attention" in _program(1, 300)
+    assert "weld_paged_attention" in _program(4, 1, jnp.bfloat16) and "weld_paged_attention" in _program(4, 1, jnp.float16)
     monkeypatch.setenv("WELD_CPU_KERNELS", "0")
     assert "weld_paged_attention" not in _program(1, 1)
     monkeypatch.setenv("WELD_CPU_KERNELS", "yes")

@@ -14,7 +14,7 @@ import pytest
 
 from weld.kernels import cpu as cpu_kernels
 from weld.models import llama
-from weld.models.family import output_matrix
+from weld.models.family import WeightTarget, output_matrix
 from weld.models.common import layers
 from weld.models.common.spec import random_weights
 
@@ -152,7 +152,7 @@ def test_fused_projections_compute_the_same_model(name, tied):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 7)), jnp.int32)
     hidden = jax.jit(functools.partial(features.target_hidden_states, llama), static_argnums=(1, 3))
     packed = {**fused, "layers": [dict(lw) for lw in fused["layers"]]}
-    llama.pack_weights(packed)
+    llama.prepare_projections(packed, WeightTarget(pack_for_cpu_kernels=True))
     assert isinstance(packed["layers"][0]["wqkv"], layers.PackedWeight)
     assert isinstance(output_matrix(packed), layers.PackedWeight)
     assert isinstance(packed["embed"], layers.PackedWeight) == tied  # an untied embedding only serves lookups

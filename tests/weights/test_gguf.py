@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.weights.tiny_gguf import llama_kv, write_gguf
+from weld.models.common import layers, quant
 from weld.models.common.spec import iter_specs
 from weld.utils.errors import ModelNotFoundError, UnsupportedModelError, WeldError
 from weld.weights import ModelSource, load_model
@@ -181,15 +182,16 @@ def test_gguf_magic_then_garbage(tmp_path):
     check_error(e, "garbage.gguf")
 
 
+@pytest.mark.parametrize("keep_quantized", [False, True], ids=["dequantized", "blocks-kept"])
 @pytest.mark.parametrize("keep", [0.5, 0.0003], ids=["in-tensor-data", "in-header"])
-def test_truncated_real_file(default_gguf, tmp_path, keep):
+def test_truncated_real_file(default_gguf, tmp_path, keep, keep_quantized):
     path = tmp_path / "cut.gguf"
     with open(default_gguf, "rb") as src, open(path, "wb") as dst:
         shutil.copyfileobj(src, dst, length=1 << 20)
     with open(path, "r+b") as f:
         f.truncate(int(default_gguf.stat().st_size * keep))
     with pytest.raises(CheckpointError) as e:
-        load(path)
+        load(path, keep_quantized=keep_quantized)
     check_error(e, "cut.gguf", "truncated")
 
 
@@ -218,6 +220,30 @@ def test_unmapped_and_missing_tensors(tmp_path):
     with pytest.raises(CheckpointError) as e:
         load(path)
     check_error(e, "odd.gguf", "blk.0.ffn_extra.weight", "blk.1.ffn_up.weight")
+
+
+def test_kept_blocks_are_the_dequantized_matrices(tmp_path):
+    """keep_quantized: Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 matrices load as QuantWeights that state
+    exactly the matrices the dequantizing load gives (llama.cpp's Q/K permutation undone on the
+    blocks' rows); other types (F16 here) and 1-D tensors are dequantized as before."""
+    rng = np.random.default_rng(9)
+    hf = as_llama_cpp_writes_it(hf_layout_tensors(rng, tied=False))
+    types = {"blk.0.attn_q.weight": Q.Q4_1, "blk.0.attn_k.weight": Q.Q4_0, "blk.1.attn_q.weight": Q.Q8_0,
+             "blk.0.ffn_down.weight": Q.Q8_0, "token_embd.weight": Q.Q4_1, "blk.1.ffn_up.weight": Q.Q5_0,
+             "blk.1.ffn_gate.weight": Q.Q5_1, "blk.0.ffn_up.weight": Q.F16}
+    tensors = {name: (gguf.quants.quantize(w, types[name]), types[name]) if name in types else w
+               for name, w in hf.items()}
+    path = write_gguf(tmp_path / "mixed.gguf", "llama", llama_kv(LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB), tensors)
+    plain, kept = load(path), load(path, keep_quantized=True)
+    for name in hf:
+        a, b = leaf(plain.weights, name), leaf(kept.weights, name)
+        assert isinstance(b, quant.QuantWeight) == (name in types and types[name] != Q.F16), name
+        np.testing.assert_array_equal(np.asarray(layers.unpacked(b)), np.asarray(a), err_msg=name)
+    assert leaf(kept.weights, "token_embd.weight").fmt == "q4_1"
+    # the Q rows really were permuted in the file: the kept blocks were reordered, not read as stored
+    stored = quant.gguf_blocks(GGUFFile(path).tensors["blk.0.attn_q.weight"].data, "Q4_1",
+                               (HEADS * HEAD_DIM, HIDDEN)).packed().unpacked()
+    assert not np.array_equal(np.asarray(stored), np.asarray(leaf(plain.weights, "blk.0.attn_q.weight")))
 
 
 # ----- the real default model -----

@@ -26,11 +26,13 @@ class WeldEngine:
     `ignore_eos=False` (text prompts) lets rows stop at EOS, so they may return fewer tokens."""
 
     def __init__(self, model: str, dtype: str, max_batch: int, max_model_len: int, decode_len: int | None = None,
-                 speculative_config: dict[str, Any] | None = None, ignore_eos: bool = True):
+                 speculative_config: dict[str, Any] | None = None, ignore_eos: bool = True,
+                 **options: Any):
         import jax
 
         from weld.engine.llm import LLM
         from weld.engine.sampling_params import SamplingParams
+        from weld.models.common.quant import is_quantized
         from weld.models.family import output_matrix
 
         page_size = 16
@@ -43,20 +45,22 @@ class WeldEngine:
         num_pages = max(max_batch * pages(decode_len or max_model_len), pages(max_model_len))
         config = EngineConfig.create(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_batch,
                                      page_size=page_size, num_pages=num_pages, enable_prefix_caching=False,
-                                     speculative_config=speculative_config)
+                                     speculative_config=speculative_config, **options)
         self.llm = LLM(engine_config=config)
         self._params = lambda n: SamplingParams(max_tokens=n, ignore_eos=ignore_eos, temperature=0)
         self.ignore_eos = ignore_eos
         self.cfg = self.llm.cfg
         self.max_model_len = self.llm.max_model_len
         dtype_name = np.dtype(self.llm.dtype).name
-        self.name, self.label = "weld", f"weld {dtype_name}"
+        weights = self.llm.model.weights
+        formats = sorted({leaf.fmt for leaf in jax.tree_util.tree_leaves(weights, is_leaf=is_quantized)
+                          if is_quantized(leaf)})
+        self.name, self.label = "weld", f"weld {dtype_name}" + "".join(f" {f}" for f in formats)
         spec = config.speculative
         if spec.method is not None:
             self.name = SPEC_ENGINE
             self.label = f"{self.label} {spec.method.removesuffix('_model')}" + (f" k{spec.k}" if spec.k else "")
 
-        weights = self.llm.model.weights
         embed = weights.get("embed")
         untied = embed is not None and output_matrix(weights) is not embed
         moe = self.cfg.moe
@@ -68,10 +72,11 @@ class WeldEngine:
                                         experts=sum(x.nbytes for x in routed),
                                         top_k=moe.top_k if moe else 0, num_experts=moe.num_experts if moe else 0)
         self.cache_spec = self.llm.model.family.cache_spec(self.cfg)  # what the other engines' KV is counted from
-        self.kv_bytes_per_token = self.cache_spec.bytes_per_token(self.llm.dtype)
+        self.kv_bytes_per_token = self.cache_spec.bytes_per_token(self.llm.kv_dtype)
         self.info = {"dtype": dtype_name, "backend": jax.default_backend(), "batching": "continuous batching",
-                     "kv_dtype": dtype_name, "max_model_len": self.max_model_len, "page_size": page_size,
-                     "num_pages": num_pages, "ignore_eos": ignore_eos, "speculative_config": speculative_config}
+                     "kv_dtype": np.dtype(self.llm.kv_dtype).name, "max_model_len": self.max_model_len, "page_size": page_size,
+                     "num_pages": num_pages, "ignore_eos": ignore_eos, "speculative_config": speculative_config,
+                     "quantization": options.get("quantization"), "quantized_formats": formats}
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self._params(max_tokens),

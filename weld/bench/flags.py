@@ -14,7 +14,8 @@ import os
 import pathlib
 from typing import Any
 
-from weld.config import DTYPES, SpeculativeConfig, add_speculative_arguments, speculative_config_from_args
+from weld.config import (DTYPES, KV_CACHE_DTYPES, SpeculativeConfig, add_quantization_argument,
+                         add_speculative_arguments, speculative_config_from_args)
 from weld.utils.errors import InvalidInputError, WeldError
 
 ENGINES = ("hf", "llamacpp")  # what --vs accepts; weld always runs
@@ -31,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GGUF file, HF directory or hub id (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=list(DTYPES),
                    help="weld's weight and KV dtype; auto is float32 on CPU (default: auto)")
+    add_quantization_argument(p)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="weld's KV cache element type (default: auto, the model's dtype)")
     p.add_argument("--batch-sizes", default=None, metavar="B,B,...",
                    help=f"decode batch sizes (default: {DEFAULT_BATCH_SIZES}; {DEFAULT_SPEC_BATCH_SIZES} with "
                         "--spec or --prompts)")
@@ -85,6 +89,13 @@ class BenchConfig:
     chat: bool = False
     ignore_eos: bool = False  # text prompts only: random ones always ignore EOS
     spec: dict[str, Any] | None = None  # speculative_config of the second weld engine
+    quantization: str | None = None  # weld's --quantization
+    kv_cache_dtype: str = "auto"  # weld's --kv-cache-dtype
+
+    @property
+    def weld_options(self) -> dict[str, Any]:
+        """The weld engine settings the bench passes through (`EngineConfig.create`'s keywords)."""
+        return {"quantization": self.quantization, "kv_cache_dtype": self.kv_cache_dtype}
 
 
 def read_prompts(path: str) -> list[str]:
@@ -172,4 +183,5 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        input_len=args.input_len, output_len=args.output_len, prefill_len=args.prefill_len,
                        runs=args.runs, vs=vs, vs_runs=min(args.vs_runs or args.runs, args.runs),
                        threads=args.threads, seed=args.seed, bandwidth_gb=args.bandwidth_gb, out=args.out,
-                       prompts=args.prompts, chat=args.chat, ignore_eos=args.ignore_eos, spec=spec)
+                       prompts=args.prompts, chat=args.chat, ignore_eos=args.ignore_eos, spec=spec,
+                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)

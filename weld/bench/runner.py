@@ -105,7 +105,7 @@ def load_engines(cfg: BenchConfig, source, text_prompts: list[list[int]] | None,
 
     def weld_engine(spec: dict[str, Any] | None) -> WeldEngine:
         return WeldEngine(str(source.path), cfg.dtype, max_batch, wanted_len, decode_len, speculative_config=spec,
-                          ignore_eos=ignore_eos)
+                          ignore_eos=ignore_eos, **cfg.weld_options)
 
     weld = load("weld", lambda: weld_engine(None))
     if decode_len > weld.max_model_len:

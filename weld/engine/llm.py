@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence as Seq
 import jax
 import jax.numpy as jnp
 
-from weld.config import EngineConfig, SpeculativeConfig
+from weld.config import DEFAULT_KV_CACHE_GB, EngineConfig, SpeculativeConfig
 from weld.engine.block_manager import BlockManager
 from weld.engine.core import EngineCore
 from weld.engine.outputs import RequestOutput
@@ -26,6 +26,7 @@ from weld.kernels import cpu as cpu_kernels
 from weld.models.family import WeightTarget, check_config
 from weld.tokenizer import Tokenizer
 from weld.utils.errors import InvalidInputError
+from weld.utils.memory import release_free_memory
 from weld.utils.progress import Progress, status
 from weld.weights import LoadedModel, load_model, resolve_model
 
@@ -88,7 +89,8 @@ class LLM:
     "draft_model" | "dspark", "num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max":
     n-gram sizes, "model": the draft model (same tokenizer) or the DSpark drafter's directory
     (`weld train-draft`), "confidence_threshold": DSpark's survival threshold for sending
-    drafts}. Outputs are the same as without it (greedy: token for token; sampled: in distribution).
+    drafts}. Outputs are the same as without it (greedy: token for token; sampled: in distribution; with
+    quantized weights up to int8 activation rounding, docs/speculative.md).
     """
 
     def __init__(self, model: str | None = None, dtype: Any = "auto", *, engine_config: EngineConfig | None = None,
@@ -100,7 +102,10 @@ class LLM:
         self.config = config = engine_config
         enable_compilation_cache()
         self.dtype = resolve_dtype(config.dtype)
-        self.model = load_model(resolve_model(config.model), dtype=self.dtype, progress=progress)
+        kv = config.cache.kv_cache_dtype
+        self.kv_dtype = self.dtype if kv == "auto" else jnp.dtype(kv)
+        self.model = load_model(resolve_model(config.model), dtype=self.dtype, progress=progress,
+                                keep_quantized=config.keep_gguf_blocks)
         self.cfg = self.model.cfg
         family = self.model.family
         check_config(self.cfg)
@@ -114,13 +119,14 @@ class LLM:
         self.max_model_len = min(sched.max_model_len or self.cfg.max_position_embeddings,
                                  self.cfg.max_position_embeddings)
         eos = tuple(dict.fromkeys(tuple(self.tokenizer.eos_token_ids) + tuple(self.cfg.eos_token_ids)))
-        target = WeightTarget(config.backend, self.dtype == jnp.float32 and cpu_kernels.available())
+        target = WeightTarget(config.backend, self.dtype == jnp.float32 and cpu_kernels.available(),
+                              config.quantization)
         drafter, draft_params, spec = self._load_drafter(config.speculative, target, progress)
         self.model.weights = family.prepare_weights(self.model.weights, self.cfg, target)
         groups = family.cache_spec(self.cfg).page_groups()
         num_pages = self._pages_per_group(family, drafter, config)
         runner = ModelRunner(family, self.cfg, self.model.weights, num_pages=num_pages,
-                             page_size=cache.page_size, kv_dtype=self.dtype, max_model_len=self.max_model_len,
+                             page_size=cache.page_size, kv_dtype=self.kv_dtype, max_model_len=self.max_model_len,
                              steps_per_call=sched.steps_per_call, eos_token_ids=eos, backend=config.backend,
                              drafter=drafter, draft_params=draft_params, num_spec_tokens=spec.k,
                              spec_rounds=spec.rounds(sched.steps_per_call))
@@ -135,11 +141,12 @@ class LLM:
                                  eos_token_ids=eos, proposer=_host_proposer(spec))
         self._counter = itertools.count()
         self._progress = progress
+        release_free_memory()  # the loader's temporaries
 
     def _pages_per_group(self, family, drafter, config: EngineConfig) -> tuple[int, ...]:
         """Pages of each page group (`CacheSpec.page_groups`). With cache.num_pages, that many in
-        every group. Else kv_cache_memory_gb is shared so that every group holds the same number of
-        sequences: a full-context group needs max_model_len tokens of pages per sequence, a
+        every group. Else kv_cache_memory_gb (default: what max_num_seqs sequences take, at most
+        DEFAULT_KV_CACHE_GB) is shared so that every group holds the same number of sequences: a full-context group needs max_model_len tokens of pages per sequence, a
         sliding group its window plus a prefill chunk and a call's decode steps (its older pages
         are freed as it moves on). A drafter's state lives on group 0's pages and counts there.
         At least one sequence of max_model_len always fits."""
@@ -151,10 +158,13 @@ class LLM:
         span = sched.max_num_batched_tokens + sched.steps_per_call * ((config.speculative.k or 0) + 1)
         per_seq = [-(-(self.max_model_len if g.window is None or drafter is not None
                        else min(self.max_model_len, g.window + span)) // cache.page_size) + 1 for g in groups]
-        page_bytes = [cache.page_size * spec.bytes_per_token(self.dtype, i) for i in range(len(groups))]
+        page_bytes = [cache.page_size * spec.bytes_per_token(self.kv_dtype, i) for i in range(len(groups))]
         if drafter is not None:
-            page_bytes[0] += cache.page_size * drafter.cache_spec().bytes_per_token(self.dtype)
-        sequences = int(cache.kv_cache_memory_gb * (1 << 30)) / sum(n * b for n, b in zip(per_seq, page_bytes))
+            page_bytes[0] += cache.page_size * drafter.cache_spec().bytes_per_token(self.kv_dtype)
+        budget = DEFAULT_KV_CACHE_GB if cache.kv_cache_memory_gb is None else cache.kv_cache_memory_gb
+        sequences = int(budget * (1 << 30)) / sum(n * b for n, b in zip(per_seq, page_bytes))
+        if cache.kv_cache_memory_gb is None:
+            sequences = min(sequences, sched.max_num_seqs)
         return tuple(max(int(sequences * n), n) for n in per_seq)
 
     def _load_drafter(self, spec: SpeculativeConfig, target: WeightTarget, progress: bool | None):
@@ -182,7 +192,8 @@ class LLM:
                 dataclasses.replace(spec, k=spec.k or dcfg.block_size))
 
     def _load_draft_model(self, spec: SpeculativeConfig, progress: bool | None) -> LoadedModel:
-        draft = load_model(resolve_model(spec.model), dtype=self.dtype, progress=progress)
+        draft = load_model(resolve_model(spec.model), dtype=self.dtype, progress=progress,
+                           keep_quantized=self.config.keep_gguf_blocks)
         if draft.cfg.vocab_size != self.cfg.vocab_size:
             raise InvalidInputError(
                 f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) differs from the target's "

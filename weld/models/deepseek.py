@@ -27,7 +27,7 @@ from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, LatentPag
 from weld.models.common.checkpoint import Convert, KeyMap
 from weld.models.common import decoder
 from weld.models.common.decoder import Rows, finish, run_layers
-from weld.models.common.layers import fuse_gate_up, gated_mlp, pack_head, pack_matrices, rms_norm
+from weld.models.common.layers import fuse_gate_up, gated_mlp, prepare_head, prepare_matrices, rms_norm
 from weld.models.common.metadata import gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
 from weld.models.common.mla import MLA, mla_attention, mla_scale, mla_specs, split_kv_b
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
@@ -271,13 +271,11 @@ def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
         fuse_gate_up(lw)
         if "moe" in lw:
             moe_lib.fuse_experts(lw["moe"])
-        if target.pack_for_cpu_kernels:
-            pack_matrices(lw, PROJECTIONS)
-            if "shared" in lw.get("moe", {}):
-                pack_matrices(lw["moe"]["shared"], PROJECTIONS)
+        prepare_matrices(lw, PROJECTIONS, target)
+        if "shared" in lw.get("moe", {}):
+            prepare_matrices(lw["moe"]["shared"], PROJECTIONS, target)
         jax.block_until_ready(lw)
-    if target.pack_for_cpu_kernels:
-        pack_head(weights)
+    prepare_head(weights, target)
     return weights
 
 

@@ -26,7 +26,7 @@ from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, 
 from weld.models.common.checkpoint import Convert, KeyMap
 from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
-from weld.models.common.layers import fuse_gate_up, gated_mlp, gelu_tanh, linear, pack_head, pack_matrices, rms_norm
+from weld.models.common.layers import fuse_gate_up, gated_mlp, gelu_tanh, linear, prepare_head, prepare_matrices, rms_norm
 from weld.models.common.metadata import gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
 from weld.models.common.spec import WeightSpec, iter_specs
@@ -229,11 +229,9 @@ def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     for lw in weights["layers"]:
         fuse_qkv(lw)
         fuse_gate_up(lw)
-        if target.pack_for_cpu_kernels:
-            pack_matrices(lw, PROJECTIONS)
+        prepare_matrices(lw, PROJECTIONS, target)
         jax.block_until_ready(lw)
-    if target.pack_for_cpu_kernels:
-        pack_head(weights)
+    prepare_head(weights, target)
     return weights
 
 

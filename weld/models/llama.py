@@ -24,7 +24,7 @@ from weld.models.common.checkpoint import Convert, KeyMap, unpermute_rows
 from weld.models.common import decoder
 from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
-from weld.models.common.layers import fuse_gate_up, gated_mlp, pack_head, pack_matrices, rms_norm
+from weld.models.common.layers import fuse_gate_up, gated_mlp, prepare_head, prepare_matrices, rms_norm
 from weld.models.common.metadata import (gguf_eos_ids, gguf_reader, gguf_vocab_size, hf_bos_id, hf_eos_ids,
                                           hf_field, single)
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
@@ -355,7 +355,7 @@ def gguf_keymap(cfg: Config) -> KeyMap:
     for name, leaf, heads in (("attn_q", "q", "num_heads"), ("attn_k", "k", "num_kv_heads")):
         for kind in ("weight", "bias"):
             path = ("layers", "{i}", ("w" if kind == "weight" else "b") + leaf)
-            keys[blk + f"{name}.{kind}"] = Convert(_unpermuter(heads), path) if permuted else path
+            keys[blk + f"{name}.{kind}"] = Convert(_unpermuter(heads), path, rows_only=True) if permuted else path
     # rope_freqs.weight is not a weight of the tree: `Config.from_gguf` reads it (rope_freq_factors).
     return KeyMap(keys, ("rope_freqs.weight",))
 
@@ -370,13 +370,12 @@ def cache_spec(cfg: Config) -> CacheSpec:
 
 def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     """The weight forms for where the model runs (`target`: a `weld.models.family.WeightTarget`):
-    on the XLA backend, fused q/k/v and gate/up matrices (and expert stacks), and on the CPU with
-    the native kernels, f32 projections and the LM head packed in panels. The megakernel reads
-    the tree as declared."""
+    on the XLA backend, fused q/k/v and gate/up matrices (and expert stacks), then projections and
+    the LM head quantized (target.quantization) or, f32 on the CPU with the native kernels, packed
+    in panels (`layers.prepared_matrix`). The megakernel reads the tree as declared."""
     if target.backend == "xla":
         fuse_projections(weights)
-        if target.pack_for_cpu_kernels:
-            pack_weights(weights)
+        prepare_projections(weights, target)
     return weights
 
 
@@ -403,14 +402,14 @@ def fuse_projections(weights: dict) -> dict:
 PROJECTIONS = ("wqkv", "w_gate_up", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def pack_weights(weights: dict) -> dict:
-    """Stores each layer's f32 projection matrices and the LM head as `layers.PackedWeight`
-    panels, in place, layer by layer, for the native CPU kernel (`linear` takes either form).
-    A tied embedding is packed too (lookups gather its rows from the panels); an untied one
-    only serves lookups and stays as it is. Expert stacks stay as they are."""
+def prepare_projections(weights: dict, target: Any) -> dict:
+    """Each layer's projection matrices and the LM head in `layers.prepared_matrix`'s form for
+    target, in place, layer by layer. A tied embedding is converted too (lookups gather its rows
+    from the panels or blocks); an untied one only serves lookups and stays as it is. Expert
+    stacks stay as they are."""
     for lw in weights["layers"]:
-        pack_matrices(lw, PROJECTIONS)
-    pack_head(weights)
+        prepare_matrices(lw, PROJECTIONS, target)
+    prepare_head(weights, target)
     return weights
 
 

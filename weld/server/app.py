@@ -31,6 +31,7 @@ from weld.server.errors import APIError
 from weld.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
 from weld.server.serving import ServerConfig, ServerState
 from weld.utils.errors import InvalidInputError, WeldError
+from weld.utils.memory import release_free_memory
 
 logger = logging.getLogger("weld.server")
 
@@ -172,3 +173,4 @@ def warmup(engine: Any) -> None:
             pass
 
     asyncio.run(run())
+    release_free_memory()  # what compiling freed

@@ -118,11 +118,13 @@ def _from_hub(model_id: str) -> ModelSource:
 
 
 def load_model(source: ModelSource | str | None, dtype: Any = "float32",
-               progress: bool | None = None) -> LoadedModel:
+               progress: bool | None = None, keep_quantized: bool = False) -> LoadedModel:
     """Loads weights tensor by tensor onto the device, checking every name and shape.
 
     dtype: "float32" | "bfloat16" | "float16" (or the jnp dtype). progress: show a bar on
-    stderr (None: only when stderr is a terminal).
+    stderr (None: only when stderr is a terminal). keep_quantized: a GGUF's matrices of the block
+    types in `quant.GGUF_KEPT` stay in their blocks (`weld.models.common.quant.QuantWeight`) instead
+    of being dequantized to dtype.
     """
     if not isinstance(source, ModelSource):
         source = resolve_model(source)
@@ -130,7 +132,7 @@ def load_model(source: ModelSource | str | None, dtype: Any = "float32",
     if source.kind == "gguf":
         from weld.weights.gguf import load_gguf
 
-        family, cfg, weights, metadata = load_gguf(source.path, dtype, progress)
+        family, cfg, weights, metadata = load_gguf(source.path, dtype, progress, keep_quantized)
         return LoadedModel(source, family, cfg, weights, metadata)
     if source.kind == "hf":
         from weld.weights.hf import load_hf

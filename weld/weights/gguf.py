@@ -18,6 +18,8 @@ import gguf
 import numpy as np
 
 from weld.models import family_for_gguf
+from weld.models.common import quant
+from weld.models.common.spec import iter_specs
 from weld.utils.errors import ModelNotFoundError, UnsupportedModelError
 from weld.weights.tree import CheckpointError, fill_tree, parse_dtype, plan_tensors
 
@@ -138,8 +140,12 @@ def _supported_names() -> str:
     return ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
 
 
-def load_gguf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool | None = None):
-    """Loads a GGUF model. Returns (family module, Config, weight tree of jax arrays, metadata)."""
+def load_gguf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool | None = None,
+              keep_quantized: bool = False):
+    """Loads a GGUF model. Returns (family module, Config, weight tree of jax arrays, metadata).
+    keep_quantized: matrices stored in a type of `quant.GGUF_KEPT` become `quant.QuantWeight`s of
+    the same blocks (`quant.gguf_blocks`; linear layers and embedding lookups take them); other types, and tensors a
+    key map converts beyond reordering rows, are dequantized to `dtype`."""
     dtype = parse_dtype(dtype)
     f = GGUFFile(path)
     try:
@@ -155,7 +161,17 @@ def load_gguf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool |
         raise UnsupportedModelError(f"{f.path}: unsupported tensor types: {', '.join(unsupported[:6])}"
                                     f"{' ...' if len(unsupported) > 6 else ''} (weld loads {_supported_names()})")
 
-    def read(name: str) -> tuple[np.ndarray, bool]:
+    declared = dict(iter_specs(specs))
+    kept = {p.name for p in plan if keep_quantized and f.type_name(p.name) in quant.GGUF_KEPT
+            and p.match.expert is None and (p.match.convert is None or p.match.rows_only)
+            and all(len(declared[path].shape) == 2 for path in p.match.paths)}
+
+    def read(name: str):
+        if name in kept:
+            try:
+                return quant.gguf_blocks(f.tensors[name].data, f.type_name(name), f.shape(name)), False
+            except ValueError as err:
+                raise CheckpointError(f"{f.path}: tensor {name}: {err}") from None
         return f.dequantize(name), f.tensors[name].tensor_type == Q.F32  # only F32 is a view of the file
 
     order = sorted(plan, key=lambda p: f.tensors[p.name].data_offset)

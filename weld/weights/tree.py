@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from weld.models.common import checkpoint
+from weld.models.common import checkpoint, quant
 from weld.models.common.checkpoint import KeyMap, Match
 from weld.models.common.spec import Path, iter_specs, path_str, set_path
 from weld.utils.errors import WeldError
@@ -161,6 +161,16 @@ def fill_tree(where: str, plan: Iterable[Planned], specs: Any, cfg: Any, dtype: 
         for item in plan:
             array, mapped = read(item.name)
             m = item.match
+            if isinstance(array, quant.Blocks):  # a quantized tensor kept as it is (rows converted alike)
+                parts = array.map_rows(lambda a: m.convert(a, cfg)) if m.convert is not None else array
+                for path, part in zip(m.paths, parts if isinstance(parts, tuple) else (parts,), strict=True):
+                    if tuple(part.shape) != declared[path].shape:
+                        raise CheckpointError(f"{where}: {item.name} converts to shape {tuple(part.shape)} for "
+                                              f"{path_str(path)}, expected {declared[path].shape}")
+                    set_path(specs, path, part.packed())
+                del array, parts
+                bar.update(nbytes(item.name))
+                continue
             if m.convert is not None:
                 try:
                     parts = m.convert(array, cfg)

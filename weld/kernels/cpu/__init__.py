@@ -34,12 +34,17 @@ from weld.utils.errors import InvalidInputError
 
 log = logging.getLogger("weld")
 
-_SOURCES = ("paged_attention.cc", "matmul.cc")
-_HEADERS = ("parallel.h",)
+_SOURCES = ("paged_attention.cc", "matmul.cc", "quant_matmul.cc")
+_HEADERS = ("parallel.h", "half.h")
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
           # lets the compiler vectorize the dot products' sums; no NaN/inf assumptions are made
           "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
-_TARGETS = {"weld_paged_attention": "WeldPagedAttention", "weld_packed_matmul": "WeldPackedMatmul"}
+_TARGETS = {"weld_paged_attention": "WeldPagedAttention", "weld_packed_matmul": "WeldPackedMatmul",
+            "weld_quant_matmul": "WeldQuantMatmul"}
+# The quantized matmul's instruction-set paths (its `isa` attribute), fastest last.
+ISAS = ("scalar", "avx2", "avx512vnni")
+# KV pool element types the paged attention kernel reads (widened to f32 as it reads them).
+KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool once tried; "error": why not
@@ -136,8 +141,8 @@ def _register(path: Path) -> None:
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                     query_positions: jax.Array, *, scale: float,
                     sliding_window: int | None) -> tuple[jax.Array, jax.Array]:
-    """Attention of q [b, t, h, e] over each row's pages of the pools [P, page, kv, e] (all f32),
-    which already hold the new K/V. Returns (out [b, t, h, e] f32, lse [b, t, h] f32); padding
+    """Attention of q [b, t, h, e] over each row's pages of the pools [P, page, kv, e] (f32, f16 or
+    bf16, both alike), which already hold the new K/V. Returns (out [b, t, h, e] f32, lse [b, t, h] f32); padding
     queries (position < 0) give 0 and an lse of -1e30, as the jnp path does."""
     b, t, h, e = q.shape
     call = jax.ffi.ffi_call(
@@ -170,3 +175,49 @@ def _packed_matmul_bwd(n, res, g):
 
 
 packed_matmul.defvjp(_packed_matmul_fwd, _packed_matmul_bwd)
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The quantized matmul's paths this CPU can run (none when the kernels are off or unbuilt)."""
+    if not available():
+        return ()
+    lib = _state["lib"]
+    found = ["scalar"]
+    if lib.weld_cpu_has_avx2():
+        found.append("avx2")
+    if lib.weld_cpu_has_vnni():
+        found.append("avx512vnni")
+    return tuple(found)
+
+
+def quant_isa() -> str:
+    """The path the quantized matmul takes: the fastest this CPU runs (AVX-512 VNNI, else AVX2,
+    else scalar), or WELD_CPU_ISA when set to one of `ISAS` it runs (read when a program is traced)."""
+    supported = supported_isas()
+    choice = os.environ.get("WELD_CPU_ISA", "auto")
+    if not supported:
+        raise InvalidInputError("the native CPU kernels are off or unavailable: no quantized matmul path")
+    if choice == "auto":
+        return supported[-1]
+    if choice not in ISAS:
+        raise InvalidInputError(f"WELD_CPU_ISA must be auto or one of {', '.join(ISAS)}, got {choice!r}")
+    if choice not in supported:
+        raise InvalidInputError(f"WELD_CPU_ISA={choice}, but this CPU runs only {', '.join(supported)}")
+    return choice
+
+
+def quant_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None, n: int, bits: int,
+                 offset: float, isa: str | None = None, digits: int = 1) -> jax.Array:
+    """x [m, k] f32 @ W.T for W [n, k] quantized in blocks of 32 (quant_matmul.cc;
+    weld.models.common.layers.QuantWeight): codes u8 [P, nb, 512 | 256], scales and mins f16 [P, nb, 16]
+    (mins None: w = d (c - offset)). isa: one of ISAS (None: `quant_isa()`). digits: int8 digits per
+    activation (2: the rounding residual quantized again and multiplied too). Returns y [m, n] f32."""
+    isa = quant_isa() if isa is None else isa
+    if isa not in supported_isas():
+        raise InvalidInputError(f"the quantized matmul's {isa} path does not run on this CPU "
+                                f"({', '.join(supported_isas())} do)")
+    call = jax.ffi.ffi_call("weld_quant_matmul", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    no_mins = jnp.zeros((0,), jnp.float16)
+    return call(x.astype(jnp.float32), codes, scales, no_mins if mins is None else mins, bits=np.int64(bits),
+                offset=np.float32(offset), isa=np.int64(ISAS.index(isa)), digits=np.int64(digits))

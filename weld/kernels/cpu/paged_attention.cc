@@ -1,39 +1,53 @@
-// Paged decode attention for XLA:CPU, called through the XLA FFI (weld/kernels/cpu/__init__.py
-// builds this file on the machine that runs it, with -march=native).
+// Paged attention for XLA:CPU (decode steps, verification and prefill chunks), called through the
+// XLA FFI (weld/kernels/cpu/__init__.py builds this file on the machine that runs it, with
+// -march=native).
 //
 // XLA:CPU runs the jnp form of paged attention (weld/models/common/attention.py) as a gather of
 // whole K/V tiles into new buffers, a transposed copy and batched dots of a few rows each; at
-// batch 16 that is a third of a decode step. This kernel reads each row's pages where they lie,
-// once, for all the query heads that share a kv head, under an online softmax.
+// batch 16 that is a third of a decode step, and a 1024-token prefill spends most of its time
+// there. This kernel reads each row's pages where they lie, once per block of 16 queries, for all
+// the query heads that share a kv head, under an online softmax; a query skips the pages it does
+// not see (causal and sliding-window masks cost nothing).
 //
 // Semantics are those of `paged_attention` for queries that read the pools (the new K/V were
 // written before the call): query (b, t, head) at position p >= 0 attends to positions
 // max(0, p - window + 1) .. p (window 0: no window) of row b, position j lying in page
 // block_tables[b, j / page_size] at row j % page_size. A query with p < 0 is padding: its output
 // is 0 and its log-sum-exp is -1e30.
+//
+// The pools hold f32, f16 or bf16 (the engine's KV dtype); each element is widened to f32 as it is
+// read, and every sum is in f32.
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "half.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define WELD_PA_AVX2 1
 #include <immintrin.h>
 #endif
 
 namespace ffi = xla::ffi;
+using weld::BF16;
+using weld::F16;
+using weld::to_float;
 
 namespace {
 
 constexpr float kMasked = -1e30f;  // the jnp path's mask value: lse of padding rows
+constexpr int64_t kQueryBlock = 16;  // queries of one row that share each page's visit
 
+template <typename T>
 struct Problem {
   const float* q;        // [b, t, h, e]
-  const float* k_pool;   // [P, page, kv, e]
-  const float* v_pool;
+  const T* k_pool;       // [P, page, kv, e]
+  const T* v_pool;
   const int32_t* tables;  // [b, nb]
   const int32_t* qpos;    // [b, t]
   float* out;             // [b, t, h, e]
@@ -42,9 +56,10 @@ struct Problem {
   float scale;
 };
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+template <typename T>
+inline float dot(const float* __restrict a, const T* __restrict b, int64_t n) {
   float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) s += a[i] * to_float(b[i]);
   return s;
 }
 
@@ -54,12 +69,20 @@ struct HeadState {
   float* acc;
 };
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if WELD_PA_AVX2
 inline float hsum(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   x = _mm_add_ss(x, _mm_movehdup_ps(x));
   return _mm_cvtss_f32(x);
+}
+
+// 8 pool elements widened to f32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const F16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const BF16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
 // exp of 8 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial
@@ -83,10 +106,10 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if WELD_PA_AVX2
 // fold_page for e = 8 * N8 (a compile-time constant, so the loops over e unroll).
-template <int64_t N8>
-void fold_page_avx2(const float* __restrict qs, const float* __restrict kp, const float* __restrict vp,
+template <int64_t N8, typename T>
+void fold_page_avx2(const float* __restrict qs, const T* __restrict kp, const T* __restrict vp,
                     int64_t lo, int64_t hi, int64_t row_stride, int64_t g, HeadState* st, float* __restrict s) {
     constexpr int64_t n8 = N8, e = 8 * N8;
     for (int64_t gi = 0; gi < g; ++gi) {
@@ -96,20 +119,20 @@ void fold_page_avx2(const float* __restrict qs, const float* __restrict kp, cons
       int64_t r = lo;
       for (; r + 4 <= hi; r += 4) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        const float* k0 = kp + r * row_stride;
+        const T* k0 = kp + r * row_stride;
         for (int64_t c = 0; c < n8; ++c) {
           const __m256 qv = _mm256_loadu_ps(qg + 8 * c);
-          a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 8 * c), a0);
-          a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + row_stride + 8 * c), a1);
-          a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * row_stride + 8 * c), a2);
-          a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * row_stride + 8 * c), a3);
+          a0 = _mm256_fmadd_ps(qv, load8(k0 + 8 * c), a0);
+          a1 = _mm256_fmadd_ps(qv, load8(k0 + row_stride + 8 * c), a1);
+          a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * row_stride + 8 * c), a2);
+          a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * row_stride + 8 * c), a3);
         }
         s[r] = hsum(a0), s[r + 1] = hsum(a1), s[r + 2] = hsum(a2), s[r + 3] = hsum(a3);
       }
       for (; r < hi; ++r) {
         __m256 a0 = _mm256_setzero_ps();
         for (int64_t c = 0; c < n8; ++c)
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(kp + r * row_stride + 8 * c), a0);
+          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load8(kp + r * row_stride + 8 * c), a0);
         s[r] = hsum(a0);
       }
       float mx = h.m;
@@ -132,8 +155,8 @@ void fold_page_avx2(const float* __restrict qs, const float* __restrict kp, cons
       for (int64_t c = 0; c < n8; ++c) acc[c] = _mm256_mul_ps(_mm256_loadu_ps(h.acc + 8 * c), cv);
       for (r = lo; r < hi; ++r) {
         const __m256 w = _mm256_set1_ps(s[r]);
-        const float* vr = vp + r * row_stride;
-        for (int64_t c = 0; c < n8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+        const T* vr = vp + r * row_stride;
+        for (int64_t c = 0; c < n8; ++c) acc[c] = _mm256_fmadd_ps(w, load8(vr + 8 * c), acc[c]);
       }
       for (int64_t c = 0; c < n8; ++c) _mm256_storeu_ps(h.acc + 8 * c, acc[c]);
       h.m = mx;
@@ -144,16 +167,17 @@ void fold_page_avx2(const float* __restrict qs, const float* __restrict kp, cons
 
 // Folds the rows lo..hi-1 of one page (one kv head's keys kp and values vp, rows row_stride
 // apart) into the g query heads qs [g, e] that share that kv head. s: scratch [page + 8].
-inline void fold_page(const float* __restrict qs, const float* __restrict kp, const float* __restrict vp,
+template <typename T>
+inline void fold_page(const float* __restrict qs, const T* __restrict kp, const T* __restrict vp,
                       int64_t lo, int64_t hi, int64_t row_stride, int64_t e, int64_t g, HeadState* st,
                       float* __restrict s) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if WELD_PA_AVX2
   switch (e) {
-    case 64: return fold_page_avx2<8>(qs, kp, vp, lo, hi, row_stride, g, st, s);
-    case 128: return fold_page_avx2<16>(qs, kp, vp, lo, hi, row_stride, g, st, s);
-    case 96: return fold_page_avx2<12>(qs, kp, vp, lo, hi, row_stride, g, st, s);
-    case 32: return fold_page_avx2<4>(qs, kp, vp, lo, hi, row_stride, g, st, s);
-    case 256: return fold_page_avx2<32>(qs, kp, vp, lo, hi, row_stride, g, st, s);
+    case 64: return fold_page_avx2<8, T>(qs, kp, vp, lo, hi, row_stride, g, st, s);
+    case 128: return fold_page_avx2<16, T>(qs, kp, vp, lo, hi, row_stride, g, st, s);
+    case 96: return fold_page_avx2<12, T>(qs, kp, vp, lo, hi, row_stride, g, st, s);
+    case 32: return fold_page_avx2<4, T>(qs, kp, vp, lo, hi, row_stride, g, st, s);
+    case 256: return fold_page_avx2<32, T>(qs, kp, vp, lo, hi, row_stride, g, st, s);
     default: break;
   }
 #endif
@@ -171,109 +195,146 @@ inline void fold_page(const float* __restrict qs, const float* __restrict kp, co
     for (int64_t r = lo; r < hi; ++r) {
       const float w = std::exp(s[r] - mx);
       sum += w;
-      const float* __restrict vr = vp + r * row_stride;
-      for (int64_t i = 0; i < e; ++i) a[i] += w * vr[i];
+      const T* __restrict vr = vp + r * row_stride;
+      for (int64_t i = 0; i < e; ++i) a[i] += w * to_float(vr[i]);
     }
     h.m = mx;
     h.l = sum;
   }
 }
 
-inline void prefetch_page(const float* p, int64_t floats) {
+template <typename T>
+inline void prefetch_page(const T* p, int64_t elements) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < floats * 4; off += 64) __builtin_prefetch(c + off);
+  for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
 }
 
-// One work item: query ti of row `row`, kv heads kh0..kh1-1 with their g query heads each. A
-// page holds all kv heads' rows interleaved, so an item over all kv heads reads each page once,
-// front to back (the next page is prefetched while this one is folded).
-void attend(const Problem& P, int64_t row, int64_t ti, int64_t kh0, int64_t kh1, float* scratch, HeadState* st) {
-  const int64_t e = P.e, g = P.g, nh = (kh1 - kh0) * g;
-  const int64_t qbase = (row * P.t + ti) * P.h + kh0 * g;  // first query head of this item
-  const int32_t p = P.qpos[row * P.t + ti];
-  if (p < 0) {
-    std::fill(P.out + qbase * e, P.out + (qbase + nh) * e, 0.f);
-    std::fill(P.lse + qbase, P.lse + qbase + nh, kMasked);
-    return;
+// One work item: queries t0..t1-1 of row `row` (consecutive tokens of one sequence, e.g. a prefill
+// chunk), kv heads kh0..kh1-1 with their g query heads each. Pages are visited once for the whole
+// block, front to back (the next one prefetched): each page is folded into every query of the
+// block that sees part of it while it is in cache. A query with position < 0 is padding.
+template <typename T>
+void attend(const Problem<T>& P, int64_t row, int64_t t0, int64_t t1, int64_t kh0, int64_t kh1, float* scratch,
+            HeadState* st) {
+  const int64_t e = P.e, g = P.g, nh = (kh1 - kh0) * g, nq = t1 - t0;
+  float* acc = scratch;               // [nq, nh, e]
+  float* qs = acc + nq * nh * e;      // [nq, nh, e] scaled queries
+  float* s = qs + nq * nh * e;        // [page]
+  int64_t lowest = INT64_MAX, highest = -1;  // the block's visible positions
+  for (int64_t j = 0; j < nq; ++j) {
+    const int64_t qbase = (row * P.t + t0 + j) * P.h + kh0 * g;  // the query's first head of this item
+    const int32_t p = P.qpos[row * P.t + t0 + j];
+    for (int64_t i = 0; i < nh; ++i) {
+      const float* src = P.q + (qbase + i) * e;
+      for (int64_t c = 0; c < e; ++c) qs[(j * nh + i) * e + c] = src[c] * P.scale;
+      st[j * nh + i] = HeadState{kMasked, 0.f, acc + (j * nh + i) * e};
+    }
+    if (p >= 0) {
+      lowest = std::min<int64_t>(lowest, P.window > 0 ? std::max<int64_t>(0, p - P.window + 1) : 0);
+      highest = std::max<int64_t>(highest, p);
+    }
   }
-  float* acc = scratch;          // [nh, e]
-  float* qs = acc + nh * e;      // [nh, e] scaled queries
-  float* s = qs + nh * e;        // [page]
-  for (int64_t j = 0; j < nh; ++j) {
-    const float* src = P.q + (qbase + j) * e;
-    for (int64_t i = 0; i < e; ++i) qs[j * e + i] = src[i] * P.scale;
-    st[j] = HeadState{kMasked, 0.f, acc + j * e};
-  }
-  std::fill(acc, acc + nh * e, 0.f);
-  const int64_t first = P.window > 0 ? std::max<int64_t>(0, p - P.window + 1) : 0;
+  std::fill(acc, acc + nq * nh * e, 0.f);
   const int64_t row_stride = P.kv * e;  // between consecutive tokens of a page
-  const int64_t page_floats = P.page_size * row_stride;
-  const int64_t last_block = std::min<int64_t>(p / P.page_size, P.nb - 1);
+  const int64_t page_elements = P.page_size * row_stride;
   auto page_of = [&](int64_t block) -> int64_t {
     const int32_t page = P.tables[row * P.nb + block];
     return page < 0 || page >= P.pages ? -1 : page;  // never out of range for positions a query sees
   };
-  for (int64_t block = first / P.page_size; block <= last_block; ++block) {
-    const int64_t page = page_of(block);
-    if (block < last_block) {
-      const int64_t next = page_of(block + 1);
-      if (next >= 0) {
-        prefetch_page(P.k_pool + next * page_floats, page_floats);
-        prefetch_page(P.v_pool + next * page_floats, page_floats);
+  if (highest >= 0) {
+    const int64_t last_block = std::min<int64_t>(highest / P.page_size, P.nb - 1);
+    for (int64_t block = lowest / P.page_size; block <= last_block; ++block) {
+      const int64_t page = page_of(block);
+      if (block < last_block) {
+        const int64_t next = page_of(block + 1);
+        if (next >= 0) {
+          prefetch_page(P.k_pool + next * page_elements, page_elements);
+          prefetch_page(P.v_pool + next * page_elements, page_elements);
+        }
+      }
+      if (page < 0) continue;
+      const int64_t start = block * P.page_size;
+      for (int64_t j = 0; j < nq; ++j) {
+        const int32_t p = P.qpos[row * P.t + t0 + j];
+        const int64_t first = P.window > 0 ? std::max<int64_t>(0, p - P.window + 1) : 0;
+        const int64_t lo = std::max(start, first) - start;
+        const int64_t hi = std::min<int64_t>(P.page_size, p - start + 1);
+        if (p < 0 || lo >= hi) continue;
+        for (int64_t kh = kh0; kh < kh1; ++kh) {
+          const T* kp = P.k_pool + page * page_elements + kh * e;
+          const T* vp = P.v_pool + page * page_elements + kh * e;
+          const int64_t at = j * nh + (kh - kh0) * g;
+          fold_page(qs + at * e, kp, vp, lo, hi, row_stride, e, g, st + at, s);
+        }
       }
     }
-    if (page < 0) continue;
-    const int64_t start = block * P.page_size;
-    const int64_t lo = std::max(start, first) - start;
-    const int64_t hi = std::min<int64_t>(P.page_size, p - start + 1);
-    for (int64_t kh = kh0; kh < kh1; ++kh) {
-      const float* kp = P.k_pool + page * page_floats + kh * e;
-      const float* vp = P.v_pool + page * page_floats + kh * e;
-      fold_page(qs + (kh - kh0) * g * e, kp, vp, lo, hi, row_stride, e, g, st + (kh - kh0) * g, s);
-    }
   }
-  for (int64_t j = 0; j < nh; ++j) {
-    const float denom = std::max(st[j].l, 1e-30f);
-    float* dst = P.out + (qbase + j) * e;
-    for (int64_t i = 0; i < e; ++i) dst[i] = acc[j * e + i] / denom;
-    P.lse[qbase + j] = st[j].m + std::log(denom);
+  for (int64_t j = 0; j < nq; ++j) {
+    const int64_t qbase = (row * P.t + t0 + j) * P.h + kh0 * g;
+    const bool padding = P.qpos[row * P.t + t0 + j] < 0;
+    for (int64_t i = 0; i < nh; ++i) {
+      const HeadState& h = st[j * nh + i];
+      const float denom = std::max(h.l, 1e-30f);
+      float* dst = P.out + (qbase + i) * e;
+      for (int64_t c = 0; c < e; ++c) dst[c] = padding ? 0.f : acc[(j * nh + i) * e + c] / denom;
+      P.lse[qbase + i] = padding ? kMasked : h.m + std::log(denom);
+    }
   }
 }
 
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
-                              ffi::Buffer<ffi::F32> v_pool, ffi::Buffer<ffi::S32> tables,
-                              ffi::Buffer<ffi::S32> qpos, ffi::ResultBuffer<ffi::F32> out,
-                              ffi::ResultBuffer<ffi::F32> lse, int64_t window, float scale) {
-  auto qd = q.dimensions(), kd = k_pool.dimensions(), td = tables.dimensions();
-  auto vd = v_pool.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
-      !std::equal(kd.begin(), kd.end(), vd.begin())) {
-    return ffi::Error::InvalidArgument("weld_paged_attention: q [b,t,h,e], pools [P,page,kv,e], tables [b,n]");
-  }
-  Problem P{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), tables.typed_data(), qpos.typed_data(),
-            out->typed_data(), lse->typed_data(), qd[0], qd[1], qd[2], qd[3], kd[2], 0, kd[0], kd[1], td[1],
-            window, scale};
-  auto pd = qpos.dimensions();
-  if (kd[3] != P.e || P.kv == 0 || P.h % P.kv != 0 || td[0] != P.b || pd.size() != 2 || pd[0] != P.b ||
-      pd[1] != P.t) {
-    return ffi::Error::InvalidArgument("weld_paged_attention: mismatched shapes");
-  }
+template <typename T>
+ffi::Error Run(ffi::ThreadPool& pool, Problem<T> P) {
   P.g = P.h / P.kv;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // Item i covers query (row, ti) and kv heads [chunk * per, (chunk + 1) * per): whole rows
-  // (every kv head: each page is read once, front to back) when there are enough of them to keep
-  // every thread busy; otherwise one item per kv head.
-  const int64_t chunks = P.b * P.t >= 2 * threads ? 1 : P.kv;
-  weld::parallel_for(pool, P.b * P.t * chunks, 1, [P, chunks](int64_t begin, int64_t end) {
-    const int64_t per = P.kv / chunks, nh = per * P.g;
-    std::vector<float> scratch(2 * nh * P.e + P.page_size + 8);  // + 8: whole-vector reads of s
-    std::vector<HeadState> st(nh);
+  // Item i covers a block of up to kQueryBlock queries of one row and kv heads [chunk * per,
+  // (chunk + 1) * per): every kv head (each page is read once per block, front to back) when there
+  // are enough items to keep every thread busy; otherwise one item per kv head.
+  const int64_t blocks = (P.t + kQueryBlock - 1) / kQueryBlock;
+  const int64_t chunks = P.b * blocks >= 2 * threads ? 1 : P.kv;
+  weld::parallel_for(pool, P.b * blocks * chunks, 1, [P, chunks, blocks](int64_t begin, int64_t end) {
+    const int64_t per = P.kv / chunks, nh = per * P.g, nq = std::min<int64_t>(kQueryBlock, P.t);
+    std::vector<float> scratch(2 * nq * nh * P.e + P.page_size + 8);  // + 8: whole-vector reads of s
+    std::vector<HeadState> st(nq * nh);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t chunk = i % chunks, ti = (i / chunks) % P.t, row = i / (chunks * P.t);
-      attend(P, row, ti, chunk * per, (chunk + 1) * per, scratch.data(), st.data());
+      const int64_t chunk = i % chunks, qb = (i / chunks) % blocks, row = i / (chunks * blocks);
+      const int64_t t0 = qb * kQueryBlock, t1 = std::min(P.t, t0 + kQueryBlock);
+      attend(P, row, t0, t1, chunk * per, (chunk + 1) * per, scratch.data(), st.data());
     }
   });
   return ffi::Error::Success();
+}
+
+template <typename T>
+Problem<T> problem(const ffi::Buffer<ffi::F32>& q, const ffi::AnyBuffer& k_pool, const ffi::AnyBuffer& v_pool,
+                   const ffi::Buffer<ffi::S32>& tables, const ffi::Buffer<ffi::S32>& qpos, float* out, float* lse,
+                   int64_t window, float scale) {
+  auto qd = q.dimensions(), kd = k_pool.dimensions(), td = tables.dimensions();
+  return Problem<T>{q.typed_data(), static_cast<const T*>(k_pool.untyped_data()),
+                    static_cast<const T*>(v_pool.untyped_data()), tables.typed_data(), qpos.typed_data(), out, lse,
+                    qd[0], qd[1], qd[2], qd[3], kd[2], 0, kd[0], kd[1], td[1], window, scale};
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
+                              ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> tables,
+                              ffi::Buffer<ffi::S32> qpos, ffi::ResultBuffer<ffi::F32> out,
+                              ffi::ResultBuffer<ffi::F32> lse, int64_t window, float scale) {
+  auto qd = q.dimensions(), kd = k_pool.dimensions(), td = tables.dimensions();
+  auto vd = v_pool.dimensions(), pd = qpos.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()) || k_pool.element_type() != v_pool.element_type()) {
+    return ffi::Error::InvalidArgument("weld_paged_attention: q [b,t,h,e], pools [P,page,kv,e] of one dtype, tables [b,n]");
+  }
+  if (kd[3] != qd[3] || kd[2] == 0 || qd[2] % kd[2] != 0 || td[0] != qd[0] || pd.size() != 2 || pd[0] != qd[0] ||
+      pd[1] != qd[1]) {
+    return ffi::Error::InvalidArgument("weld_paged_attention: mismatched shapes");
+  }
+  float *o = out->typed_data(), *l = lse->typed_data();
+  switch (k_pool.element_type()) {
+    case ffi::DataType::F32: return Run(pool, problem<float>(q, k_pool, v_pool, tables, qpos, o, l, window, scale));
+    case ffi::DataType::F16: return Run(pool, problem<F16>(q, k_pool, v_pool, tables, qpos, o, l, window, scale));
+    case ffi::DataType::BF16: return Run(pool, problem<BF16>(q, k_pool, v_pool, tables, qpos, o, l, window, scale));
+    default: return ffi::Error::InvalidArgument("weld_paged_attention: pools must be f32, f16 or bf16");
+  }
 }
 
 }  // namespace
@@ -282,8 +343,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WeldPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pool
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pool
+                                  .Arg<ffi::AnyBuffer>()         // k_pool: f32, f16 or bf16
+                                  .Arg<ffi::AnyBuffer>()         // v_pool: the same dtype
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query positions
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out

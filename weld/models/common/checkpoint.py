@@ -31,14 +31,18 @@ Path = tuple[Any, ...]
 @dataclasses.dataclass(frozen=True)
 class Convert:
     """A tensor whose layout differs from its leaf's: fn(array, cfg) -> array, or a tuple of arrays
-    (one per path) when one tensor fills several leaves. The element counts must add up."""
+    (one per path) when one tensor fills several leaves. The element counts must add up.
+    rows_only: fn only reorders or splits axis 0, so it applies to a quantized tensor's codes and
+    scales alike (the tensor can stay quantized)."""
 
     fn: Callable[[np.ndarray, Any], Any]
     paths: tuple[tuple, ...]
+    rows_only: bool = False
 
-    def __init__(self, fn: Callable[[np.ndarray, Any], Any], *paths: tuple):
+    def __init__(self, fn: Callable[[np.ndarray, Any], Any], *paths: tuple, rows_only: bool = False):
         object.__setattr__(self, "fn", fn)
         object.__setattr__(self, "paths", tuple(paths))
+        object.__setattr__(self, "rows_only", rows_only)
 
 
 Target = tuple | Convert
@@ -59,6 +63,7 @@ class Match:
     paths: tuple[Path, ...]
     expert: int | None = None
     convert: Callable | None = None
+    rows_only: bool = False  # the conversion reorders or splits rows only (`Convert.rows_only`)
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +87,7 @@ def match(keymap: KeyMap, name: str) -> Match | None:
         groups = m.groupdict()
         expert = int(groups["e"]) if groups.get("e") is not None else None
         if isinstance(target, Convert):
-            return Match(tuple(_fill(p, groups) for p in target.paths), expert, target.fn)
+            return Match(tuple(_fill(p, groups) for p in target.paths), expert, target.fn, target.rows_only)
         return Match((_fill(target, groups),), expert)
     return None
 

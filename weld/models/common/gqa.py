@@ -21,6 +21,7 @@ from weld.models.common.attention import paged_attention
 from weld.models.common.cache import KVPages
 from weld.models.common.decoder import Rows
 from weld.models.common.layers import linear, rms_norm
+from weld.models.common.quant import concat_rows
 from weld.models.common.rope import Rope
 from weld.models.common.spec import WeightSpec
 
@@ -100,6 +101,10 @@ def _attend(pages: KVPages, positions, tables, q, k, v, *, window, scale, sinks)
 def fuse_qkv(lw: dict) -> None:
     """Concatenates q/k/v projections (and biases) into `wqkv` [q + 2 kv, d] (`bqkv`), in place."""
     if "wq" in lw:
-        lw["wqkv"] = jnp.concatenate([lw.pop("wq"), lw.pop("wk"), lw.pop("wv")])
+        fused = concat_rows([lw["wq"], lw["wk"], lw["wv"]])
+        if fused is None:  # matrices of different forms (a GGUF's mixed types) stay apart
+            return
+        del lw["wq"], lw["wk"], lw["wv"]
+        lw["wqkv"] = fused
         if "bq" in lw:
             lw["bqkv"] = jnp.concatenate([lw.pop("bq"), lw.pop("bk"), lw.pop("bv")])

@@ -11,8 +11,11 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from weld.kernels import cpu as cpu_kernels
+from weld.models.common import quant
+from weld.models.common.quant import QuantWeight, concat_rows
 from weld.utils.errors import InvalidInputError
 
 
@@ -99,37 +102,54 @@ class PackedWeight:
         return jnp.swapaxes(self.panels, 1, 2).reshape(num * PANEL, k)[:self.n]
 
 
-def unpacked(w: jax.Array | PackedWeight) -> jax.Array:
-    """The [n, k] matrix of either form."""
-    return w.unpacked() if isinstance(w, PackedWeight) else w
+def unpacked(w: jax.Array | PackedWeight | QuantWeight) -> jax.Array:
+    """The [n, k] matrix of any form."""
+    return w.unpacked() if isinstance(w, (PackedWeight, QuantWeight)) else w
 
 
 def pack_if_f32(w):
     """The packed form of an f32 matrix [n, k] (what the native CPU kernel reads); anything else
     (another dtype, an expert stack, an already packed weight) as it is."""
-    if w is not None and not isinstance(w, PackedWeight) and w.ndim == 2 and w.dtype == jnp.float32:
+    if (w is not None and not isinstance(w, (PackedWeight, QuantWeight)) and w.ndim == 2
+            and w.dtype == jnp.float32):
         return jax.block_until_ready(pack_weight(w))
     return w
 
 
-def pack_matrices(weights: dict, names: tuple[str, ...]) -> None:
-    """Packs the f32 matrices `names` of a weight dict in place (`pack_if_f32`)."""
+def prepared_matrix(w, target):
+    """One matrix [n, k] in the form `target` (a `weld.models.family.WeightTarget`) runs it in:
+    quantized when target.quantization is "int8" or "int4" (`quant.quantize`, once, at load),
+    packed in panels when f32 on the CPU with the native kernels, else as it is. A matrix that is
+    already quantized (a GGUF's kept blocks), packed, 1-D or an expert stack stays as it is."""
+    if w is None or isinstance(w, (PackedWeight, QuantWeight)) or w.ndim != 2:
+        return w
+    if getattr(target, "quantization", None) in quant.MODES:
+        return jax.block_until_ready(quant.quantize(np.asarray(w, np.float32), target.quantization))
+    return pack_if_f32(w) if target.pack_for_cpu_kernels else w
+
+
+def prepare_matrices(weights: dict, names: tuple[str, ...], target) -> None:
+    """The matrices `names` of a weight dict in `prepared_matrix`'s form for target, in place."""
     for name in names:
         if name in weights:
-            weights[name] = pack_if_f32(weights[name])
+            weights[name] = prepared_matrix(weights[name], target)
 
 
-def pack_head(weights: dict) -> None:
-    """Packs the LM head (the tied embedding when there is no lm_head; lookups gather rows from
-    its panels), in place; an untied input embedding only serves lookups and stays as it is."""
-    pack_matrices(weights, ("lm_head",) if "lm_head" in weights else ("embed",))
+def prepare_head(weights: dict, target) -> None:
+    """The LM head in `prepared_matrix`'s form (the tied embedding when there is no lm_head;
+    lookups gather its rows from the panels or blocks), in place; an untied input embedding only
+    serves lookups and stays as it is."""
+    prepare_matrices(weights, ("lm_head",) if "lm_head" in weights else ("embed",), target)
 
 
 def fuse_gate_up(mlp: dict) -> None:
     """Concatenates a gated MLP's `w_gate` and `w_up` [f, d] into one `w_gate_up` [2 f, d], in
     place (one matmul instead of two; `gated_mlp` takes either form)."""
     if "w_gate" in mlp:
-        mlp["w_gate_up"] = jnp.concatenate([mlp.pop("w_gate"), mlp.pop("w_up")])
+        fused = concat_rows([mlp["w_gate"], mlp["w_up"]])
+        if fused is not None:  # matrices of different forms (a GGUF's mixed types) stay apart
+            del mlp["w_gate"], mlp["w_up"]
+            mlp["w_gate_up"] = fused
 
 
 def pack_weight(w: jax.Array) -> PackedWeight:
@@ -138,10 +158,20 @@ def pack_weight(w: jax.Array) -> PackedWeight:
     return PackedWeight(jnp.swapaxes(padded.reshape(-1, PANEL, k), 1, 2), n)
 
 
-def linear(x: jax.Array, w: jax.Array | PackedWeight, b: jax.Array | None = None) -> jax.Array:
-    """x @ w.T for w stored [out, in] (the HF / GGUF layout, so loading copies nothing) or packed."""
+def linear(x: jax.Array, w: jax.Array | PackedWeight | QuantWeight, b: jax.Array | None = None) -> jax.Array:
+    """x @ w.T for w stored [out, in] (the HF / GGUF layout, so loading copies nothing), packed
+    in panels, or quantized (`quant.QuantWeight`: the native integer kernel on the CPU, else
+    dequantized in XLA)."""
     rows = math.prod(x.shape[:-1])
-    if isinstance(w, PackedWeight):
+    if isinstance(w, QuantWeight):
+        x2 = x.reshape(rows, x.shape[-1])
+        if cpu_kernels.available():
+            y = cpu_kernels.quant_matmul(x2, w.codes, w.scales, w.mins, w.n, w.bits, w.offset,
+                                         digits=w.activation_digits).astype(x.dtype)
+        else:
+            y = jax.lax.dot_general(x2, w.unpacked().astype(x.dtype), (((1,), (1,)), ((), ())))
+        y = y.reshape(x.shape[:-1] + (w.n,))
+    elif isinstance(w, PackedWeight):
         x2 = x.reshape(rows, x.shape[-1])
         if x.dtype == w.dtype == jnp.float32 and cpu_kernels.available():
             y = cpu_kernels.packed_matmul(x2, w.panels, w.n)

@@ -1,0 +1,253 @@
+"""The quantized matmul (weld/kernels/cpu/quant_matmul.cc) against a numpy statement of its maths,
+on every instruction-set path this CPU runs, and the QuantWeight type around it (packing, rows,
+concatenation, GGUF blocks)."""
+
+from __future__ import annotations
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from weld.kernels import cpu as cpu_kernels
+from weld.models.common import layers, quant
+from weld.utils.errors import InvalidInputError
+
+ISAS = cpu_kernels.supported_isas()
+# the kernel's distinct cases: 8 or 4 bits, an offset or mins (q4_k / q5_k run as q4_1 / q5_1)
+KERNEL_FORMATS = ["int8", "int4", "q4_1", "q5_0", "q5_1"]
+needs_kernels = pytest.mark.skipif(not ISAS, reason="the native CPU kernels are not built here")
+
+
+def random_blocks(rng, n: int, k: int, fmt: str, scale: float = 1.0):
+    """Codes [n, k], scales and mins [n, nb] of a random matrix in fmt (scales already f16-exact)."""
+    bits, _, has_mins = quant.FORMATS[fmt]
+    nb = -(-k // quant.BLOCK)
+    codes = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
+    d = (rng.uniform(0.2, 1.0, (n, nb)) * scale).astype(np.float16).astype(np.float32)
+    mn = (rng.standard_normal((n, nb)) * scale).astype(np.float16).astype(np.float32) if has_mins else None
+    return codes, d, mn
+
+
+def dense(codes, d, mn, fmt) -> np.ndarray:
+    """The float matrix the blocks state, in float64."""
+    _, offset, _ = quant.FORMATS[fmt]
+    n, k = codes.shape
+    per_input = lambda v: np.repeat(v.astype(np.float64), quant.BLOCK, axis=1)[:, :k]  # noqa: E731
+    if mn is None:
+        return per_input(d) * (codes.astype(np.float64) - offset)
+    return per_input(d) * codes + per_input(mn)
+
+
+def reference(x: np.ndarray, codes, d, mn, fmt, digits: int | None = None) -> np.ndarray:
+    """What the kernel computes: x's blocks of 32 quantized to int8 (sx = max|x| / 127, round half to
+    even), exact integer dot products with the codes, then the f32 scales (float64 here). With two
+    digits (the "int8" format) the f32 residual x - sx xq is quantized as well, with the scale
+    max|x| / 32258, and multiplied too."""
+    digits = quant.ACTIVATION_DIGITS.get(fmt, 1) if digits is None else digits
+    _, offset, _ = quant.FORMATS[fmt]
+    m, k = x.shape
+    n = codes.shape[0]
+    nb = -(-k // quant.BLOCK)
+    xp = np.zeros((m, nb * quant.BLOCK), np.float32)
+    xp[:, :k] = x
+    xb = xp.reshape(m, nb, quant.BLOCK)
+    amax = np.abs(xb).max(axis=-1)
+    cp = np.zeros((n, nb * quant.BLOCK), np.int64)
+    cp[:, :k] = codes
+    cb = cp.reshape(n, nb, quant.BLOCK)
+    mv = mn if mn is not None else -offset * d
+    total, value = 0.0, xb
+    for levels in (127.0, 32258.0)[:digits]:
+        inv = np.where(amax > 0, np.float32(levels) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        xq = np.clip(np.rint(value * inv[..., None]), -127, 127)
+        sx = (amax / np.float32(levels)).astype(np.float32)
+        # the residual as one fused multiply-add rounds it: exact in float64, then to f32
+        value = (xb.astype(np.float64) - xq * sx[..., None].astype(np.float64)).astype(np.float32)
+        xq = xq.astype(np.int64)
+        dots = np.einsum("mbj,nbj->mnb", xq, cb)
+        inner = d[None].astype(np.float64) * dots + mv[None].astype(np.float64) * xq.sum(-1)[:, None, :]
+        total = total + (sx.astype(np.float64)[:, None, :] * inner).sum(-1)
+    return total
+
+
+def run(x, w: quant.QuantWeight, isa: str, digits: int | None = None) -> np.ndarray:
+    digits = w.activation_digits if digits is None else digits
+    return np.asarray(cpu_kernels.quant_matmul(jnp.asarray(x), w.codes, w.scales, w.mins, w.n, w.bits, w.offset, isa,
+                                               digits))
+
+
+def close(y, want, rtol=2e-6):
+    scale = max(np.abs(want).max(), 1e-30)
+    np.testing.assert_allclose(y, want, rtol=0, atol=rtol * scale * np.sqrt(want.shape[-1]) + 1e-37)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (1, 40, 70), (3, 33, 96), (4, 17, 64), (5, 100, 300),
+                                   (8, 48, 33), (13, 31, 128), (33, 20, 200)])
+def test_matches_numpy_statement(isa, fmt, m, n, k):
+    """k not a multiple of the block, n not a multiple of the panel, row counts across the kernel's
+    row tiles."""
+    rng = np.random.default_rng(m * 1000 + n * 10 + k)
+    codes, d, mn = random_blocks(rng, n, k, fmt)
+    w = quant.from_codes(codes, d, mn, fmt)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = reference(x, codes, d, mn, fmt)
+    close(run(x, w, isa), want)
+    # and the statement is the float matrix's product up to the activations' rounding: two digits
+    # leave ~127x less of it than one
+    exact = x.astype(np.float64) @ dense(codes, d, mn, fmt).T
+    one = reference(x, codes, d, mn, fmt, digits=1)
+    close(run(x, w, isa, digits=1), one)
+    assert np.abs(one - exact).max() <= 0.02 * np.abs(exact).max()
+    two = reference(x, codes, d, mn, fmt, digits=2)
+    close(run(x, w, isa, digits=2), two)
+    assert np.abs(two - exact).max() <= 0.02 / 50 * np.abs(exact).max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
+def test_extreme_codes_zero_blocks_and_scales(isa, fmt):
+    """All-max and all-zero codes against all-+127 / all--127 activations (the AVX2 path's 16-bit
+    pair sums at their limits), zero activation blocks, zero scales, f16's largest and subnormal
+    scales, and activations near f32's range."""
+    bits = quant.FORMATS[fmt][0]
+    rng = np.random.default_rng(7)
+    n, k = 32, 128
+    codes = np.zeros((n, k), np.uint8)
+    codes[:8] = (1 << bits) - 1
+    codes[8:16] = rng.integers(0, 1 << bits, (8, k))
+    codes[16:] = np.where(rng.random((16, k)) < 0.5, 0, (1 << bits) - 1)
+    d = np.full((n, k // 32), 1.0, np.float32)
+    d[:, 1] = 0.0  # a zero scale
+    d[:4, 2] = 65504.0  # f16's largest
+    d[4:8, 2] = np.float32(np.float16(6e-8))  # a subnormal f16
+    mn = np.full_like(d, -0.5) if quant.FORMATS[fmt][2] else None
+    w = quant.from_codes(codes, d, mn, fmt)
+    for x in (np.ones((3, k), np.float32), -np.ones((3, k), np.float32),
+              np.concatenate([np.zeros((2, 64), np.float32), np.ones((2, 64), np.float32)], axis=1),
+              np.sign(rng.standard_normal((5, k))).astype(np.float32) * 1e30,
+              rng.standard_normal((4, k)).astype(np.float32) * 1e-30):
+        close(run(x, w, isa), reference(x, codes, d, mn, fmt))
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+def test_hand_checked_product(isa):
+    """One block, one output: w = 0.5 (c - 128) with c = 129, x = 1: y = 32 * 0.5 = 16; with
+    c = 130 on the odd inputs, y = 16 * 0.5 + 16 * 1.0 = 24."""
+    codes = np.full((1, 32), 129, np.uint8)
+    w = quant.from_codes(codes, np.full((1, 1), 0.5, np.float32), None, "int8")
+    assert run(np.ones((1, 32), np.float32), w, isa)[0, 0] == pytest.approx(16.0, rel=1e-6)
+    codes[0, 1::2] = 130
+    w = quant.from_codes(codes, np.full((1, 1), 0.5, np.float32), None, "int8")
+    assert run(np.ones((1, 32), np.float32), w, isa)[0, 0] == pytest.approx(24.0, rel=1e-6)
+
+
+@needs_kernels
+def test_isa_choice(monkeypatch):
+    monkeypatch.setenv("WELD_CPU_ISA", "auto")
+    assert cpu_kernels.quant_isa() == ISAS[-1]
+    monkeypatch.setenv("WELD_CPU_ISA", "scalar")
+    assert cpu_kernels.quant_isa() == "scalar"
+    monkeypatch.setenv("WELD_CPU_ISA", "sse9")
+    with pytest.raises(InvalidInputError, match="WELD_CPU_ISA must be auto or one of"):
+        cpu_kernels.quant_isa()
+    missing = [isa for isa in cpu_kernels.ISAS if isa not in ISAS]
+    if missing:  # a path this CPU lacks is refused, not run
+        monkeypatch.setenv("WELD_CPU_ISA", missing[0])
+        with pytest.raises(InvalidInputError, match="this CPU runs only"):
+            cpu_kernels.quant_isa()
+
+
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
+def test_quant_weight_forms(fmt):
+    """unpacked(), row lookups and concatenation state the same matrix as the blocks."""
+    rng = np.random.default_rng(3)
+    codes, d, mn = random_blocks(rng, 37, 70, fmt)
+    w = quant.from_codes(codes, d, mn, fmt)
+    want = dense(codes, d, mn, fmt)
+    np.testing.assert_allclose(np.asarray(w.unpacked()), want, rtol=1e-6, atol=1e-6)
+    ids = np.array([[0, 36, 15], [16, 17, 5]])
+    np.testing.assert_allclose(np.asarray(w[jnp.asarray(ids)]), want[ids], rtol=1e-6, atol=1e-6)
+    other = quant.from_codes(*random_blocks(rng, 32, 70, fmt), fmt)
+    for parts in ([w, other], [other, other]):  # re-packed (37 rows) and panel-wise (32 + 32)
+        cat = quant.concat_rows(parts)
+        assert isinstance(cat, quant.QuantWeight) and cat.shape == (sum(p.n for p in parts), 70)
+        np.testing.assert_array_equal(np.asarray(cat.unpacked()),
+                                      np.concatenate([np.asarray(p.unpacked()) for p in parts]))
+    assert quant.concat_rows([w, jnp.zeros((4, 70))]) is None  # mixed forms stay apart
+    assert quant.concat_rows([w, quant.quantize(np.ones((16, 70)), "int8" if fmt != "int8" else "int4")]) is None
+
+
+def test_linear_without_kernels_dequantizes(monkeypatch):
+    """With the kernels off (or off the CPU) `linear` multiplies by the dequantized matrix in XLA."""
+    monkeypatch.setenv("WELD_CPU_KERNELS", "0")
+    rng = np.random.default_rng(5)
+    w = quant.quantize(rng.standard_normal((24, 40)), "int4")
+    x = rng.standard_normal((2, 3, 40)).astype(np.float32)
+    y = np.asarray(layers.linear(jnp.asarray(x), w))
+    np.testing.assert_allclose(y, x @ np.asarray(w.unpacked()).T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,step,steps", [("int8", 127.0, 0.5), ("int4", 8.0, 1.0)])
+def test_quantize_error_is_bounded(mode, step, steps):
+    """int8 (Q8_0's rule, d = max|w| / 127): within half a step d. int4 (Q4_0's, the value of
+    largest magnitude maps to -8, so the other sign reaches only 7 d): within one step. Plus the
+    scale's f16 rounding (2^-11 relative over up to `step` steps)."""
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((20, 100)).astype(np.float32) * np.logspace(-2, 2, 20, dtype=np.float32)[:, None]
+    w[3, 32:64] = 0.0  # an all-zero block
+    q = np.asarray(quant.quantize(w, mode).unpacked())
+    blocks = np.pad(np.abs(w), ((0, 0), (0, 28))).reshape(20, 4, 32).max(-1)
+    bound = np.repeat(blocks / step, 32, axis=1)[:, :100] * (steps + step * 2.0 ** -11 + 1e-3)
+    assert np.all(np.abs(q - w) <= bound)
+    assert np.all(q[3, 32:64] == 0.0)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        quant.quantize(w, "int3")
+
+
+def gguf_raw(rng, type_name: str, n: int, k: int) -> np.ndarray:
+    """Random blocks of a GGUF type as bytes [n, k / block * block bytes], with finite f16 scales
+    (and mins / K-quants' dmin) in front."""
+    _, per_block, size = quant.GGUF_KEPT[type_name]
+    raw = rng.integers(0, 256, (n, k // per_block, size), dtype=np.uint8)
+    halves = 2 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1
+    raw[..., :2 * halves] = (rng.standard_normal((n, k // per_block, halves)) * 0.1).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("type_name", sorted(quant.GGUF_KEPT))
+def test_gguf_blocks_are_lossless(type_name):
+    """Blocks of 32 repack exactly; K-quants' per-32 scales d * sc and mins -dmin * m are exact
+    products before packing and within f16's rounding (2^-11 relative) after."""
+    rng = np.random.default_rng(13)
+    raw = gguf_raw(rng, type_name, 24, 512)
+    want = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, type_name)).astype(np.float32)
+    blocks = quant.gguf_blocks(raw, type_name, (24, 512))
+    got = np.asarray(blocks.packed().unpacked())
+    if type_name.endswith("_K"):
+        per_input = lambda v: np.repeat(v, 32, axis=1)  # noqa: E731
+        stated = per_input(blocks.d) * blocks.codes + per_input(blocks.mn)
+        np.testing.assert_allclose(stated, want, rtol=1e-6, atol=1e-7)
+        bound = 2.0 ** -11 * (per_input(np.abs(blocks.d)) * blocks.codes + per_input(np.abs(blocks.mn))) + 1e-7
+        assert np.all(np.abs(got - want) <= bound) and np.any(got != want)
+    else:
+        np.testing.assert_array_equal(got, want)
+    swapped = blocks.map_rows(lambda a: a[::-1])  # rows reorder alike
+    np.testing.assert_array_equal(np.asarray(swapped.packed().unpacked()), got[::-1])
+    with pytest.raises(ValueError, match=f"{type_name} tensor of shape"):
+        quant.gguf_blocks(raw[:, :-1], type_name, (24, 512))  # truncated
+    with pytest.raises(ValueError, match=f"{type_name} tensor of shape"):
+        quant.gguf_blocks(raw[:, :-1], type_name, (24, 511))  # k not whole blocks
+
+
+def test_k_quant_scales_beyond_f16_are_refused():
+    raw = gguf_raw(np.random.default_rng(1), "Q4_K", 2, 256)
+    raw[0, 0:2] = np.array([60000.0], np.float16).view(np.uint8)
+    raw[0, 4] = 63  # sub-block 0's scale: 60000 * 63 overflows f16
+    with pytest.raises(ValueError, match="beyond the f16 range"):
+        quant.gguf_blocks(raw, "Q4_K", (2, 256))

@@ -1,0 +1,290 @@
+"""Quantized weights as a data type: `QuantWeight`, which `layers.linear` (and embedding lookups)
+take next to plain and packed f32 matrices.
+
+A QuantWeight is a matrix [n, k] (HF's [out, in]) in blocks of 32 inputs per output: unsigned
+codes c (8 or 4 bits), a scale d and, in formats with one, a min mn per (output, block):
+
+    w = d * (c - offset)     "int8" / GGUF Q8_0 (offset 128), "int4" / Q4_0 (offset 8), Q5_0 (16)
+    w = d * c + mn           GGUF Q4_1, Q5_1, Q4_K, Q5_K (offset 0, mins; 5-bit codes take a byte)
+
+laid out in panels of 16 outputs for the native CPU kernel (weld/kernels/cpu/quant_matmul.cc has
+the byte layout): codes [P, nb, 512 | 256], scales and mins f16 [P, nb, 16]. That kernel quantizes
+the activations per block of 32 to int8 and takes integer dot products (AVX-512 VNNI or AVX2).
+Elsewhere (no kernels, another backend) `linear` dequantizes and multiplies in XLA.
+
+`quantize(w, "int8" | "int4")` makes one from a float matrix (symmetric: d = max|w| / 127, or
+d = the signed value of largest magnitude / -8, as llama.cpp's Q8_0 / Q4_0); `from_codes` from
+codes and scales already in blocks (a GGUF's tensors: `gguf_blocks`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 32
+PANEL = 16
+MODES = ("int8", "int4")
+FORMATS = {"int8": (8, 128.0, False), "int4": (4, 8.0, False), "q8_0": (8, 128.0, False),
+           "q4_0": (4, 8.0, False), "q4_1": (4, 0.0, True), "q5_0": (8, 16.0, False), "q5_1": (8, 0.0, True),
+           "q4_k": (4, 0.0, True), "q5_k": (8, 0.0, True)}  # format -> (bits, offset, has mins)
+# int8 digits per activation in the CPU kernel: "int8" (a mode for f32 checkpoints, held to 0.5% of
+# their perplexity) also multiplies the activations' rounding residual; a GGUF's blocks use one
+# digit, as llama.cpp does.
+ACTIVATION_DIGITS = {"int8": 2}
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantWeight:
+    """A weight [n, k] quantized in blocks of 32 (see the module docstring). `shape` and `dtype`
+    (float32) are the logical matrix's; `nbytes` is what a step reads."""
+
+    def __init__(self, codes: jax.Array, scales: jax.Array, mins: jax.Array | None, n: int, k: int, fmt: str):
+        self.codes, self.scales, self.mins = codes, scales, mins
+        self.n, self.k, self.fmt = n, k, fmt
+
+    @property
+    def bits(self) -> int:
+        return FORMATS[self.fmt][0]
+
+    @property
+    def offset(self) -> float:
+        return FORMATS[self.fmt][1]
+
+    @property
+    def activation_digits(self) -> int:
+        return ACTIVATION_DIGITS.get(self.fmt, 1)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.float32)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.codes, self.scales, self.mins) if a is not None)
+
+    def tree_flatten(self):
+        return (self.codes, self.scales, self.mins), (self.n, self.k, self.fmt)
+
+    @classmethod
+    def tree_unflatten(cls, meta, children):
+        return cls(*children, *meta)
+
+    def unpacked(self) -> jax.Array:
+        """The [n, k] f32 matrix."""
+        p, nb, _ = self.codes.shape
+        codes = unpack_codes(self.codes, self.bits).astype(jnp.float32)  # [P, nb, 16, 32]
+        d = self.scales.astype(jnp.float32)[..., None]
+        mv = self.mins.astype(jnp.float32)[..., None] if self.mins is not None else -self.offset * d
+        w = d * codes + mv  # [P, nb, 16, 32]
+        return jnp.transpose(w, (0, 2, 1, 3)).reshape(p * PANEL, nb * BLOCK)[:self.n, :self.k]
+
+    def __getitem__(self, ids) -> jax.Array:
+        """Rows of the matrix (a quantized embedding's lookups): ids.shape + (k,), f32."""
+        ids = jnp.asarray(ids)
+        flat = ids.reshape(-1)
+        panel, out = flat // PANEL, flat % PANEL
+        codes = unpack_codes(self.codes[panel], self.bits)  # [r, nb, 16, 32]
+        rows = jnp.take_along_axis(codes, out[:, None, None, None], axis=2)[:, :, 0].astype(jnp.float32)
+        d = jnp.take_along_axis(self.scales[panel], out[:, None, None], axis=2)[..., 0].astype(jnp.float32)[..., None]
+        if self.mins is not None:
+            mv = jnp.take_along_axis(self.mins[panel], out[:, None, None], axis=2)[..., 0].astype(jnp.float32)[..., None]
+        else:
+            mv = -self.offset * d
+        w = (d * rows + mv).reshape(flat.shape[0], -1)[:, :self.k]
+        return w.reshape(ids.shape + (self.k,))
+
+
+def is_quantized(x) -> bool:
+    return isinstance(x, QuantWeight)
+
+
+def unpack_codes(codes: jax.Array, bits: int) -> jax.Array:
+    """Codes [..., bytes] of panels' blocks -> [..., 16, 32] (output, input) as uint8."""
+    lead = codes.shape[:-1]
+    if bits == 8:
+        grouped = codes.reshape(lead + (8, PANEL, 4))
+    else:
+        raw = codes.reshape(lead + (4, PANEL, 4))
+        grouped = jnp.concatenate([raw & 0x0F, raw >> 4], axis=-3)  # groups 0..3, then 4..7
+    return jnp.moveaxis(grouped, -2, -3).reshape(lead + (PANEL, BLOCK))
+
+
+# ----- making them (host side, numpy, at load) -----
+
+def from_codes(codes: np.ndarray, d: np.ndarray, mn: np.ndarray | None, fmt: str) -> QuantWeight:
+    """A QuantWeight of codes [n, k] (unsigned, < 2^bits) and per-block scales d [n, ceil(k / 32)]
+    (and mins), e.g. a GGUF tensor's blocks. Padded inputs and outputs get weight 0."""
+    bits, offset, has_mins = FORMATS[fmt]
+    if has_mins != (mn is not None):
+        raise ValueError(f"format {fmt} {'needs' if has_mins else 'has no'} mins")
+    n, k = codes.shape
+    nb, p = -(-k // BLOCK), -(-n // PANEL)
+    pad_code = int(offset) if not has_mins else 0
+    c = np.full((p * PANEL, nb * BLOCK), pad_code, np.uint8)
+    c[:n, :k] = codes
+    c = c.reshape(p, PANEL, nb, 8, 4).transpose(0, 2, 3, 1, 4)  # [P, nb, group, output, 4 inputs]
+    if bits == 8:
+        packed = c.reshape(p, nb, 512)
+    else:
+        packed = (c[:, :, :4] | (c[:, :, 4:] << 4)).reshape(p, nb, 256)
+
+    def panels(v: np.ndarray) -> jax.Array:
+        full = np.zeros((p * PANEL, nb), np.float32)
+        full[:n] = v
+        return jnp.asarray(full.reshape(p, PANEL, nb).transpose(0, 2, 1).astype(np.float16))
+
+    return QuantWeight(jnp.asarray(packed), panels(d), panels(mn) if mn is not None else None, n, k, fmt)
+
+
+def quantize(w: np.ndarray, mode: str) -> QuantWeight:
+    """Symmetric quantization of a float matrix [n, k] in blocks of 32 ("int8": Q8_0's rule,
+    "int4": Q4_0's)."""
+    if mode not in MODES:
+        raise ValueError(f"quantization must be one of {MODES}, got {mode!r}")
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    nb = -(-k // BLOCK)
+    blocks = np.zeros((n, nb * BLOCK), np.float32)
+    blocks[:, :k] = w
+    blocks = blocks.reshape(n, nb, BLOCK)
+    if mode == "int8":
+        d = np.abs(blocks).max(axis=-1) / 127.0
+        inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+        codes = np.clip(np.rint(blocks * inv[..., None]), -127, 127) + 128
+    else:  # the signed value of largest magnitude maps to -8
+        idx = np.abs(blocks).argmax(axis=-1)
+        extreme = np.take_along_axis(blocks, idx[..., None], axis=-1)[..., 0]
+        d = extreme / -8.0
+        inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+        codes = np.clip(np.rint(blocks * inv[..., None]) + 8, 0, 15)
+    d16 = d.astype(np.float16).astype(np.float32)  # the scales are stored as f16
+    return from_codes(codes.reshape(n, nb * BLOCK)[:, :k].astype(np.uint8), d16, None, mode)
+
+
+class Blocks:
+    """A quantized matrix on the host, before packing: codes [n, k] (unsigned), scales d [n, nb] and
+    mins [n, nb] (or None), in `fmt`. Row operations (llama.cpp's Q/K permutation, splitting a fused
+    matrix) apply to every part alike (`map_rows`)."""
+
+    def __init__(self, codes: np.ndarray, d: np.ndarray, mn: np.ndarray | None, fmt: str):
+        self.codes, self.d, self.mn, self.fmt = codes, d, mn, fmt
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+    def map_rows(self, fn) -> "Blocks | tuple[Blocks, ...]":
+        """fn applied to codes, scales and mins alike (fn reorders or splits axis 0 only)."""
+        parts = [fn(a) for a in (self.codes, self.d, self.mn) if a is not None]
+        if isinstance(parts[0], tuple):
+            mins = parts[2] if self.mn is not None else (None,) * len(parts[0])
+            return tuple(Blocks(c, d, m, self.fmt) for c, d, m in zip(parts[0], parts[1], mins))
+        return Blocks(parts[0], parts[1], parts[2] if self.mn is not None else None, self.fmt)
+
+    def packed(self) -> QuantWeight:
+        return from_codes(self.codes, self.d, self.mn, self.fmt)
+
+
+# GGUF block types weld keeps quantized: name -> (format, inputs per block, bytes per block)
+GGUF_KEPT = {"Q8_0": ("q8_0", 32, 34), "Q4_0": ("q4_0", 32, 18), "Q4_1": ("q4_1", 32, 20),
+             "Q5_0": ("q5_0", 32, 22), "Q5_1": ("q5_1", 32, 24), "Q4_K": ("q4_k", 256, 144),
+             "Q5_K": ("q5_k", 256, 176)}
+F16_MAX = 65504.0
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes [..., 2] as the f16 they hold, in f32 [...]."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes [..., 16] -> 32 codes: weight j in the low nibble of byte j, j + 16 in its high one."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A K-quant super-block's 12 bytes of 6-bit scales and mins -> (sc, m), each [..., 8]."""
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), m.astype(np.float32)
+
+
+def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Blocks:
+    """A GGUF tensor's raw blocks (uint8 [n, bytes per row]) as codes and per-32 scales (and mins).
+
+    Blocks of 32 (f16 d, f16 m): Q8_0 int8 q, w = d q; Q4_0 nibbles, w = d (q - 8); Q4_1 nibbles,
+    w = d q + m; Q5_0 / Q5_1 nibbles plus 32 high bits, w = d (q - 16) / d q + m. All lossless.
+    Super-blocks of 256 (Q4_K, Q5_K): f16 d and dmin, 6-bit scale sc and min mn of each 32, then the
+    4-bit codes (Q5_K: with a fifth bit), w = d sc q - dmin mn; weld stores d sc and -dmin mn as f16
+    per 32, which rounds them to 11 significant bits (2^-12 relative, far below the codes' step)."""
+    fmt, per_block, size = GGUF_KEPT[type_name]
+    n, k = shape
+    nb = k // per_block
+    if k % per_block or raw.shape != (n, nb * size):
+        raise ValueError(f"{type_name} tensor of shape {shape} holds {raw.shape} bytes, expected ({n}, {nb * size})")
+    blocks = np.ascontiguousarray(raw).reshape(n, nb, size)
+    d = _f16(blocks[..., 0:2])
+    mn = None
+    if type_name == "Q8_0":
+        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    elif type_name in ("Q4_0", "Q4_1"):
+        start = 2 if type_name == "Q4_0" else 4
+        codes = _nibbles(blocks[..., start:start + 16])
+        mn = _f16(blocks[..., 2:4]) if type_name == "Q4_1" else None
+    elif type_name in ("Q5_0", "Q5_1"):
+        start = 2 if type_name == "Q5_0" else 4
+        high = np.unpackbits(blocks[..., start:start + 4], axis=-1, bitorder="little")  # bit j of a LE u32
+        codes = _nibbles(blocks[..., start + 4:start + 20]) | (high << 4)
+        mn = _f16(blocks[..., 2:4]) if type_name == "Q5_1" else None
+    else:  # K-quants: 8 sub-blocks of 32 per super-block; 64 codes per 32 bytes (low nibbles, then high)
+        dmin = _f16(blocks[..., 2:4])
+        sc, m = _k_scales(blocks[..., 4:16])
+        qs = blocks[..., -128:].reshape(n, nb, 4, 1, 32)
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(n, nb, 8, 32)
+        if type_name == "Q5_K":  # sub-block s takes bit s of byte l of qh as its codes' fifth bit
+            qh = blocks[..., 16:48]
+            codes = codes | (((qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+        d, mn = (d[..., None] * sc).reshape(n, nb * 8), (-dmin[..., None] * m).reshape(n, nb * 8)
+        if not (np.all(np.abs(d) <= F16_MAX) and np.all(np.abs(mn) <= F16_MAX)):
+            raise ValueError(f"{type_name} block scales beyond the f16 range (|d sc| or |dmin m| > {F16_MAX:g})")
+    return Blocks(codes.reshape(n, k).astype(np.uint8), d, mn, fmt)
+
+
+def to_blocks(w: QuantWeight) -> Blocks:
+    """The host form of a packed QuantWeight (for re-packing, e.g. after concatenating)."""
+    p, nb, _ = w.codes.shape
+    codes = np.asarray(unpack_codes(w.codes, w.bits))  # [P, nb, 16, 32]
+    codes = codes.transpose(0, 2, 1, 3).reshape(p * PANEL, nb * BLOCK)[:w.n, :w.k]
+
+    def rows(v):
+        return None if v is None else np.asarray(v).astype(np.float32).transpose(0, 2, 1).reshape(p * PANEL, nb)[:w.n]
+
+    return Blocks(codes, rows(w.scales), rows(w.mins), w.fmt)
+
+
+def concat_rows(parts: list) -> "QuantWeight | jax.Array | None":
+    """Matrices [n_i, k] stacked along their outputs: arrays by jnp.concatenate, QuantWeights of one
+    format by their panels (re-packed when an n_i is not a multiple of 16). None when the forms
+    differ (a layer whose matrices a GGUF stores in several types is left unfused)."""
+    if all(not isinstance(p, QuantWeight) for p in parts):
+        return jnp.concatenate(parts)
+    if not all(isinstance(p, QuantWeight) and p.fmt == parts[0].fmt and p.k == parts[0].k for p in parts):
+        return None
+    if all(p.n % PANEL == 0 for p in parts):
+        mins = None if parts[0].mins is None else jnp.concatenate([p.mins for p in parts])
+        return QuantWeight(jnp.concatenate([p.codes for p in parts]), jnp.concatenate([p.scales for p in parts]),
+                           mins, sum(p.n for p in parts), parts[0].k, parts[0].fmt)
+    host = [to_blocks(p) for p in parts]
+    cat = lambda vs: None if vs[0] is None else np.concatenate(vs)  # noqa: E731
+    return Blocks(cat([h.codes for h in host]), cat([h.d for h in host]), cat([h.mn for h in host]),
+                  parts[0].fmt).packed()
