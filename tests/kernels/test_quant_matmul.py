@@ -193,18 +193,23 @@ def test_linear_without_kernels_dequantizes(monkeypatch):
     np.testing.assert_allclose(y, x @ np.asarray(w.unpacked()).T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode,step,steps", [("int8", 127.0, 0.5), ("int4", 8.0, 1.0)])
-def test_quantize_error_is_bounded(mode, step, steps):
-    """int8 (Q8_0's rule, d = max|w| / 127): within half a step d. int4 (Q4_0's, the value of
-    largest magnitude maps to -8, so the other sign reaches only 7 d): within one step. Plus the
-    scale's f16 rounding (2^-11 relative over up to `step` steps)."""
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantize_error_is_bounded(mode):
+    """Within half a step d, plus the f16 rounding of d (2^-11 relative, over up to 127 or 15
+    steps): int8 d = max|w| / 127 (Q8_0's rule); int4 d = (max w - min w) / 15 from the block's
+    min (Q4_1's rule; the min is stored in f16 and the codes are rounded against it)."""
     rng = np.random.default_rng(11)
     w = rng.standard_normal((20, 100)).astype(np.float32) * np.logspace(-2, 2, 20, dtype=np.float32)[:, None]
     w[3, 32:64] = 0.0  # an all-zero block
+    w[5, 64:96] += 7.0 * np.abs(w[5]).max()  # a block far from zero: the range, not |w|, sets int4's step
     q = np.asarray(quant.quantize(w, mode).unpacked())
-    blocks = np.pad(np.abs(w), ((0, 0), (0, 28))).reshape(20, 4, 32).max(-1)
-    bound = np.repeat(blocks / step, 32, axis=1)[:, :100] * (steps + step * 2.0 ** -11 + 1e-3)
-    assert np.all(np.abs(q - w) <= bound)
+    padded = np.pad(w, ((0, 0), (0, 28)), constant_values=np.nan).reshape(20, 4, 32)
+    if mode == "int8":
+        step, steps = np.nanmax(np.abs(padded), -1) / 127.0, 127
+    else:
+        step, steps = (np.nanmax(padded, -1) - np.nanmin(padded, -1)) / 15.0, 15
+    bound = np.repeat(step, 32, axis=1)[:, :100] * (0.5 + (steps + 1) * 2.0 ** -11 + 1e-3)
+    assert np.all(np.abs(q - w) <= bound + 1e-30)
     assert np.all(q[3, 32:64] == 0.0)
     with pytest.raises(ValueError, match="quantization must be one of"):
         quant.quantize(w, "int3")

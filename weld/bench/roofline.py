@@ -79,11 +79,18 @@ def floor_bytes(weights: WeightBytes, kv_bytes_per_token: int, batch: int, input
             "all_weights": weights.total, "expert_share": weights.expert_share(batch)}
 
 
+# The CPU flags the native kernels choose their paths by (recorded with every result).
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_int8")
+
+
 def machine_info(load_start: tuple[float, float, float]) -> dict:
-    cpu = platform.processor()
+    cpu, flags = platform.processor(), []
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            lines = f.readlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
+        have = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+        flags = [flag for flag in KERNEL_FLAGS if flag in have]
     except OSError:
         pass
     mem = None
@@ -92,7 +99,8 @@ def machine_info(load_start: tuple[float, float, float]) -> dict:
             mem = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal")), None)
     except OSError:
         pass
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(), "memory_bytes": mem,
+    return {"platform": platform.platform(), "cpu": cpu, "cpu_flags": flags, "cpu_count": os.cpu_count(),
+            "memory_bytes": mem,
             "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "hostname": platform.node()}
 
 

@@ -272,8 +272,8 @@ def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
         if "moe" in lw:
             moe_lib.fuse_experts(lw["moe"])
         prepare_matrices(lw, PROJECTIONS, target)
-        if "shared" in lw.get("moe", {}):
-            prepare_matrices(lw["moe"]["shared"], PROJECTIONS, target)
+        if "moe" in lw:
+            moe_lib.prepare_experts(lw["moe"], target)
         jax.block_until_ready(lw)
     prepare_head(weights, target)
     return weights

@@ -42,7 +42,7 @@ class WeightTarget:
     """Where prepared weights will run: `backend` "xla" (fused matrices) or "megakernel" (the
     tree as declared); `pack_for_cpu_kernels`: f32 on the CPU with the native kernels built, so
     projections are packed in panels (`layers.PackedWeight`); `quantization` (EngineConfig's):
-    "int8" or "int4" quantizes the projections and the LM head once (`quant.QuantWeight`), None
+    "int8" or "int4" quantizes the projections, expert stacks and LM head once (`quant.QuantWeight`), None
     or "none" leaves them in the checkpoint's form (a GGUF's kept blocks stay quantized)."""
 
     backend: str = "xla"
@@ -73,7 +73,7 @@ class ModelFamily(Protocol):
         """The per-layer state the model needs; the engine sizes and creates every cache from it."""
 
     def prepare_weights(self, weights: dict, cfg: Any, target: WeightTarget) -> dict:
-        """The loaded tree in the weight forms for `target` (fusing, packing; later quantizing)."""
+        """The loaded tree in the weight forms for `target` (fusing, packing, quantizing)."""
 
     def embed_tokens(self, weights: dict, cfg: Any, tokens: Any) -> Any:
         """Input embeddings [..., d] of token ids (with any scaling the family applies)."""

@@ -227,6 +227,7 @@ def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
         fuse_qkv(lw)
         moe_lib.fuse_experts(lw["moe"])
         prepare_matrices(lw, ("wqkv", "wo"), target)
+        moe_lib.prepare_experts(lw["moe"], target)
         jax.block_until_ready(lw)
     prepare_head(weights, target)
     return weights

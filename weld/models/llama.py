@@ -406,9 +406,11 @@ def prepare_projections(weights: dict, target: Any) -> dict:
     """Each layer's projection matrices and the LM head in `layers.prepared_matrix`'s form for
     target, in place, layer by layer. A tied embedding is converted too (lookups gather its rows
     from the panels or blocks); an untied one only serves lookups and stays as it is. Expert
-    stacks stay as they are."""
+    stacks are quantized with target.quantization, else stay as they are."""
     for lw in weights["layers"]:
         prepare_matrices(lw, PROJECTIONS, target)
+        if "moe" in lw:
+            moe_lib.prepare_experts(lw["moe"], target)
     prepare_head(weights, target)
     return weights
 

@@ -6,6 +6,7 @@ h query heads, k kv heads, g query heads per kv head, e head dim, f MLP dim, v v
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -117,15 +118,17 @@ def pack_if_f32(w):
 
 
 def prepared_matrix(w, target):
-    """One matrix [n, k] in the form `target` (a `weld.models.family.WeightTarget`) runs it in:
-    quantized when target.quantization is "int8" or "int4" (`quant.quantize`, once, at load),
-    packed in panels when f32 on the CPU with the native kernels, else as it is. A matrix that is
-    already quantized (a GGUF's kept blocks), packed, 1-D or an expert stack stays as it is."""
-    if w is None or isinstance(w, (PackedWeight, QuantWeight)) or w.ndim != 2:
+    """One matrix [n, k] (or an expert stack [E, n, k]) in the form `target` (a
+    `weld.models.family.WeightTarget`) runs it in: quantized when target.quantization is "int8"
+    or "int4" (`quant.quantize`, once, at load; a stack expert by expert), a matrix packed in
+    panels when f32 on the CPU with the native kernels, else as it is. What is already quantized
+    (a GGUF's kept blocks) or packed, and 1-D weights, stay as they are."""
+    if w is None or isinstance(w, (PackedWeight, QuantWeight)) or w.ndim not in (2, 3):
         return w
     if getattr(target, "quantization", None) in quant.MODES:
-        return jax.block_until_ready(quant.quantize(np.asarray(w, np.float32), target.quantization))
-    return pack_if_f32(w) if target.pack_for_cpu_kernels else w
+        make = quant.quantize if w.ndim == 2 else quant.quantize_stack
+        return jax.block_until_ready(make(np.asarray(w, np.float32), target.quantization))
+    return pack_if_f32(w) if target.pack_for_cpu_kernels and w.ndim == 2 else w
 
 
 def prepare_matrices(weights: dict, names: tuple[str, ...], target) -> None:
@@ -138,7 +141,10 @@ def prepare_matrices(weights: dict, names: tuple[str, ...], target) -> None:
 def prepare_head(weights: dict, target) -> None:
     """The LM head in `prepared_matrix`'s form (the tied embedding when there is no lm_head;
     lookups gather its rows from the panels or blocks), in place; an untied input embedding only
-    serves lookups and stays as it is."""
+    serves lookups and stays as it is. Quantization "int4" gives the head 8 bits, as llama.cpp's
+    4-bit mixes do: 4-bit heads and embeddings cost small models most of their accuracy."""
+    if getattr(target, "quantization", None) == "int4":
+        target = dataclasses.replace(target, quantization="int8")
     prepare_matrices(weights, ("lm_head",) if "lm_head" in weights else ("embed",), target)
 
 

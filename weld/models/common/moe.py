@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from weld.models.common.checkpoint import Convert, split_rows
-from weld.models.common.layers import fuse_gate_up, gated_mlp, linear
+from weld.models.common.layers import fuse_gate_up, gated_mlp, linear, prepare_matrices
 from weld.models.common.spec import WeightSpec
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group", "softmax_group")
@@ -179,7 +179,8 @@ def experts(moe: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, lw: dict
 
     def body(j, out):
         e = tile_expert[j]
-        pick = lambda w: None if w is None else jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False)  # noqa: E731
+        pick = lambda w: None if w is None else jax.tree_util.tree_map(  # noqa: E731  (a QuantWeight stack too)
+            lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False), w)
         xj = jax.lax.dynamic_slice_in_dim(xr, j * tile, tile, 0)
         yj = expert_ffn(moe, xj, pick(gate_up), pick(lw["w_down"]), pick(bias[0]), pick(bias[1]))
         return jax.lax.dynamic_update_slice_in_dim(out, yj.astype(out.dtype), j * tile, 0)
@@ -198,6 +199,9 @@ def _stacked_gate_up(lw: dict, prefix: str = "w") -> jax.Array | None:
     return jnp.concatenate([lw[f"{prefix}_gate"], lw[f"{prefix}_up"]], axis=1)
 
 
+EXPERT_MATRICES = ("w_gate_up", "w_gate", "w_up", "w_down")  # the stacks [E, out, in]
+
+
 def fuse_experts(lw: dict) -> None:
     """Stacks an MoE layer's gate and up experts into one w_gate_up [E, 2 i, d] (and their biases),
     and fuses the shared expert's gate/up, in place: one matmul per tile instead of two."""
@@ -206,6 +210,14 @@ def fuse_experts(lw: dict) -> None:
             lw[f"{prefix}_gate_up"] = jnp.concatenate([lw.pop(f"{prefix}_gate"), lw.pop(f"{prefix}_up")], axis=1)
     if "shared" in lw:
         fuse_gate_up(lw["shared"])
+
+
+def prepare_experts(lw: dict, target) -> None:
+    """An MoE layer's expert stacks and shared expert in `layers.prepared_matrix`'s form for
+    target (quantized expert by expert with target.quantization), in place."""
+    prepare_matrices(lw, EXPERT_MATRICES, target)
+    if "shared" in lw:
+        prepare_matrices(lw["shared"], EXPERT_MATRICES, target)
 
 
 def moe_block(moe: MoE, lw: dict, x: jax.Array) -> jax.Array:

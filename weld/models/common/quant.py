@@ -4,16 +4,16 @@ take next to plain and packed f32 matrices.
 A QuantWeight is a matrix [n, k] (HF's [out, in]) in blocks of 32 inputs per output: unsigned
 codes c (8 or 4 bits), a scale d and, in formats with one, a min mn per (output, block):
 
-    w = d * (c - offset)     "int8" / GGUF Q8_0 (offset 128), "int4" / Q4_0 (offset 8), Q5_0 (16)
-    w = d * c + mn           GGUF Q4_1, Q5_1, Q4_K, Q5_K (offset 0, mins; 5-bit codes take a byte)
+    w = d * (c - offset)     "int8" / GGUF Q8_0 (offset 128), Q4_0 (offset 8), Q5_0 (16)
+    w = d * c + mn           "int4", GGUF Q4_1, Q5_1, Q4_K, Q5_K (offset 0, mins; 5-bit codes take a byte)
 
 laid out in panels of 16 outputs for the native CPU kernel (weld/kernels/cpu/quant_matmul.cc has
 the byte layout): codes [P, nb, 512 | 256], scales and mins f16 [P, nb, 16]. That kernel quantizes
 the activations per block of 32 to int8 and takes integer dot products (AVX-512 VNNI or AVX2).
 Elsewhere (no kernels, another backend) `linear` dequantizes and multiplies in XLA.
 
-`quantize(w, "int8" | "int4")` makes one from a float matrix (symmetric: d = max|w| / 127, or
-d = the signed value of largest magnitude / -8, as llama.cpp's Q8_0 / Q4_0); `from_codes` from
+`quantize(w, "int8" | "int4")` makes one from a float matrix (int8 symmetric, d = max|w| / 127 as
+llama.cpp's Q8_0; int4 asymmetric, mn = min w and d = (max w - mn) / 15 as Q4_1); `from_codes` from
 codes and scales already in blocks (a GGUF's tensors: `gguf_blocks`).
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 BLOCK = 32
 PANEL = 16
 MODES = ("int8", "int4")
-FORMATS = {"int8": (8, 128.0, False), "int4": (4, 8.0, False), "q8_0": (8, 128.0, False),
+FORMATS = {"int8": (8, 128.0, False), "int4": (4, 0.0, True), "q8_0": (8, 128.0, False),
            "q4_0": (4, 8.0, False), "q4_1": (4, 0.0, True), "q5_0": (8, 16.0, False), "q5_1": (8, 0.0, True),
            "q4_k": (4, 0.0, True), "q5_k": (8, 0.0, True)}  # format -> (bits, offset, has mins)
 # int8 digits per activation in the CPU kernel: "int8" (a mode for f32 checkpoints, held to 0.5% of
@@ -57,8 +57,9 @@ class QuantWeight:
         return ACTIVATION_DIGITS.get(self.fmt, 1)
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (self.n, self.k)
+    def shape(self) -> tuple[int, ...]:
+        """(n, k), after the leading axes of a stack (an MoE layer's experts: [E, n, k])."""
+        return tuple(self.codes.shape[:-3]) + (self.n, self.k)
 
     @property
     def dtype(self):
@@ -66,7 +67,7 @@ class QuantWeight:
 
     @property
     def ndim(self) -> int:
-        return 2
+        return len(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -80,13 +81,13 @@ class QuantWeight:
         return cls(*children, *meta)
 
     def unpacked(self) -> jax.Array:
-        """The [n, k] f32 matrix."""
-        p, nb, _ = self.codes.shape
-        codes = unpack_codes(self.codes, self.bits).astype(jnp.float32)  # [P, nb, 16, 32]
+        """The [..., n, k] f32 matrix (or stack)."""
+        *lead, p, nb, _ = self.codes.shape
+        codes = unpack_codes(self.codes, self.bits).astype(jnp.float32)  # [..., P, nb, 16, 32]
         d = self.scales.astype(jnp.float32)[..., None]
         mv = self.mins.astype(jnp.float32)[..., None] if self.mins is not None else -self.offset * d
-        w = d * codes + mv  # [P, nb, 16, 32]
-        return jnp.transpose(w, (0, 2, 1, 3)).reshape(p * PANEL, nb * BLOCK)[:self.n, :self.k]
+        w = jnp.swapaxes(d * codes + mv, -3, -2)  # [..., P, 16, nb, 32]
+        return w.reshape(*lead, p * PANEL, nb * BLOCK)[..., :self.n, :self.k]
 
     def __getitem__(self, ids) -> jax.Array:
         """Rows of the matrix (a quantized embedding's lookups): ids.shape + (k,), f32."""
@@ -147,8 +148,9 @@ def from_codes(codes: np.ndarray, d: np.ndarray, mn: np.ndarray | None, fmt: str
 
 
 def quantize(w: np.ndarray, mode: str) -> QuantWeight:
-    """Symmetric quantization of a float matrix [n, k] in blocks of 32 ("int8": Q8_0's rule,
-    "int4": Q4_0's)."""
+    """Quantization of a float matrix [n, k] in blocks of 32: "int8" symmetric (Q8_0's rule),
+    "int4" from each block's min to its max (Q4_1's rule; benchmarks/perplexity.py measured it
+    against the symmetric Q4_0 rule). Codes are rounded against the f16 scales and mins stored."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {MODES}, got {mode!r}")
     w = np.asarray(w, np.float32)
@@ -161,14 +163,24 @@ def quantize(w: np.ndarray, mode: str) -> QuantWeight:
         d = np.abs(blocks).max(axis=-1) / 127.0
         inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
         codes = np.clip(np.rint(blocks * inv[..., None]), -127, 127) + 128
-    else:  # the signed value of largest magnitude maps to -8
-        idx = np.abs(blocks).argmax(axis=-1)
-        extreme = np.take_along_axis(blocks, idx[..., None], axis=-1)[..., 0]
-        d = extreme / -8.0
-        inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
-        codes = np.clip(np.rint(blocks * inv[..., None]) + 8, 0, 15)
-    d16 = d.astype(np.float16).astype(np.float32)  # the scales are stored as f16
-    return from_codes(codes.reshape(n, nb * BLOCK)[:, :k].astype(np.uint8), d16, None, mode)
+        d16 = d.astype(np.float16).astype(np.float32)  # the scales are stored as f16
+        return from_codes(codes.reshape(n, nb * BLOCK)[:, :k].astype(np.uint8), d16, None, mode)
+    real = np.arange(nb * BLOCK).reshape(nb, BLOCK) < k  # padding inputs do not stretch a block's range
+    lo = np.where(real, blocks, np.inf).min(axis=-1)
+    hi = np.where(real, blocks, -np.inf).max(axis=-1)
+    mn16 = lo.astype(np.float16).astype(np.float32)
+    d16 = ((hi - mn16) / 15.0).astype(np.float16).astype(np.float32)
+    inv = np.divide(1.0, d16, out=np.zeros_like(d16), where=d16 > 0)
+    codes = np.clip(np.rint((blocks - mn16[..., None]) * inv[..., None]), 0, 15)
+    return from_codes(codes.reshape(n, nb * BLOCK)[:, :k].astype(np.uint8), d16, mn16, mode)
+
+
+def quantize_stack(w: np.ndarray, mode: str) -> QuantWeight:
+    """`quantize` of each matrix of a stack [E, n, k] (an MoE layer's experts), as one QuantWeight
+    whose arrays carry the leading axis; indexing every leaf along it gives one expert's."""
+    parts = [quantize(m, mode) for m in np.asarray(w, np.float32)]
+    stack = lambda name: None if getattr(parts[0], name) is None else jnp.stack([getattr(p, name) for p in parts])  # noqa: E731
+    return QuantWeight(stack("codes"), stack("scales"), stack("mins"), parts[0].n, parts[0].k, mode)
 
 
 class Blocks:
