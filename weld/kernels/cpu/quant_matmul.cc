@@ -44,6 +44,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 constexpr int64_t kBlock = 32;
+constexpr int64_t kStreamRows = 8;  // up to this many rows a call streams its weights (see QuantMatmulImpl)
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kVnni = 2 };
 
 using weld::half_to_float;
@@ -316,7 +317,12 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const uint16_t* mp = has_mins ? mins.typed_data() : nullptr;
   float* yp = y->typed_data();
   const Activations *ap = &acts, *ap2 = q2;
-  const int64_t grain = std::max<int64_t>(1, 64 / std::max<int64_t>(nb, 1));
+  // Few rows (decode) are bound by memory: each thread then streams one contiguous run of panels,
+  // which the hardware prefetchers follow (chunks handed out in turn would break every thread's
+  // streams at each chunk). More rows: chunks of ~64 blocks, for balance.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t grain = m <= kStreamRows ? (num_panels + threads - 1) / threads
+                                         : std::max<int64_t>(1, 64 / std::max<int64_t>(nb, 1));
   weld::parallel_for(pool, num_panels, grain, [=](int64_t begin, int64_t end) {
     for (int64_t pi = begin; pi < end; ++pi) {
       const Panel panel{cp + pi * nb * bytes, dp + pi * nb * kPanel, mp ? mp + pi * nb * kPanel : nullptr};
