@@ -143,9 +143,10 @@ def _supported_names() -> str:
 def load_gguf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool | None = None,
               keep_quantized: bool = False):
     """Loads a GGUF model. Returns (family module, Config, weight tree of jax arrays, metadata).
-    keep_quantized: matrices stored in a type of `quant.GGUF_KEPT` become `quant.QuantWeight`s of
-    the same blocks (`quant.gguf_blocks`; linear layers and embedding lookups take them); other types, and tensors a
-    key map converts beyond reordering rows, are dequantized to `dtype`."""
+    keep_quantized: matrices and expert stacks stored in a type of `quant.GGUF_KEPT` become
+    `quant.QuantWeight`s of the same blocks (`quant.gguf_blocks`; linear layers, the expert loop
+    and embedding lookups take them); other types, matrices a key map converts beyond reordering
+    rows, and converted stacks are dequantized to `dtype`."""
     dtype = parse_dtype(dtype)
     f = GGUFFile(path)
     try:
@@ -162,9 +163,15 @@ def load_gguf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool |
                                     f"{' ...' if len(unsupported) > 6 else ''} (weld loads {_supported_names()})")
 
     declared = dict(iter_specs(specs))
-    kept = {p.name for p in plan if keep_quantized and f.type_name(p.name) in quant.GGUF_KEPT
-            and p.match.expert is None and (p.match.convert is None or p.match.rows_only)
-            and all(len(declared[path].shape) == 2 for path in p.match.paths)}
+    def keeps(p) -> bool:
+        """Matrices whose conversion only reorders or splits rows, and whole expert stacks."""
+        if not keep_quantized or f.type_name(p.name) not in quant.GGUF_KEPT or p.match.expert is not None:
+            return False
+        ranks = {len(declared[path].shape) for path in p.match.paths}
+        return (ranks == {2} and (p.match.convert is None or p.match.rows_only)) or \
+            (ranks == {3} and p.match.convert is None and len(f.shape(p.name)) == 3)
+
+    kept = {p.name for p in plan if keeps(p)}
 
     def read(name: str):
         if name in kept:

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from weld.models.common.checkpoint import Convert, split_rows
-from weld.models.common.layers import fuse_gate_up, gated_mlp, linear, prepare_matrices
+from weld.models.common.layers import fuse_gate_up, gated_mlp, linear, prepare_matrices, unpacked
+from weld.models.common.quant import QuantWeight, concat_rows
 from weld.models.common.spec import WeightSpec
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group", "softmax_group")
@@ -196,7 +197,10 @@ def _stacked_gate_up(lw: dict, prefix: str = "w") -> jax.Array | None:
         return lw[f"{prefix}_gate_up"]
     if f"{prefix}_gate" not in lw:
         return None
-    return jnp.concatenate([lw[f"{prefix}_gate"], lw[f"{prefix}_up"]], axis=1)
+    gate, up = lw[f"{prefix}_gate"], lw[f"{prefix}_up"]
+    if isinstance(gate, QuantWeight) or isinstance(up, QuantWeight):  # kept blocks of two types: rare, slow
+        gate, up = unpacked(gate), unpacked(up)
+    return jnp.concatenate([gate, up], axis=1)
 
 
 EXPERT_MATRICES = ("w_gate_up", "w_gate", "w_up", "w_down")  # the stacks [E, out, in]
@@ -205,9 +209,13 @@ EXPERT_MATRICES = ("w_gate_up", "w_gate", "w_up", "w_down")  # the stacks [E, ou
 def fuse_experts(lw: dict) -> None:
     """Stacks an MoE layer's gate and up experts into one w_gate_up [E, 2 i, d] (and their biases),
     and fuses the shared expert's gate/up, in place: one matmul per tile instead of two."""
-    for prefix in ("w", "b"):
-        if f"{prefix}_gate" in lw:
-            lw[f"{prefix}_gate_up"] = jnp.concatenate([lw.pop(f"{prefix}_gate"), lw.pop(f"{prefix}_up")], axis=1)
+    if "w_gate" in lw:
+        fused = concat_rows([lw["w_gate"], lw["w_up"]])  # [E, i, d] (or kept blocks) -> [E, 2 i, d]
+        if fused is not None:  # kept blocks of two types stay apart
+            del lw["w_gate"], lw["w_up"]
+            lw["w_gate_up"] = fused
+    if "b_gate" in lw:
+        lw["b_gate_up"] = jnp.concatenate([lw.pop("b_gate"), lw.pop("b_up")], axis=1)
     if "shared" in lw:
         fuse_gate_up(lw["shared"])
 

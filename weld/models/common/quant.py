@@ -178,25 +178,27 @@ def quantize(w: np.ndarray, mode: str) -> QuantWeight:
 def quantize_stack(w: np.ndarray, mode: str) -> QuantWeight:
     """`quantize` of each matrix of a stack [E, n, k] (an MoE layer's experts), as one QuantWeight
     whose arrays carry the leading axis; indexing every leaf along it gives one expert's."""
-    parts = [quantize(m, mode) for m in np.asarray(w, np.float32)]
-    stack = lambda name: None if getattr(parts[0], name) is None else jnp.stack([getattr(p, name) for p in parts])  # noqa: E731
-    return QuantWeight(stack("codes"), stack("scales"), stack("mins"), parts[0].n, parts[0].k, mode)
+    return stack([quantize(m, mode) for m in np.asarray(w, np.float32)])
 
 
 class Blocks:
     """A quantized matrix on the host, before packing: codes [n, k] (unsigned), scales d [n, nb] and
     mins [n, nb] (or None), in `fmt`. Row operations (llama.cpp's Q/K permutation, splitting a fused
-    matrix) apply to every part alike (`map_rows`)."""
+    matrix) apply to every part alike (`map_rows`). experts > 0: a stack [experts, n / experts, k]
+    (a GGUF's `*_exps` tensor) whose rows are the experts' rows one expert after another."""
 
-    def __init__(self, codes: np.ndarray, d: np.ndarray, mn: np.ndarray | None, fmt: str):
-        self.codes, self.d, self.mn, self.fmt = codes, d, mn, fmt
+    def __init__(self, codes: np.ndarray, d: np.ndarray, mn: np.ndarray | None, fmt: str, experts: int = 0):
+        self.codes, self.d, self.mn, self.fmt, self.experts = codes, d, mn, fmt, experts
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.codes.shape
+    def shape(self) -> tuple[int, ...]:
+        rows, k = self.codes.shape
+        return (self.experts, rows // self.experts, k) if self.experts else (rows, k)
 
     def map_rows(self, fn) -> "Blocks | tuple[Blocks, ...]":
         """fn applied to codes, scales and mins alike (fn reorders or splits axis 0 only)."""
+        if self.experts:
+            raise ValueError("row conversions of a quantized expert stack are not supported")
         parts = [fn(a) for a in (self.codes, self.d, self.mn) if a is not None]
         if isinstance(parts[0], tuple):
             mins = parts[2] if self.mn is not None else (None,) * len(parts[0])
@@ -204,7 +206,23 @@ class Blocks:
         return Blocks(parts[0], parts[1], parts[2] if self.mn is not None else None, self.fmt)
 
     def packed(self) -> QuantWeight:
-        return from_codes(self.codes, self.d, self.mn, self.fmt)
+        if not self.experts:
+            return from_codes(self.codes, self.d, self.mn, self.fmt)
+        n = self.codes.shape[0] // self.experts
+        each = [Blocks(*(None if a is None else a[e * n:(e + 1) * n] for a in (self.codes, self.d, self.mn)),
+                       self.fmt).packed() for e in range(self.experts)]
+        return stack(each)
+
+
+def stack(parts: list[QuantWeight]) -> QuantWeight:
+    """QuantWeights of one format and shape as one stack with a leading axis (an MoE layer's experts)."""
+    join = lambda name: None if getattr(parts[0], name) is None else jnp.stack([getattr(p, name) for p in parts])  # noqa: E731
+    return QuantWeight(join("codes"), join("scales"), join("mins"), parts[0].n, parts[0].k, parts[0].fmt)
+
+
+def expert(w: QuantWeight, e: int) -> QuantWeight:
+    """Matrix e of a stack."""
+    return jax.tree_util.tree_map(lambda a: a[e], w)
 
 
 # GGUF block types weld keeps quantized: name -> (format, inputs per block, bytes per block)
@@ -240,10 +258,14 @@ def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Bloc
     4-bit codes (Q5_K: with a fifth bit), w = d sc q - dmin mn; weld stores d sc and -dmin mn as f16
     per 32, which rounds them to 11 significant bits (2^-12 relative, far below the codes' step)."""
     fmt, per_block, size = GGUF_KEPT[type_name]
-    n, k = shape
+    if len(shape) not in (2, 3):
+        raise ValueError(f"{type_name} tensor of shape {shape}: weld keeps matrices and expert stacks only")
+    experts = shape[0] if len(shape) == 3 else 0
+    n, k = int(np.prod(shape[:-1])), shape[-1]  # an expert stack's rows, one expert after another
     nb = k // per_block
-    if k % per_block or raw.shape != (n, nb * size):
-        raise ValueError(f"{type_name} tensor of shape {shape} holds {raw.shape} bytes, expected ({n}, {nb * size})")
+    if k % per_block or raw.size != n * nb * size or raw.shape[-1] != nb * size:
+        raise ValueError(f"{type_name} tensor of shape {shape} holds {raw.shape} bytes, expected "
+                         f"{tuple(shape[:-1]) + (nb * size,)}")
     blocks = np.ascontiguousarray(raw).reshape(n, nb, size)
     d = _f16(blocks[..., 0:2])
     mn = None
@@ -269,7 +291,7 @@ def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Bloc
         d, mn = (d[..., None] * sc).reshape(n, nb * 8), (-dmin[..., None] * m).reshape(n, nb * 8)
         if not (np.all(np.abs(d) <= F16_MAX) and np.all(np.abs(mn) <= F16_MAX)):
             raise ValueError(f"{type_name} block scales beyond the f16 range (|d sc| or |dmin m| > {F16_MAX:g})")
-    return Blocks(codes.reshape(n, k).astype(np.uint8), d, mn, fmt)
+    return Blocks(codes.reshape(n, k).astype(np.uint8), d, mn, fmt, experts)
 
 
 def to_blocks(w: QuantWeight) -> Blocks:
@@ -289,9 +311,12 @@ def concat_rows(parts: list) -> "QuantWeight | jax.Array | None":
     format by their panels (re-packed when an n_i is not a multiple of 16). None when the forms
     differ (a layer whose matrices a GGUF stores in several types is left unfused)."""
     if all(not isinstance(p, QuantWeight) for p in parts):
-        return jnp.concatenate(parts)
-    if not all(isinstance(p, QuantWeight) and p.fmt == parts[0].fmt and p.k == parts[0].k for p in parts):
+        return jnp.concatenate(parts, axis=-2)
+    if not all(isinstance(p, QuantWeight) and p.fmt == parts[0].fmt and p.shape[:-2] + (p.k,) ==
+               parts[0].shape[:-2] + (parts[0].k,) for p in parts):
         return None
+    if parts[0].ndim == 3:  # expert stacks: each expert's matrices
+        return stack([concat_rows([expert(p, e) for p in parts]) for e in range(parts[0].shape[0])])
     if all(p.n % PANEL == 0 for p in parts):
         mins = None if parts[0].mins is None else jnp.concatenate([p.mins for p in parts])
         return QuantWeight(jnp.concatenate([p.codes for p in parts]), jnp.concatenate([p.scales for p in parts]),
