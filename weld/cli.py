@@ -1,4 +1,4 @@
-"""The `weld` command line: generate, chat, serve, bench, train-draft.
+"""The `weld` command line: generate, chat, serve, bench, convert, train-draft.
 
 Thin: each command parses flags, builds an `LLM` and prints. The engine's flags (model, KV
 cache, batching, speculative decoding) are defined once, in `weld.config`, for generate, chat,
@@ -76,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
+    conv = sub.add_parser("convert", help="write a weld checkpoint (safetensors shards + manifest), quantized "
+                                          "if asked, that --model DIR loads memory-mapped",
+                          description="Convert a GGUF file or a HF model directory into a weld checkpoint: "
+                                      "safetensors shards plus weld.json (family, config, quantization, "
+                                      "tensor to shard, logical axes, checksums) and the tokenizer. Streams "
+                                      "one tensor at a time; an interrupted conversion resumes where it stopped "
+                                      "when run again with the same flags.")
+    _convert_flags(conv)
+    conv.set_defaults(func=cmd_convert)
+
     draft = sub.add_parser("train-draft", help="train a DSpark drafter for speculative decoding by self-distillation",
                            description="Train a DSpark block drafter for --model on the model's own outputs: "
                                        "the model continues the prompts in --data (one per line, or paragraphs "
@@ -115,6 +125,36 @@ def _train_draft_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=4, metavar="B", help="sequences per step (default: 4)")
     g.add_argument("--anchors", type=int, default=16, metavar="A", help="blocks per sequence per step (default: 16)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+
+
+def _convert_flags(p: argparse.ArgumentParser) -> None:
+    from weld.config import add_quantization_argument
+
+    p.add_argument("--model", default=None, metavar="PATH_OR_ID",
+                   help="what to convert: GGUF file, HF directory or hub id (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the weld checkpoint's directory (new or empty, "
+                                                               "or an interrupted conversion to resume)")
+    add_quantization_argument(p)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the tensors left unquantized (default: auto, as the source stores them; a "
+                        "GGUF's dequantized tensors float32)")
+    p.add_argument("--max-shard-size", default="2GB", metavar="SIZE",
+                   help="shard size, as transformers' save_pretrained: 500MB, 2GB, 1GiB (default: 2GB)")
+
+
+def parse_size(text: str) -> int:
+    """Bytes of "2GB" / "500MB" / "1GiB" / "123" (decimal and binary units, as transformers reads them)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+    number = text.strip().upper().rstrip("BIKMGT")
+    unit = text.strip().upper()[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or not 0 < value < 1e30:
+        raise InvalidInputError(f"--max-shard-size takes a size like 500MB, 2GB or 1GiB, got {text!r}")
+    return int(value * units[unit])
 
 
 def _serve_flags(p: argparse.ArgumentParser) -> None:
@@ -256,6 +296,21 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
                           progress=None, log=lambda line: print(f"weld: {line}", file=sys.stderr))
     print(json.dumps({key: summary[key] for key in ("seconds", "final", "eval_before", "eval_after")}
                      | {"out": args.out}, indent=2))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from weld.weights import native
+
+    result = native.convert(args.model, args.out, quantization=args.quantization, dtype=args.dtype,
+                            max_shard_bytes=parse_size(args.max_shard_size), progress=None)
+    m = result.manifest
+    shards = len(m["shards"])
+    reused = f", {result.shards_reused} reused from an earlier run" if result.shards_reused else ""
+    formats = f" ({', '.join(m['formats'])} blocks)" if m["formats"] else ""
+    print(f"weld: wrote {result.directory}: {m['family']} {m['name']}, {len(m['tensors'])} tensors{formats}, "
+          f"{result.nbytes / 1e6:.1f} MB in {shards} shard{'s' if shards != 1 else ''}{reused}, "
+          f"{result.seconds:.1f} s; load it with --model {result.directory}", file=sys.stderr)
     return 0
 
 

@@ -189,11 +189,10 @@ class EngineConfig:
                                     "backend does not return: use backend 'xla' or another speculative method")
 
     @property
-    def keep_gguf_blocks(self) -> bool:
-        """Whether a GGUF's quantized matrices load as they are (`quant.QuantWeight`): by default on
-        the XLA backend; the megakernel takes dense matrices, and "none" / "int8" / "int4" ask
-        for others."""
-        return self.quantization is None and self.backend == "xla"
+    def load_quantization(self) -> str | None:
+        """`weld.weights.load_model`'s quantization: this config's, except that the megakernel takes
+        dense matrices ("none")."""
+        return "none" if self.backend == "megakernel" else self.quantization
 
     @classmethod
     def create(cls, model: str | None = None, dtype: Any = "auto", *, backend: str = "xla",

@@ -80,8 +80,9 @@ def leaf(weights: dict, gguf_name: str):
     return weights["layers"][int(i)][key]
 
 
-def load(path, **kw):
-    return load_model(ModelSource("gguf", path, path.stem), **kw)
+def load(path, quantization="none", **kw):
+    """Dequantized unless quantization=None (a GGUF's blocks kept)."""
+    return load_model(ModelSource("gguf", path, path.stem), quantization=quantization, **kw)
 
 
 def test_llama_q_k_unpermuted_and_rope_freqs(tmp_path):
@@ -182,16 +183,16 @@ def test_gguf_magic_then_garbage(tmp_path):
     check_error(e, "garbage.gguf")
 
 
-@pytest.mark.parametrize("keep_quantized", [False, True], ids=["dequantized", "blocks-kept"])
+@pytest.mark.parametrize("quantization", ["none", None], ids=["dequantized", "blocks-kept"])
 @pytest.mark.parametrize("keep", [0.5, 0.0003], ids=["in-tensor-data", "in-header"])
-def test_truncated_real_file(default_gguf, tmp_path, keep, keep_quantized):
+def test_truncated_real_file(default_gguf, tmp_path, keep, quantization):
     path = tmp_path / "cut.gguf"
     with open(default_gguf, "rb") as src, open(path, "wb") as dst:
         shutil.copyfileobj(src, dst, length=1 << 20)
     with open(path, "r+b") as f:
         f.truncate(int(default_gguf.stat().st_size * keep))
     with pytest.raises(CheckpointError) as e:
-        load(path, keep_quantized=keep_quantized)
+        load(path, quantization=quantization)
     check_error(e, "cut.gguf", "truncated")
 
 
@@ -223,7 +224,7 @@ def test_unmapped_and_missing_tensors(tmp_path):
 
 
 def test_kept_blocks_are_the_dequantized_matrices(tmp_path):
-    """keep_quantized: Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 matrices load as QuantWeights that state
+    """Blocks kept (quantization None): Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 matrices load as QuantWeights that state
     exactly the matrices the dequantizing load gives (llama.cpp's Q/K permutation undone on the
     blocks' rows); other types (F16 here) and 1-D tensors are dequantized as before."""
     rng = np.random.default_rng(9)
@@ -234,7 +235,7 @@ def test_kept_blocks_are_the_dequantized_matrices(tmp_path):
     tensors = {name: (gguf.quants.quantize(w, types[name]), types[name]) if name in types else w
                for name, w in hf.items()}
     path = write_gguf(tmp_path / "mixed.gguf", "llama", llama_kv(LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB), tensors)
-    plain, kept = load(path), load(path, keep_quantized=True)
+    plain, kept = load(path), load(path, quantization=None)
     for name in hf:
         a, b = leaf(plain.weights, name), leaf(kept.weights, name)
         assert isinstance(b, quant.QuantWeight) == (name in types and types[name] != Q.F16), name
@@ -250,7 +251,7 @@ def test_kept_blocks_are_the_dequantized_matrices(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_model(None)
+    return load_model(None, quantization="none")
 
 
 def test_default_model_every_leaf_has_its_declared_shape(smollm2):

@@ -43,7 +43,7 @@ def case(request, tmp_path_factory):
         pytest.fail(f"{path} is missing; run tests/data/make_gguf_fixtures.py")
     directory = tmp_path_factory.mktemp(f"gguf-{variant}")
     hf_model = build_hf(variant, directory)
-    loaded = load_model(ModelSource("gguf", path, variant), dtype="float32")
+    loaded = load_model(ModelSource("gguf", path, variant), dtype="float32", quantization="none")
     return variant, directory, hf_model, loaded, GGUFFile(path)
 
 

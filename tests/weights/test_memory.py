@@ -27,7 +27,7 @@ import weld.weights, weld.weights.gguf
 jax.block_until_ready(jax.device_put(np.ones(8, np.float32)) * 2)  # start the backend: part of the baseline
 loaded = 0
 if sys.argv[1] == "load":
-    model = weld.weights.load_model(None, dtype="float32", progress=False)
+    model = weld.weights.load_model(None, dtype="float32", progress=False, quantization="none")
     leaves = jax.tree.leaves(model.weights)
     jax.block_until_ready(leaves)
     loaded = sum(x.nbytes for x in leaves)

@@ -105,7 +105,7 @@ class LLM:
         kv = config.cache.kv_cache_dtype
         self.kv_dtype = self.dtype if kv == "auto" else jnp.dtype(kv)
         self.model = load_model(resolve_model(config.model), dtype=self.dtype, progress=progress,
-                                keep_quantized=config.keep_gguf_blocks)
+                                quantization=config.load_quantization)
         self.cfg = self.model.cfg
         family = self.model.family
         check_config(self.cfg)
@@ -119,8 +119,7 @@ class LLM:
         self.max_model_len = min(sched.max_model_len or self.cfg.max_position_embeddings,
                                  self.cfg.max_position_embeddings)
         eos = tuple(dict.fromkeys(tuple(self.tokenizer.eos_token_ids) + tuple(self.cfg.eos_token_ids)))
-        target = WeightTarget(config.backend, self.dtype == jnp.float32 and cpu_kernels.available(),
-                              config.quantization)
+        target = WeightTarget(config.backend, self.dtype == jnp.float32 and cpu_kernels.available())
         drafter, draft_params, spec = self._load_drafter(config.speculative, target, progress)
         self.model.weights = family.prepare_weights(self.model.weights, self.cfg, target)
         groups = family.cache_spec(self.cfg).page_groups()
@@ -193,7 +192,7 @@ class LLM:
 
     def _load_draft_model(self, spec: SpeculativeConfig, progress: bool | None) -> LoadedModel:
         draft = load_model(resolve_model(spec.model), dtype=self.dtype, progress=progress,
-                           keep_quantized=self.config.keep_gguf_blocks)
+                           quantization=self.config.load_quantization)
         if draft.cfg.vocab_size != self.cfg.vocab_size:
             raise InvalidInputError(
                 f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) differs from the target's "

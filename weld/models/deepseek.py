@@ -27,7 +27,7 @@ from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, LatentPag
 from weld.models.common.checkpoint import Convert, KeyMap
 from weld.models.common import decoder
 from weld.models.common.decoder import Rows, finish, run_layers
-from weld.models.common.layers import fuse_gate_up, gated_mlp, prepare_head, prepare_matrices, rms_norm
+from weld.models.common.layers import fuse_gate_up, gated_mlp, gated_mlp_specs, prepare_head, prepare_matrices, rms_norm
 from weld.models.common.metadata import gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
 from weld.models.common.mla import MLA, mla_attention, mla_scale, mla_specs, split_kv_b
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
@@ -200,16 +200,12 @@ def weight_specs(cfg: Config) -> dict:
         if i in cfg.sparse_layers:
             spec["moe"] = moe_lib.moe_specs(cfg.moe, d)
         else:
-            spec.update(w_gate=WeightSpec((f, d), ("mlp", "embed")), w_up=WeightSpec((f, d), ("mlp", "embed")),
-                        w_down=WeightSpec((d, f), ("embed", "mlp")))
+            spec.update(gated_mlp_specs(d, f))
         return spec
 
-    tree = {"embed": WeightSpec((cfg.vocab_size, d), ("vocab", "embed")),
+    return {**decoder.embedding_specs(cfg.vocab_size, d, cfg.tie_word_embeddings),
             "layers": [layer(i) for i in range(cfg.num_layers)],
             "final_norm": WeightSpec((d,), ("embed",), init="ones")}
-    if not cfg.tie_word_embeddings:
-        tree["lm_head"] = WeightSpec((cfg.vocab_size, d), ("vocab", "embed"))
-    return tree
 
 
 def hf_keymap(cfg: Config) -> KeyMap:

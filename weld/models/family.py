@@ -41,13 +41,11 @@ ENGINE_CONFIG_FIELDS = tuple(ModelConfig.__annotations__)
 class WeightTarget:
     """Where prepared weights will run: `backend` "xla" (fused matrices) or "megakernel" (the
     tree as declared); `pack_for_cpu_kernels`: f32 on the CPU with the native kernels built, so
-    projections are packed in panels (`layers.PackedWeight`); `quantization` (EngineConfig's):
-    "int8" or "int4" quantizes the projections, expert stacks and LM head once (`quant.QuantWeight`), None
-    or "none" leaves them in the checkpoint's form (a GGUF's kept blocks stay quantized)."""
+    projections are packed in panels (`layers.PackedWeight`). Quantization happens earlier, at
+    load (`weld.weights.load_model`'s quantization), by the declaration (`WeightSpec.quantize`)."""
 
     backend: str = "xla"
     pack_for_cpu_kernels: bool = False
-    quantization: str | None = None
 
 
 @runtime_checkable

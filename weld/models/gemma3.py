@@ -24,9 +24,10 @@ import numpy as np
 
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, PagedKV
 from weld.models.common.checkpoint import Convert, KeyMap
+from weld.models.common import decoder
 from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
-from weld.models.common.layers import fuse_gate_up, gated_mlp, gelu_tanh, linear, prepare_head, prepare_matrices, rms_norm
+from weld.models.common.layers import fuse_gate_up, gated_mlp, gated_mlp_specs, gelu_tanh, linear, prepare_head, prepare_matrices, rms_norm
 from weld.models.common.metadata import gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
 from weld.models.common.spec import WeightSpec, iter_specs
@@ -178,10 +179,9 @@ def weight_specs(cfg: Config) -> dict:
     def layer() -> dict:
         return {"attn_norm": norm(), **gqa_specs(cfg.attention, d), "post_attn_norm": norm(),
                 "mlp_norm": norm(), "post_mlp_norm": norm(),
-                "w_gate": WeightSpec((f, d), ("mlp", "embed")), "w_up": WeightSpec((f, d), ("mlp", "embed")),
-                "w_down": WeightSpec((d, f), ("embed", "mlp"))}
+                **gated_mlp_specs(d, f)}
 
-    return {"embed": WeightSpec((cfg.vocab_size, d), ("vocab", "embed")),
+    return {**decoder.embedding_specs(cfg.vocab_size, d, tied=True),
             "layers": [layer() for _ in range(cfg.num_layers)], "final_norm": norm()}
 
 

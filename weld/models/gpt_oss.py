@@ -158,12 +158,9 @@ def weight_specs(cfg: Config) -> dict:
         return {"attn_norm": WeightSpec((d,), ("embed",), init="ones"), **gqa_specs(cfg.attention, d),
                 "mlp_norm": WeightSpec((d,), ("embed",), init="ones"), "moe": moe_lib.moe_specs(cfg.moe, d)}
 
-    tree = {"embed": WeightSpec((cfg.vocab_size, d), ("vocab", "embed")),
+    return {**decoder.embedding_specs(cfg.vocab_size, d, cfg.tie_word_embeddings),
             "layers": [layer() for _ in range(cfg.num_layers)],
             "final_norm": WeightSpec((d,), ("embed",), init="ones")}
-    if not cfg.tie_word_embeddings:
-        tree["lm_head"] = WeightSpec((cfg.vocab_size, d), ("vocab", "embed"))
-    return tree
 
 
 def _x_major_gate_up(w: np.ndarray, _cfg: Any) -> tuple[np.ndarray, np.ndarray]:

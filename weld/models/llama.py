@@ -24,7 +24,7 @@ from weld.models.common.checkpoint import Convert, KeyMap, unpermute_rows
 from weld.models.common import decoder
 from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
-from weld.models.common.layers import fuse_gate_up, gated_mlp, prepare_head, prepare_matrices, rms_norm
+from weld.models.common.layers import fuse_gate_up, gated_mlp, gated_mlp_specs, prepare_head, prepare_matrices, rms_norm
 from weld.models.common.metadata import (gguf_eos_ids, gguf_reader, gguf_vocab_size, hf_bos_id, hf_eos_ids,
                                           hf_field, single)
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
@@ -280,18 +280,12 @@ def weight_specs(cfg: Config) -> dict:
         if i in cfg.sparse_layers:
             spec["moe"] = moe_lib.moe_specs(cfg.moe, d)
         else:
-            spec.update(w_gate=WeightSpec((f, d), ("mlp", "embed")), w_up=WeightSpec((f, d), ("mlp", "embed")),
-                        w_down=WeightSpec((d, f), ("embed", "mlp")))
+            spec.update(gated_mlp_specs(d, f))
         return spec
 
-    tree = {
-        "embed": WeightSpec((cfg.vocab_size, d), ("vocab", "embed")),
-        "layers": [layer(i) for i in range(cfg.num_layers)],
-        "final_norm": WeightSpec((d,), ("embed",), init="ones"),
-    }
-    if not cfg.tie_word_embeddings:
-        tree["lm_head"] = WeightSpec((cfg.vocab_size, d), ("vocab", "embed"))
-    return tree
+    return {**decoder.embedding_specs(cfg.vocab_size, d, cfg.tie_word_embeddings),
+            "layers": [layer(i) for i in range(cfg.num_layers)],
+            "final_norm": WeightSpec((d,), ("embed",), init="ones")}
 
 
 _ATTENTION_HF = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo"}
@@ -371,7 +365,7 @@ def cache_spec(cfg: Config) -> CacheSpec:
 def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     """The weight forms for where the model runs (`target`: a `weld.models.family.WeightTarget`):
     on the XLA backend, fused q/k/v and gate/up matrices (and expert stacks), then projections and
-    the LM head quantized (target.quantization) or, f32 on the CPU with the native kernels, packed
+    the LM head (quantized at load) or, f32 on the CPU with the native kernels, packed
     in panels (`layers.prepared_matrix`). The megakernel reads the tree as declared."""
     if target.backend == "xla":
         fuse_projections(weights)
@@ -406,7 +400,7 @@ def prepare_projections(weights: dict, target: Any) -> dict:
     """Each layer's projection matrices and the LM head in `layers.prepared_matrix`'s form for
     target, in place, layer by layer. A tied embedding is converted too (lookups gather its rows
     from the panels or blocks); an untied one only serves lookups and stays as it is. Expert
-    stacks are quantized with target.quantization, else stay as they are."""
+    stacks stay as loaded (float, or quantized at load)."""
     for lw in weights["layers"]:
         prepare_matrices(lw, PROJECTIONS, target)
         if "moe" in lw:

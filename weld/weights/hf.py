@@ -1,63 +1,18 @@
 """HF checkpoints: a directory with config.json and `*.safetensors` (one file, or shards listed by
-`model.safetensors.index.json`).
-
-Safetensors is an 8-byte little-endian header length, a JSON header {name: {dtype, shape,
-data_offsets}} and the raw data. We read the header ourselves and memory-map the data, because
-safetensors' numpy reader has no bfloat16 and most HF checkpoints are bfloat16.
+`model.safetensors.index.json`), read memory-mapped (`weld.weights.safetensors_file`).
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
-import struct
-from typing import Any
-
-import jax.numpy as jnp
-import numpy as np
 
 from weld.models import family_for_hf
 from weld.utils.errors import ModelNotFoundError, UnsupportedModelError
-from weld.weights.tree import CheckpointError, fill_tree, parse_dtype, plan_tensors
+from weld.weights.safetensors_file import FLOAT_DTYPES, SafetensorsFile
+from weld.weights.tree import CheckpointError, TensorSource, plan_tensors
 
-_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(jnp.bfloat16),
-           "F64": np.dtype(np.float64)}
 INDEX_FILE = "model.safetensors.index.json"
-
-
-class SafetensorsFile:
-    """One safetensors file: `entries` {name: (dtype str, shape, (begin, end))} and memory-mapped arrays."""
-
-    def __init__(self, path: pathlib.Path):
-        self.path = path
-        size = path.stat().st_size
-        try:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                if 8 + n > size:
-                    raise ValueError(f"header length {n} exceeds the file")
-                header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
-            self.entries = {name: (e["dtype"], tuple(e["shape"]), tuple(e["data_offsets"]))
-                            for name, e in header.items()}
-        except (struct.error, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
-        self._start = 8 + n
-        end = self._start + max((e[2][1] for e in self.entries.values()), default=0)
-        if end > size:
-            raise CheckpointError(f"{path} is truncated: it has {size} bytes, its tensors need {end}")
-        self._data: np.memmap | None = None
-
-    def array(self, name: str) -> np.ndarray:
-        """The tensor as a view of the mapped file, in its stored dtype."""
-        kind, shape, (begin, end) = self.entries[name]
-        if kind not in _DTYPES:
-            raise UnsupportedModelError(f"{self.path}: tensor {name} has dtype {kind}; weld reads "
-                                        f"{', '.join(_DTYPES)} safetensors")
-        if self._data is None:
-            self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
-        raw = self._data[self._start + begin:self._start + end].view(np.ndarray)
-        return raw.view(_DTYPES[kind]).reshape(shape)
 
 
 def read_config(path: str | pathlib.Path) -> dict:
@@ -89,9 +44,8 @@ def _shards(directory: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def load_hf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool | None = None):
-    """Loads a HF model directory. Returns (family module, Config, weight tree of jax arrays)."""
-    dtype = parse_dtype(dtype)
+def open_hf(path: str | pathlib.Path) -> TensorSource:
+    """A HF model directory, opened and planned (`TensorSource`)."""
     directory = pathlib.Path(path)
     config = read_config(directory)
     quantized = (config.get("quantization_config") or {}).get("quant_method")
@@ -119,16 +73,14 @@ def load_hf(path: str | pathlib.Path, dtype: Any = "float32", progress: bool | N
     plan = plan_tensors(str(directory), {name: f.entries[name][1] for name, f in owner.items()},
                         family.hf_keymap(cfg), specs)
     bad = sorted(f"{p.name} ({owner[p.name].entries[p.name][0]})" for p in plan
-                 if owner[p.name].entries[p.name][0] not in _DTYPES)
+                 if owner[p.name].entries[p.name][0] not in FLOAT_DTYPES)
     if bad:
         raise UnsupportedModelError(f"{directory}: unsupported tensor dtypes: {', '.join(bad[:6])} "
-                                    f"(weld reads {', '.join(_DTYPES)})")
+                                    f"(weld reads {', '.join(FLOAT_DTYPES)})")
 
     def nbytes(name: str) -> int:
         begin, end = owner[name].entries[name][2]
         return end - begin
 
     order = sorted(plan, key=lambda p: (str(owner[p.name].path), owner[p.name].entries[p.name][2]))
-    weights = fill_tree(directory.name, order, specs, cfg, dtype, lambda name: (owner[name].array(name), True),
-                        nbytes, progress)
-    return family, cfg, weights
+    return TensorSource(directory.name, family, cfg, order, lambda name: (owner[name].array(name), True), nbytes)

@@ -10,9 +10,9 @@ its stack on the device).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import Any, Callable, Iterable, Mapping
+from types import ModuleType
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -143,35 +143,37 @@ def to_device(array: np.ndarray, dtype: np.dtype, mapped: bool) -> jax.Array:
     return jax.device_put(host)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_expert(stack: jax.Array, value: jax.Array, expert: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), expert, 0)
+@dataclasses.dataclass
+class Leaf:
+    """One declared leaf, read whole: a host array in the checkpoint's dtype (`mapped`: a view of
+    the memory-mapped file), or a GGUF's kept blocks as a `quant.QuantWeight`."""
+
+    path: Path
+    spec: Any  # its WeightSpec
+    value: Any
+    mapped: bool = False
 
 
-def fill_tree(where: str, plan: Iterable[Planned], specs: Any, cfg: Any, dtype: np.dtype,
-              read: Callable[[str], tuple[np.ndarray, bool]], nbytes: Callable[[str], int],
-              progress: bool | None) -> dict:
-    """The weight tree: each planned tensor read (read(name) -> (array, is a view of the mapped
-    file)), converted when its rule says so, cast to dtype and put on the device, in `plan`'s
-    order (put it in file order). `specs` is filled in place and returned."""
-    plan = list(plan)
+def iter_leaves(where: str, plan: Iterable[Planned], specs: Any, cfg: Any,
+                read: Callable[[str], tuple[Any, bool]], nbytes: Callable[[str], int], progress: bool | None,
+                skip: frozenset = frozenset(), verb: str = "loading") -> Iterator[Leaf]:
+    """The declared leaves, each as soon as its tensors are read (read(name) -> (array,
+    `quant.Blocks` or `quant.QuantWeight`; is a view of the mapped file)) and converted when its rule says so, in
+    `plan`'s order (put it in file order). An expert stack stored one expert per tensor is
+    gathered on the host and yielded whole, so host memory holds one leaf (one stack) beyond the
+    mapped file. Leaves in `skip` are not yielded, and tensors that feed only them are not read."""
+    plan = [p for p in plan if not set(p.match.paths) <= skip]
     declared = dict(iter_specs(specs))
-    stacks: dict[Path, jax.Array] = {}
-    with Progress(sum(nbytes(p.name) for p in plan), f"loading {where}", unit="B", enabled=progress) as bar:
+    stacks: dict[Path, tuple[np.ndarray, set]] = {}  # path -> (stack, experts still to come)
+    with Progress(sum(nbytes(p.name) for p in plan), f"{verb} {where}", unit="B", enabled=progress) as bar:
         for item in plan:
             array, mapped = read(item.name)
             m = item.match
             if isinstance(array, quant.Blocks):  # a quantized tensor kept as it is (rows converted alike)
                 parts = array.map_rows(lambda a: m.convert(a, cfg)) if m.convert is not None else array
-                for path, part in zip(m.paths, parts if isinstance(parts, tuple) else (parts,), strict=True):
-                    if tuple(part.shape) != declared[path].shape:
-                        raise CheckpointError(f"{where}: {item.name} converts to shape {tuple(part.shape)} for "
-                                              f"{path_str(path)}, expected {declared[path].shape}")
-                    set_path(specs, path, part.packed())
-                del array, parts
-                bar.update(nbytes(item.name))
-                continue
-            if m.convert is not None:
+                parts = parts if isinstance(parts, tuple) else (parts,)
+                mapped = False
+            elif m.convert is not None:
                 try:
                     parts = m.convert(array, cfg)
                 except (ValueError, IndexError) as err:  # a layout the rule cannot read (np.AxisError too)
@@ -182,19 +184,84 @@ def fill_tree(where: str, plan: Iterable[Planned], specs: Any, cfg: Any, dtype: 
             else:
                 parts = (array,)
             for path, part in zip(m.paths, parts, strict=True):
-                want = _slice_shape(declared[path].shape, m.expert)
+                if path in skip:
+                    continue
+                spec = declared[path]
+                whole = isinstance(part, (quant.Blocks, quant.QuantWeight))  # quantized: whole leaves only
+                want = spec.shape if whole else _slice_shape(spec.shape, m.expert)
                 if tuple(part.shape) != want:
                     raise CheckpointError(f"{where}: {item.name} converts to shape {tuple(part.shape)} for "
                                           f"{path_str(path)}, expected {want}")
-                value = to_device(part, dtype, mapped)
-                if m.expert is None:
-                    set_path(specs, path, value)
-                    continue
-                if path not in stacks:
-                    stacks[path] = jnp.zeros(declared[path].shape, dtype)
-                stacks[path] = _set_expert(stacks[path], value, jnp.int32(m.expert))
+                if whole:
+                    yield Leaf(path, spec, part.packed() if isinstance(part, quant.Blocks) else part, mapped)
+                elif m.expert is None:
+                    yield Leaf(path, spec, part, mapped)
+                else:
+                    if path not in stacks:
+                        stacks[path] = (np.empty(spec.shape, part.dtype), set(range(spec.shape[0])))
+                    stack, left = stacks[path]
+                    stack[m.expert] = part
+                    left.discard(m.expert)
+                    if not left:
+                        del stacks[path]
+                        yield Leaf(path, spec, stack)
             del array, parts
             bar.update(nbytes(item.name))
-    for path, stack in stacks.items():
-        set_path(specs, path, stack)
+    assert not stacks, f"plan_tensors let incomplete expert stacks through: {list(stacks)}"
+
+
+def finished(leaf: Leaf, dtype: np.dtype, quantization: str | None) -> Any:
+    """A leaf in the form it is stored and run in: quantized when quantization ("int8" | "int4",
+    `quant.leaf_mode`) asks for it and the declaration allows, else cast to dtype; quantized leaves
+    stay as they are under None and are dequantized under "none". A host array (a view of the
+    file when leaf.mapped) or a `quant.QuantWeight`."""
+    value = leaf.value
+    mode = quant.leaf_mode(leaf.spec.quantize, quantization)
+    if isinstance(value, quant.QuantWeight):
+        if quantization is None or value.fmt == mode:
+            return value
+        value = np.asarray(value.unpacked())  # dequantized ("none"), or quantized again as asked
+    if mode is not None:
+        return quant.quantize_any(value, mode)
+    return value.astype(dtype, copy=False)
+
+
+@dataclasses.dataclass
+class TensorSource:
+    """An opened checkpoint with its tensors planned onto the family's tree (`plan_tensors`):
+    `where` (named in messages and bars), the family and its Config, the plan in read order,
+    read(name) -> (array, `quant.Blocks` or `quant.QuantWeight`; whether it is a view of the mapped
+    file), nbytes(name), and a GGUF's key/values (None for other sources)."""
+
+    where: str
+    family: ModuleType
+    cfg: Any
+    plan: list[Planned]
+    read: Callable[[str], tuple[Any, bool]]
+    nbytes: Callable[[str], int]
+    metadata: dict | None = None
+
+    def leaves(self, progress: bool | None = None, skip: frozenset = frozenset(),
+               verb: str = "loading") -> Iterator[Leaf]:
+        return iter_leaves(self.where, self.plan, self.family.weight_specs(self.cfg), self.cfg, self.read,
+                           self.nbytes, progress, skip, verb)
+
+    def load(self, dtype: np.dtype, progress: bool | None = None, quantization: str | None = None) -> dict:
+        """The weight tree on the device (`fill_tree`)."""
+        return fill_tree(self.where, self.plan, self.family.weight_specs(self.cfg), self.cfg, dtype, self.read,
+                         self.nbytes, progress, quantization)
+
+
+def fill_tree(where: str, plan: Iterable[Planned], specs: Any, cfg: Any, dtype: np.dtype,
+              read: Callable[[str], tuple[Any, bool]], nbytes: Callable[[str], int],
+              progress: bool | None, quantization: str | None = None) -> dict:
+    """The weight tree on the device: `iter_leaves`' leaves in `finished` form. `specs` is filled in
+    place and returned."""
+    for leaf in iter_leaves(where, plan, specs, cfg, read, nbytes, progress):
+        value = finished(leaf, dtype, quantization)
+        if isinstance(value, quant.QuantWeight):  # copied out of a mapped file, as to_device does
+            value = jax.block_until_ready(jax.device_put(jax.tree.map(np.array, value) if leaf.mapped else value))
+        else:
+            value = to_device(value, dtype, leaf.mapped)
+        set_path(specs, leaf.path, value)
     return specs

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from weld.models.common.cache import AttentionBatch, Cache
 from weld.models.common.layers import linear
+from weld.models.common.spec import WeightSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,15 @@ class Rows:
         if self.grouped:
             return tuple(all_logits), tuple(all_states)
         return all_logits[0], all_states[0]
+
+
+def embedding_specs(vocab_size: int, d: int, tied: bool) -> dict:
+    """The input embedding [v, d] and, unless tied, the lm_head [v, d] (what `embed_tokens` and
+    `lm_head` read). Whichever serves as the LM head is declared as one (quantized to 8 bits at least)."""
+    if tied:
+        return {"embed": WeightSpec((vocab_size, d), ("vocab", "embed"), quantize="head")}
+    return {"embed": WeightSpec((vocab_size, d), ("vocab", "embed")),
+            "lm_head": WeightSpec((vocab_size, d), ("vocab", "embed"), quantize="head")}
 
 
 def embed_tokens(weights: dict, cfg: Any, tokens: jax.Array) -> jax.Array:

@@ -46,10 +46,10 @@ def gqa_specs(g: GQA, d: int) -> dict:
     """One attention layer's weights, matrices [out, in]."""
     q_dim, kv_dim, e = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, g.head_dim
     spec = {
-        "wq": WeightSpec((q_dim, d), ("q_heads", "embed")),
-        "wk": WeightSpec((kv_dim, d), ("kv_heads", "embed")),
-        "wv": WeightSpec((kv_dim, d), ("kv_heads", "embed")),
-        "wo": WeightSpec((d, q_dim), ("embed", "q_heads")),
+        "wq": WeightSpec((q_dim, d), ("q_heads", "embed"), quantize="linear"),
+        "wk": WeightSpec((kv_dim, d), ("kv_heads", "embed"), quantize="linear"),
+        "wv": WeightSpec((kv_dim, d), ("kv_heads", "embed"), quantize="linear"),
+        "wo": WeightSpec((d, q_dim), ("embed", "q_heads"), quantize="linear"),
     }
     if g.qkv_bias:
         spec.update(bq=WeightSpec((q_dim,), ("q_heads",), init="zeros"),

@@ -6,17 +6,15 @@ h query heads, k kv heads, g query heads per kv head, e head dim, f MLP dim, v v
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from weld.kernels import cpu as cpu_kernels
-from weld.models.common import quant
 from weld.models.common.quant import QuantWeight, concat_rows
+from weld.models.common.spec import WeightSpec
 from weld.utils.errors import InvalidInputError
 
 
@@ -118,17 +116,13 @@ def pack_if_f32(w):
 
 
 def prepared_matrix(w, target):
-    """One matrix [n, k] (or an expert stack [E, n, k]) in the form `target` (a
-    `weld.models.family.WeightTarget`) runs it in: quantized when target.quantization is "int8"
-    or "int4" (`quant.quantize`, once, at load; a stack expert by expert), a matrix packed in
-    panels when f32 on the CPU with the native kernels, else as it is. What is already quantized
-    (a GGUF's kept blocks) or packed, and 1-D weights, stay as they are."""
-    if w is None or isinstance(w, (PackedWeight, QuantWeight)) or w.ndim not in (2, 3):
+    """One matrix [n, k] in the form `target` (a `weld.models.family.WeightTarget`) runs it in:
+    packed in panels when f32 on the CPU with the native kernels, else as it is. Quantized
+    matrices (`quant.QuantWeight`, made at load: `weld.weights.tree.finished`), packed ones,
+    expert stacks and 1-D weights stay as they are."""
+    if w is None or isinstance(w, (PackedWeight, QuantWeight)) or w.ndim != 2:
         return w
-    if getattr(target, "quantization", None) in quant.MODES:
-        make = quant.quantize if w.ndim == 2 else quant.quantize_stack
-        return jax.block_until_ready(make(np.asarray(w, np.float32), target.quantization))
-    return pack_if_f32(w) if target.pack_for_cpu_kernels and w.ndim == 2 else w
+    return pack_if_f32(w) if target.pack_for_cpu_kernels else w
 
 
 def prepare_matrices(weights: dict, names: tuple[str, ...], target) -> None:
@@ -141,10 +135,7 @@ def prepare_matrices(weights: dict, names: tuple[str, ...], target) -> None:
 def prepare_head(weights: dict, target) -> None:
     """The LM head in `prepared_matrix`'s form (the tied embedding when there is no lm_head;
     lookups gather its rows from the panels or blocks), in place; an untied input embedding only
-    serves lookups and stays as it is. Quantization "int4" gives the head 8 bits, as llama.cpp's
-    4-bit mixes do: 4-bit heads and embeddings cost small models most of their accuracy."""
-    if getattr(target, "quantization", None) == "int4":
-        target = dataclasses.replace(target, quantization="int8")
+    serves lookups and stays as it is."""
     prepare_matrices(weights, ("lm_head",) if "lm_head" in weights else ("embed",), target)
 
 
@@ -199,6 +190,13 @@ def linear(x: jax.Array, w: jax.Array | PackedWeight | QuantWeight, b: jax.Array
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+
+
+def gated_mlp_specs(d: int, f: int) -> dict:
+    """A gated MLP's matrices [out, in] (what `gated_mlp` reads): w_gate, w_up [f, d], w_down [d, f]."""
+    return {"w_gate": WeightSpec((f, d), ("mlp", "embed"), quantize="linear"),
+            "w_up": WeightSpec((f, d), ("mlp", "embed"), quantize="linear"),
+            "w_down": WeightSpec((d, f), ("embed", "mlp"), quantize="linear")}
 
 
 def gated_mlp(lw: dict, y: jax.Array, activation=jax.nn.silu) -> jax.Array:

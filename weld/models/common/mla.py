@@ -76,18 +76,18 @@ def mla_specs(mla: MLA, d: int) -> dict:
     nh, r, dr = mla.num_heads, mla.kv_lora_rank, mla.rope_dim
     q_out = nh * (mla.nope_dim + dr)
     spec = {
-        "wkv_a": WeightSpec((r + dr, d), ("latent", "embed")),
+        "wkv_a": WeightSpec((r + dr, d), ("latent", "embed"), quantize="linear"),
         "kv_a_norm": WeightSpec((r,), ("latent",), init="ones"),
         "w_uk": WeightSpec((nh, mla.nope_dim, r), ("q_heads", None, "latent")),
         "w_uv": WeightSpec((nh, mla.v_dim, r), ("q_heads", None, "latent")),
-        "wo": WeightSpec((d, nh * mla.v_dim), ("embed", "q_heads")),
+        "wo": WeightSpec((d, nh * mla.v_dim), ("embed", "q_heads"), quantize="linear"),
     }
     if mla.q_lora_rank is None:
-        spec["wq"] = WeightSpec((q_out, d), ("q_heads", "embed"))
+        spec["wq"] = WeightSpec((q_out, d), ("q_heads", "embed"), quantize="linear")
     else:
-        spec.update(wq_a=WeightSpec((mla.q_lora_rank, d), ("q_lora", "embed")),
+        spec.update(wq_a=WeightSpec((mla.q_lora_rank, d), ("q_lora", "embed"), quantize="linear"),
                     q_a_norm=WeightSpec((mla.q_lora_rank,), ("q_lora",), init="ones"),
-                    wq_b=WeightSpec((q_out, mla.q_lora_rank), ("q_heads", "q_lora")))
+                    wq_b=WeightSpec((q_out, mla.q_lora_rank), ("q_heads", "q_lora"), quantize="linear"))
     return spec
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from weld.models.common.checkpoint import Convert, split_rows
-from weld.models.common.layers import fuse_gate_up, gated_mlp, linear, prepare_matrices, unpacked
+from weld.models.common.layers import fuse_gate_up, gated_mlp, gated_mlp_specs, linear, prepare_matrices, unpacked
 from weld.models.common.quant import QuantWeight, concat_rows
 from weld.models.common.spec import WeightSpec
 
@@ -221,9 +221,8 @@ def fuse_experts(lw: dict) -> None:
 
 
 def prepare_experts(lw: dict, target) -> None:
-    """An MoE layer's expert stacks and shared expert in `layers.prepared_matrix`'s form for
-    target (quantized expert by expert with target.quantization), in place."""
-    prepare_matrices(lw, EXPERT_MATRICES, target)
+    """An MoE layer's shared expert in `layers.prepared_matrix`'s form for target, in place (the
+    stacks stay as loaded: float, or quantized expert by expert at load)."""
     if "shared" in lw:
         prepare_matrices(lw["shared"], EXPERT_MATRICES, target)
 
@@ -247,9 +246,9 @@ def moe_specs(moe: MoE, d: int) -> dict:
     n, i = moe.num_experts, moe.intermediate_size
     spec = {
         "router": WeightSpec((n, d), ("experts", "embed")),
-        "w_gate": WeightSpec((n, i, d), ("experts", "expert_mlp", "embed")),
-        "w_up": WeightSpec((n, i, d), ("experts", "expert_mlp", "embed")),
-        "w_down": WeightSpec((n, d, i), ("experts", "embed", "expert_mlp")),
+        "w_gate": WeightSpec((n, i, d), ("experts", "expert_mlp", "embed"), quantize="linear"),
+        "w_up": WeightSpec((n, i, d), ("experts", "expert_mlp", "embed"), quantize="linear"),
+        "w_down": WeightSpec((n, d, i), ("experts", "embed", "expert_mlp"), quantize="linear"),
     }
     if moe.router_bias:
         spec["router_bias"] = WeightSpec((n,), ("experts",), init="zeros")
@@ -260,9 +259,7 @@ def moe_specs(moe: MoE, d: int) -> dict:
                     b_up=WeightSpec((n, i), ("experts", "expert_mlp"), init="zeros"),
                     b_down=WeightSpec((n, d), ("experts", "embed"), init="zeros"))
     if moe.shared_intermediate_size:
-        s = moe.shared_intermediate_size
-        spec["shared"] = {"w_gate": WeightSpec((s, d), ("mlp", "embed")), "w_up": WeightSpec((s, d), ("mlp", "embed")),
-                          "w_down": WeightSpec((d, s), ("embed", "mlp"))}
+        spec["shared"] = gated_mlp_specs(d, moe.shared_intermediate_size)
     return spec
 
 

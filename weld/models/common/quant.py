@@ -25,6 +25,7 @@ import numpy as np
 
 BLOCK = 32
 PANEL = 16
+CHUNK_ROWS = 64 * PANEL  # `quantize` works through a matrix this many rows at a time
 MODES = ("int8", "int4")
 FORMATS = {"int8": (8, 128.0, False), "int4": (4, 0.0, True), "q8_0": (8, 128.0, False),
            "q4_0": (4, 8.0, False), "q4_1": (4, 0.0, True), "q5_0": (8, 16.0, False), "q5_1": (8, 0.0, True),
@@ -153,8 +154,13 @@ def quantize(w: np.ndarray, mode: str) -> QuantWeight:
     against the symmetric Q4_0 rule). Codes are rounded against the f16 scales and mins stored."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {MODES}, got {mode!r}")
+    n, k = np.shape(w)
+    if n > CHUNK_ROWS:  # by panels of rows, so the f32 temporaries stay a chunk's, not the matrix's
+        parts = [quantize(w[i:i + CHUNK_ROWS], mode) for i in range(0, n, CHUNK_ROWS)]
+        mins = None if parts[0].mins is None else jnp.concatenate([q.mins for q in parts])
+        return QuantWeight(jnp.concatenate([q.codes for q in parts]), jnp.concatenate([q.scales for q in parts]),
+                           mins, n, k, mode)
     w = np.asarray(w, np.float32)
-    n, k = w.shape
     nb = -(-k // BLOCK)
     blocks = np.zeros((n, nb * BLOCK), np.float32)
     blocks[:, :k] = w
@@ -179,6 +185,21 @@ def quantize_stack(w: np.ndarray, mode: str) -> QuantWeight:
     """`quantize` of each matrix of a stack [E, n, k] (an MoE layer's experts), as one QuantWeight
     whose arrays carry the leading axis; indexing every leaf along it gives one expert's."""
     return stack([quantize(m, mode) for m in np.asarray(w, np.float32)])
+
+
+def quantize_any(w: np.ndarray, mode: str) -> QuantWeight:
+    """`quantize` of a matrix [n, k], `quantize_stack` of a stack [E, n, k]."""
+    return quantize(w, mode) if np.ndim(w) == 2 else quantize_stack(w, mode)
+
+
+def leaf_mode(kind: str | None, quantization: str | None) -> str | None:
+    """The mode a declared weight gets under `--quantization` (`MODES`; None or "none": none):
+    `WeightSpec.quantize` "linear" takes the mode, "head" (the LM head) at least 8 bits (4-bit heads
+    and embeddings cost small models most of their accuracy; llama.cpp's 4-bit mixes keep them
+    wider too), None is never quantized."""
+    if kind is None or quantization not in MODES:
+        return None
+    return "int8" if kind == "head" else quantization
 
 
 class Blocks:
