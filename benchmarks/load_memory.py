@@ -12,8 +12,9 @@ Cases (weld's with the JAX CPU backend started first, so the baseline holds the 
                   checkpoint quantized as it is read (the HF int8 path)
   convert-int8    weld convert GGUF -> int8 checkpoint
   llama.cpp       llama_cpp.Llama(GGUF, n_ctx=512), the load only
-Peak memory is ru_maxrss minus the same interpreter's before the load (after importing and
-starting JAX, or importing llama_cpp); it counts the mapped file pages a load touched. The ratio
+Peak memory is the peak resident set during the load (VmHWM, reset just before it) minus the
+resident set before it (after importing and starting JAX, or importing llama_cpp); it counts the
+mapped file pages a load touched. The ratio
 column divides it by the bytes of the weights the load leaves on the device.
 """
 
@@ -29,12 +30,19 @@ import sys
 import tempfile
 
 SCRIPT = r"""
-import json, resource, sys, time
+import json, sys, time
 case, model, path = sys.argv[1], sys.argv[2], sys.argv[3]
-def rss(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+def reset_peak():  # VmHWM := VmRSS (Linux clear_refs "5"), so the peak is this load's
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status("VmRSS:")
+def rss(): return status("VmHWM:")
 if case == "llama.cpp":
     import llama_cpp
-    before = rss(); t = time.perf_counter()
+    before = reset_peak(); t = time.perf_counter()
     llm = llama_cpp.Llama(model_path=model, n_ctx=512, n_threads=2, verbose=False)
     seconds = time.perf_counter() - t
     print(json.dumps({"seconds": seconds, "peak_extra": rss() - before, "weights": None}))
@@ -42,7 +50,7 @@ if case == "llama.cpp":
 import jax, numpy as np
 jax.block_until_ready(jax.device_put(np.ones(8, np.float32)) * 2)
 from weld.weights import load_model, native
-before = rss(); t = time.perf_counter()
+before = reset_peak(); t = time.perf_counter()
 if case.startswith("convert-"):
     native.convert(model, path, quantization=case.split("-", 1)[1], progress=False)
     weights = None

@@ -49,3 +49,39 @@ def test_peak_rss_of_loading_default_model(default_gguf):
           f"baseline {base['peak_kib'] / 1024:.0f} MiB, extra {extra / 2**20:.0f} MiB = {extra / loaded:.2f}x")
     assert loaded > 500 * 2**20  # 135M parameters at 4 bytes: the load really happened
     assert extra < 1.25 * loaded, f"peak RSS grew {extra / loaded:.2f}x the loaded weights (measured ~1.01x)"
+
+
+# The same for a weld checkpoint, with the peak of the load alone (VmHWM reset just before it,
+# Linux's clear_refs): the mapped shards' pages are dropped as each tensor is copied out
+# (weld.utils.memory.release_mapped), so the process holds the quantized weights about once.
+WELD_SCRIPT = """
+import json, sys
+import jax, numpy as np
+from weld.weights import load_model
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+jax.block_until_ready(jax.device_put(np.ones(8, np.float32)) * 2)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status("VmRSS:")
+model = load_model(sys.argv[1], progress=False)
+leaves = jax.tree.leaves(model.weights)
+jax.block_until_ready(leaves)
+print(json.dumps({"extra": status("VmHWM:") - before, "loaded": sum(x.nbytes for x in leaves)}))
+"""
+
+
+def test_peak_rss_of_loading_a_weld_checkpoint(tmp_path):
+    """Measured: +114-118 MiB for 97 MB of Q4_1/Q8_0 blocks (1.17-1.22x, benchmarks/load_memory.py);
+    without dropping the mapped pages it was 2.14x. The bound is the issue's 1.3x plus noise."""
+    from weld.weights import native
+
+    native.convert(None, tmp_path / "w", progress=False)
+    out = subprocess.run([sys.executable, "-c", WELD_SCRIPT, str(tmp_path / "w")], capture_output=True, text=True,
+                         check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=REPO, timeout=120)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\nloaded {result['loaded'] / 1e6:.0f} MB; peak grew {result['extra'] / 1e6:.0f} MB = "
+          f"{result['extra'] / result['loaded']:.2f}x")
+    assert result["loaded"] > 90e6  # the blocks really were loaded
+    assert result["extra"] < 1.4 * result["loaded"]

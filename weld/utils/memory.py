@@ -1,10 +1,13 @@
-"""Handing freed heap memory back to the operating system."""
+"""Handing freed heap memory and read file pages back to the operating system."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+import mmap
+
+import numpy as np
 
 
 @functools.cache
@@ -22,3 +25,19 @@ def release_free_memory() -> bool:
     bundled model's resident memory (benchmarks/serve_memory.py). False where there is no glibc."""
     trim = _malloc_trim()
     return bool(trim is not None and trim(0) >= 0)
+
+
+def release_mapped(data: np.memmap | None, begin: int, end: int) -> None:
+    """Drops the resident pages of bytes [begin, end) of a read-only mapped file (MADV_DONTNEED;
+    a later read maps them in again from the file). A loader calls it once a tensor is copied out,
+    so that loading holds the weights once, not the weights plus the file's pages. No-op where
+    the mapping or madvise is unavailable."""
+    raw = getattr(data, "_mmap", None)
+    advise = getattr(mmap, "MADV_DONTNEED", None)
+    if raw is None or advise is None or end <= begin:
+        return
+    start = begin - begin % mmap.PAGESIZE
+    try:
+        raw.madvise(advise, start, min(end, len(raw)) - start)
+    except (OSError, ValueError):
+        pass

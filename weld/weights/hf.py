@@ -83,4 +83,5 @@ def open_hf(path: str | pathlib.Path) -> TensorSource:
         return end - begin
 
     order = sorted(plan, key=lambda p: (str(owner[p.name].path), owner[p.name].entries[p.name][2]))
-    return TensorSource(directory.name, family, cfg, order, lambda name: (owner[name].array(name), True), nbytes)
+    return TensorSource(directory.name, family, cfg, order, lambda name: (owner[name].array(name), True), nbytes,
+                        release=lambda name: owner[name].release(name))

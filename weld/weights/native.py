@@ -326,7 +326,11 @@ def open_weld(directory: str | pathlib.Path) -> TensorSource:
             metadata = json.loads((directory / GGUF_METADATA).read_text())
         except ValueError as e:
             raise CheckpointError(f"{directory / GGUF_METADATA} is not valid JSON: {e}") from None
-    return TensorSource(directory.name, family, cfg, sorted(plan, key=offset), read, nbytes, metadata)
+    def release(name: str) -> None:
+        for key, file in stored(name):
+            file.release(key)
+
+    return TensorSource(directory.name, family, cfg, sorted(plan, key=offset), read, nbytes, metadata, release)
 
 
 def _check_entry(directory, name: str, entry: dict, spec, parts: dict) -> None:

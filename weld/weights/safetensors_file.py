@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from weld.utils.errors import UnsupportedModelError
+from weld.utils.memory import release_mapped
 from weld.weights.tree import CheckpointError
 
 FLOAT_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -66,6 +67,11 @@ class SafetensorsFile:
             self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
         raw = self._data[self._start + begin:self._start + end].view(np.ndarray)
         return raw.view(DTYPES[kind]).reshape(shape)
+
+    def release(self, name: str) -> None:
+        """Drops the tensor's pages from memory once it has been copied out (`release_mapped`)."""
+        _, _, (begin, end) = self.entries[name]
+        release_mapped(self._data, self._start + begin, self._start + end)
 
 
 def sha256_of(path: pathlib.Path) -> str:

@@ -156,12 +156,15 @@ class Leaf:
 
 def iter_leaves(where: str, plan: Iterable[Planned], specs: Any, cfg: Any,
                 read: Callable[[str], tuple[Any, bool]], nbytes: Callable[[str], int], progress: bool | None,
-                skip: frozenset = frozenset(), verb: str = "loading") -> Iterator[Leaf]:
+                skip: frozenset = frozenset(), verb: str = "loading",
+                release: Callable[[str], None] | None = None) -> Iterator[Leaf]:
     """The declared leaves, each as soon as its tensors are read (read(name) -> (array,
     `quant.Blocks` or `quant.QuantWeight`; is a view of the mapped file)) and converted when its rule says so, in
     `plan`'s order (put it in file order). An expert stack stored one expert per tensor is
-    gathered on the host and yielded whole, so host memory holds one leaf (one stack) beyond the
-    mapped file. Leaves in `skip` are not yielded, and tensors that feed only them are not read."""
+    gathered on the host and yielded whole. Once a tensor's leaves have been consumed,
+    release(name) drops its pages of the mapped file, so host memory holds one leaf (one stack)
+    beyond what was loaded. Leaves in `skip` are not yielded, and tensors that feed only them are
+    not read."""
     plan = [p for p in plan if not set(p.match.paths) <= skip]
     declared = dict(iter_specs(specs))
     stacks: dict[Path, tuple[np.ndarray, set]] = {}  # path -> (stack, experts still to come)
@@ -206,6 +209,8 @@ def iter_leaves(where: str, plan: Iterable[Planned], specs: Any, cfg: Any,
                         del stacks[path]
                         yield Leaf(path, spec, stack)
             del array, parts
+            if release is not None:
+                release(item.name)
             bar.update(nbytes(item.name))
     assert not stacks, f"plan_tensors let incomplete expert stacks through: {list(stacks)}"
 
@@ -240,24 +245,26 @@ class TensorSource:
     read: Callable[[str], tuple[Any, bool]]
     nbytes: Callable[[str], int]
     metadata: dict | None = None
+    release: Callable[[str], None] | None = None  # drops a tensor's mapped pages once it is copied out
 
     def leaves(self, progress: bool | None = None, skip: frozenset = frozenset(),
                verb: str = "loading") -> Iterator[Leaf]:
         return iter_leaves(self.where, self.plan, self.family.weight_specs(self.cfg), self.cfg, self.read,
-                           self.nbytes, progress, skip, verb)
+                           self.nbytes, progress, skip, verb, self.release)
 
     def load(self, dtype: np.dtype, progress: bool | None = None, quantization: str | None = None) -> dict:
         """The weight tree on the device (`fill_tree`)."""
         return fill_tree(self.where, self.plan, self.family.weight_specs(self.cfg), self.cfg, dtype, self.read,
-                         self.nbytes, progress, quantization)
+                         self.nbytes, progress, quantization, self.release)
 
 
 def fill_tree(where: str, plan: Iterable[Planned], specs: Any, cfg: Any, dtype: np.dtype,
               read: Callable[[str], tuple[Any, bool]], nbytes: Callable[[str], int],
-              progress: bool | None, quantization: str | None = None) -> dict:
+              progress: bool | None, quantization: str | None = None,
+              release: Callable[[str], None] | None = None) -> dict:
     """The weight tree on the device: `iter_leaves`' leaves in `finished` form. `specs` is filled in
     place and returned."""
-    for leaf in iter_leaves(where, plan, specs, cfg, read, nbytes, progress):
+    for leaf in iter_leaves(where, plan, specs, cfg, read, nbytes, progress, release=release):
         value = finished(leaf, dtype, quantization)
         if isinstance(value, quant.QuantWeight):  # copied out of a mapped file, as to_device does
             value = jax.block_until_ready(jax.device_put(jax.tree.map(np.array, value) if leaf.mapped else value))
