@@ -286,7 +286,7 @@ def add_quantization_argument(g) -> None:
     """--quantization / -q (vLLM's name), for the engine's flags and `weld bench`'s."""
     g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                    help="weight quantization: int8 or int4 quantize the projections and LM head at load "
-                        "(blocks of 32); none dequantizes a GGUF (default: as stored, a GGUF's Q8_0/Q4_*/Q5_* "
+                        "(blocks of 32); none dequantizes a GGUF (default: as stored, a GGUF's Q8_0/Q4_*/Q5_*/Q6_K "
                         "blocks kept)")
 
 

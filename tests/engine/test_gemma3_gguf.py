@@ -269,9 +269,9 @@ def test_prompt_longer_than_the_sliding_window_equal_hf(llm, hf):
 
 
 def test_kept_blocks_score_text_as_the_dequantized_model(llm, gguf_path):
-    """Loaded as users get it, the GGUF keeps its Q8_0, Q5_0 and Q4_K matrices in their blocks
-    (Q6_K is dequantized), and the teacher-forced log probabilities of a text stay those of the
-    f32 model up to the int8 rounding of the activations."""
+    """Loaded as users get it, the GGUF keeps all its matrices in their blocks (Q8_0, Q5_0, Q4_K
+    and the Q6_K ffn_down ones, with a scale per 16 inputs), and the teacher-forced log
+    probabilities of a text stay those of the f32 model up to the int8 rounding of the activations."""
     import jax
 
     from weld.models.common import quant
@@ -279,7 +279,12 @@ def test_kept_blocks_score_text_as_the_dequantized_model(llm, gguf_path):
     kept = LLM(model=str(gguf_path), dtype="float32", max_model_len=1024, kv_cache_memory_gb=0.1)
     leaves = [leaf for leaf in jax.tree_util.tree_leaves(kept.model.weights, is_leaf=quant.is_quantized)
               if quant.is_quantized(leaf)]
-    assert {leaf.fmt for leaf in leaves} == {"q8_0", "q5_0", "q4_k"}
+    assert {leaf.fmt for leaf in leaves} == {"q8_0", "q5_0", "q4_k", "q6_k"}
+    from weld.models.common.layers import PackedWeight
+
+    dense = [name for lw in kept.model.weights["layers"] for name, w in lw.items()
+             if isinstance(w, PackedWeight) or (not quant.is_quantized(w) and w.ndim == 2)]
+    assert not dense  # no matrix left in f32
 
     def logprobs(engine):
         ids = engine.tokenizer.encode(PROMPTS[1])

@@ -14,8 +14,13 @@ from weld.models.common import layers, quant
 from weld.utils.errors import InvalidInputError
 
 ISAS = cpu_kernels.supported_isas()
-# the kernel's distinct cases: 8 or 4 bits, an offset or mins (q4_k / q5_k run as q4_1 / q5_1)
-KERNEL_FORMATS = ["int8", "int4", "q4_1", "q5_0", "q5_1"]
+# the kernel's distinct cases: 8 or 4 bits, an offset or mins, a scale per 32 or per 16 inputs
+# (q6_k; q4_k / q5_k run as q4_1 / q5_1)
+KERNEL_FORMATS = ["int8", "int4", "q4_1", "q5_0", "q5_1", "q6_k"]
+
+
+def subs(fmt: str) -> int:
+    return quant.SUBBLOCKS.get(fmt, 1)
 
 
 @pytest.fixture
@@ -28,9 +33,9 @@ needs_kernels = pytest.mark.usefixtures("kernels")
 
 
 def random_blocks(rng, n: int, k: int, fmt: str, scale: float = 1.0):
-    """Codes [n, k], scales and mins [n, nb] of a random matrix in fmt (scales already f16-exact)."""
+    """Codes [n, k], scales and mins [n, nb * sub] of a random matrix in fmt (scales already f16-exact)."""
     bits, _, has_mins = quant.FORMATS[fmt]
-    nb = -(-k // quant.BLOCK)
+    nb = -(-k // quant.BLOCK) * subs(fmt)
     codes = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
     d = (rng.uniform(0.2, 1.0, (n, nb)) * scale).astype(np.float16).astype(np.float32)
     mn = (rng.standard_normal((n, nb)) * scale).astype(np.float16).astype(np.float32) if has_mins else None
@@ -41,7 +46,7 @@ def dense(codes, d, mn, fmt) -> np.ndarray:
     """The float matrix the blocks state, in float64."""
     _, offset, _ = quant.FORMATS[fmt]
     n, k = codes.shape
-    per_input = lambda v: np.repeat(v.astype(np.float64), quant.BLOCK, axis=1)[:, :k]  # noqa: E731
+    per_input = lambda v: np.repeat(v.astype(np.float64), quant.BLOCK // subs(fmt), axis=1)[:, :k]  # noqa: E731
     if mn is None:
         return per_input(d) * (codes.astype(np.float64) - offset)
     return per_input(d) * codes + per_input(mn)
@@ -61,9 +66,10 @@ def reference(x: np.ndarray, codes, d, mn, fmt, digits: int | None = None) -> np
     xp[:, :k] = x
     xb = xp.reshape(m, nb, quant.BLOCK)
     amax = np.abs(xb).max(axis=-1)
+    sub, per = subs(fmt), quant.BLOCK // subs(fmt)
     cp = np.zeros((n, nb * quant.BLOCK), np.int64)
     cp[:, :k] = codes
-    cb = cp.reshape(n, nb, quant.BLOCK)
+    cb = cp.reshape(n, nb * sub, per)  # per scale: a block of 32, or each half of one
     mv = mn if mn is not None else -offset * d
     total, value = 0.0, xb
     for levels in (127.0, 32258.0)[:digits]:
@@ -72,17 +78,17 @@ def reference(x: np.ndarray, codes, d, mn, fmt, digits: int | None = None) -> np
         sx = (amax / np.float32(levels)).astype(np.float32)
         # the residual as one fused multiply-add rounds it: exact in float64, then to f32
         value = (xb.astype(np.float64) - xq * sx[..., None].astype(np.float64)).astype(np.float32)
-        xq = xq.astype(np.int64)
+        xq = xq.astype(np.int64).reshape(m, nb * sub, per)
         dots = np.einsum("mbj,nbj->mnb", xq, cb)
         inner = d[None].astype(np.float64) * dots + mv[None].astype(np.float64) * xq.sum(-1)[:, None, :]
-        total = total + (sx.astype(np.float64)[:, None, :] * inner).sum(-1)
+        total = total + (np.repeat(sx.astype(np.float64), sub, axis=1)[:, None, :] * inner).sum(-1)
     return total
 
 
 def run(x, w: quant.QuantWeight, isa: str, digits: int | None = None) -> np.ndarray:
     digits = w.activation_digits if digits is None else digits
     return np.asarray(cpu_kernels.quant_matmul(jnp.asarray(x), w.codes, w.scales, w.mins, w.n, w.bits, w.offset, isa,
-                                               digits))
+                                               digits, w.sub))
 
 
 def close(y, want, rtol=2e-6):
@@ -129,7 +135,7 @@ def test_extreme_codes_zero_blocks_and_scales(isa, fmt):
     codes[:8] = (1 << bits) - 1
     codes[8:16] = rng.integers(0, 1 << bits, (8, k))
     codes[16:] = np.where(rng.random((16, k)) < 0.5, 0, (1 << bits) - 1)
-    d = np.full((n, k // 32), 1.0, np.float32)
+    d = np.full((n, k // 32 * subs(fmt)), 1.0, np.float32)
     d[:, 1] = 0.0  # a zero scale
     d[:4, 2] = 65504.0  # f16's largest
     d[4:8, 2] = np.float32(np.float16(6e-8))  # a subnormal f16
@@ -229,7 +235,8 @@ def gguf_raw(rng, type_name: str, n: int, k: int) -> np.ndarray:
     _, per_block, size = quant.GGUF_KEPT[type_name]
     raw = rng.integers(0, 256, (n, k // per_block, size), dtype=np.uint8)
     halves = 2 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1
-    raw[..., :2 * halves] = (rng.standard_normal((n, k // per_block, halves)) * 0.1).astype(np.float16).view(np.uint8)
+    at = slice(size - 2, size) if type_name == "Q6_K" else slice(0, 2 * halves)  # Q6_K's d comes last
+    raw[..., at] = (rng.standard_normal((n, k // per_block, halves)) * 0.1).astype(np.float16).view(np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -243,10 +250,13 @@ def test_gguf_blocks_are_lossless(type_name):
     blocks = quant.gguf_blocks(raw, type_name, (24, 512))
     got = np.asarray(blocks.packed().unpacked())
     if type_name.endswith("_K"):
-        per_input = lambda v: np.repeat(v, 32, axis=1)  # noqa: E731
-        stated = per_input(blocks.d) * blocks.codes + per_input(blocks.mn)
+        fmt = quant.GGUF_KEPT[type_name][0]
+        per_input = lambda v: np.repeat(v, 32 // subs(fmt), axis=1)  # noqa: E731
+        _, offset, _ = quant.FORMATS[fmt]
+        mins = blocks.mn if blocks.mn is not None else -offset * blocks.d
+        stated = per_input(blocks.d) * blocks.codes + per_input(mins)
         np.testing.assert_allclose(stated, want, rtol=1e-6, atol=1e-7)
-        bound = 2.0 ** -11 * (per_input(np.abs(blocks.d)) * blocks.codes + per_input(np.abs(blocks.mn))) + 1e-7
+        bound = 2.0 ** -11 * (per_input(np.abs(blocks.d)) * blocks.codes + per_input(np.abs(mins))) + 1e-7
         assert np.all(np.abs(got - want) <= bound) and np.any(got != want)
     else:
         np.testing.assert_array_equal(got, want)

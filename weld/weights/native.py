@@ -354,7 +354,8 @@ def _check_entry(directory, name: str, entry: dict, spec, parts: dict) -> None:
     bits, _, has_mins = quant.FORMATS[fmt]
     *lead, n, k = spec.shape
     p, nb = -(-n // quant.PANEL), -(-k // quant.BLOCK)
-    want = {"codes": ("U8", (*lead, p, nb, 512 if bits == 8 else 256)), "scales": ("F16", (*lead, p, nb, quant.PANEL))}
+    scales = (*lead, p, nb, quant.PANEL * quant.SUBBLOCKS.get(fmt, 1))
+    want = {"codes": ("U8", (*lead, p, nb, 512 if bits == 8 else 256)), "scales": ("F16", scales)}
     if has_mins:
         want["mins"] = want["scales"]
     have = {key.rsplit(".", 1)[1]: (kind, tuple(shape)) for key, (kind, shape, _) in parts.items()}

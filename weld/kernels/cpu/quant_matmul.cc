@@ -4,12 +4,13 @@
 //
 // Weights: per output o and block b of 32 inputs, unsigned codes c (8 or 4 bits), a scale d[o, b]
 // and, in formats with one, a min mn[o, b] (f16):
-//     w = d * (c - offset)      offset 128: int8 / Q8_0;  16: Q5_0;  8: int4 / Q4_0
-//     w = d * c + mn            Q4_1, Q5_1, Q4_K, Q5_K (offset 0, mins; 5-bit codes in 8 bits)
+//     w = d * (c - offset)      offset 128: int8 / Q8_0;  32: Q6_K;  16: Q5_0;  8: int4 / Q4_0
+//     w = d * c + mn            Q4_1, Q5_1, Q4_K, Q5_K (offset 0, mins; 5- and 6-bit codes in 8 bits)
+// With sub = 2 (Q6_K) each half block (16 inputs) has its own scale (and min): d[o, b, s].
 // Activations: each row's block of 32 is quantized to int8 on entry, xq = round(x / sx) with
 // sx = max|x| / 127, and xsum = sum of xq (llama.cpp's Q8 activations). Then
-//     y[r, o] = sum_b sx[r, b] * (d[o, b] * dot(c[o, b], xq[r, b]) + mv[o, b] * xsum[r, b]),
-//     mv = mn, or -offset * d,
+//     y[r, o] = sum_b sx[r, b] * sum_s (d[o, b, s] * dot(c[o, b, s], xq[r, b, s]) + mv[o, b, s] * xsum[r, b, s]),
+//     mv = mn, or -offset * d, over the sub-blocks s (one, or the two halves),
 // With digits = 2 the rounding residual x - sx * xq is quantized again, with the scale
 // sx2 = max|x| / 32258 (half a step of sx over 127), and its product added: activations then
 // carry ~15 bits instead of 8, for twice the integer work (the "int8" mode's accuracy).
@@ -22,7 +23,9 @@
 // g of 4 inputs (32 b + 4 g .. + 3) for the 16 outputs is 64 bytes [o][j]. 8 bits: groups 0..7 one
 // after another (512 bytes); 4 bits: 256 bytes, byte [g][o][j] holding group g in its low nibble
 // and group g + 4 in its high nibble. Scales and mins [P, nb, 16]. Rows pad k to whole blocks
-// with zeros; padded outputs have code `offset` (weight 0).
+// with zeros; padded outputs have code `offset` (weight 0). With sub = 2, scales and mins are
+// [P, nb, 2 * 16]: the first half's 16 outputs, then the second's; in the 4-bit layout the first
+// half is the low nibbles, the second the high ones.
 
 #include <algorithm>
 #include <cmath>
@@ -55,12 +58,14 @@ using weld::half_to_float;
 struct Activations {
   std::vector<int8_t> q;
   std::vector<float> scale;
-  std::vector<float> scaled_sum;
+  std::vector<float> scaled_sum;  // [m, nb]: scale * the sum of the block's codes
+  std::vector<float> half_sum;    // [m, nb, 2]: the same of each half block (sub-blocks of 16)
   int64_t nb;
   bool accumulate;
 
   Activations(int64_t m, int64_t nb_, bool accumulate_ = false)
-      : q(m * nb_ * kBlock, 0), scale(m * nb_), scaled_sum(m * nb_), nb(nb_), accumulate(accumulate_) {}
+      : q(m * nb_ * kBlock, 0), scale(m * nb_), scaled_sum(m * nb_), half_sum(2 * m * nb_), nb(nb_),
+        accumulate(accumulate_) {}
 
   // first: null for the first digit (x itself), else the first digit, whose residual is quantized.
   void quantize_rows(const float* x, int64_t k, int64_t begin, int64_t end, const Activations* first = nullptr) {
@@ -73,20 +78,26 @@ struct Activations {
         const float s = amax / levels, inv = amax > 0.0f ? levels / amax : 0.0f;
         const float s1 = first ? first->scale[r * nb + b] : 0.0f;
         const int8_t* q1 = first ? first->row(r) : nullptr;
-        int32_t total = 0;
+        int32_t total[2] = {0, 0};
         int8_t* out = q.data() + r * nb * kBlock;
         for (int64_t j = lo; j < hi; ++j) {
           const float v = first ? std::fma(-static_cast<float>(q1[j]), s1, x[r * k + j]) : x[r * k + j];
           const int32_t c = std::clamp(static_cast<int32_t>(std::nearbyint(v * inv)), -127, 127);
           out[j] = static_cast<int8_t>(c);
-          total += c;
+          total[j - lo >= kBlock / 2] += c;
         }
         scale[r * nb + b] = s;
-        scaled_sum[r * nb + b] = s * static_cast<float>(total);
+        scaled_sum[r * nb + b] = s * static_cast<float>(total[0] + total[1]);
+        half_sum[2 * (r * nb + b)] = s * static_cast<float>(total[0]);
+        half_sum[2 * (r * nb + b) + 1] = s * static_cast<float>(total[1]);
       }
     }
   }
   const int8_t* row(int64_t r) const { return q.data() + r * nb * kBlock; }
+  // scale * the code sum of sub-block s of block b (the whole block when sub == 1)
+  float sum(int64_t r, int64_t b, int sub, int s) const {
+    return sub == 1 ? scaled_sum[r * nb + b] : half_sum[2 * (r * nb + b) + s];
+  }
   void store(const float* acc, float* y, int64_t width) const {
     for (int64_t j = 0; j < width; ++j) y[j] = accumulate ? y[j] + acc[j] : acc[j];
   }
@@ -101,20 +112,21 @@ inline int32_t load4(const int8_t* p) {
 
 struct Panel {
   const uint8_t* codes;  // [nb, bytes]
-  const uint16_t* d;     // [nb, 16]
-  const uint16_t* mn;    // [nb, 16] or null
+  const uint16_t* d;     // [nb, sub, 16]
+  const uint16_t* mn;    // [nb, sub, 16] or null
 };
 
 // ----- scalar: the reference the vector paths are tested against -----
 
-void panel_scalar(const Activations& a, const Panel& p, int bits, float offset, int64_t r, float* y, int64_t width) {
+void panel_scalar(const Activations& a, const Panel& p, int bits, int sub, float offset, int64_t r, float* y,
+                  int64_t width) {
   const int64_t bytes = bits == 8 ? 512 : 256;
   float acc[kPanel] = {};
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* cb = p.codes + b * bytes;
     const int8_t* xq = a.row(r) + b * kBlock;
     for (int64_t o = 0; o < kPanel; ++o) {
-      int32_t dot = 0;
+      int32_t dot[2] = {0, 0};  // per sub-block: groups 0..3 and 4..7 (inputs 0..15, 16..31)
       for (int64_t g = 0; g < 8; ++g) {
         for (int64_t j = 0; j < 4; ++j) {
           int32_t c;
@@ -124,12 +136,15 @@ void panel_scalar(const Activations& a, const Panel& p, int bits, float offset, 
             const uint8_t byte = cb[(g % 4) * 64 + o * 4 + j];
             c = g < 4 ? (byte & 0x0f) : (byte >> 4);
           }
-          dot += c * xq[4 * g + j];
+          dot[sub == 2 && g >= 4] += c * xq[4 * g + j];
         }
       }
-      const float d = half_to_float(p.d[b * kPanel + o]);
-      const float mv = p.mn ? half_to_float(p.mn[b * kPanel + o]) : -offset * d;
-      acc[o] += d * (static_cast<float>(dot) * a.scale[r * a.nb + b]) + mv * a.scaled_sum[r * a.nb + b];
+      for (int s = 0; s < sub; ++s) {
+        const int64_t at = (b * sub + s) * kPanel + o;
+        const float d = half_to_float(p.d[at]);
+        const float mv = p.mn ? half_to_float(p.mn[at]) : -offset * d;
+        acc[o] += d * (static_cast<float>(dot[s]) * a.scale[r * a.nb + b]) + mv * a.sum(r, b, sub, s);
+      }
     }
   }
   a.store(acc, y, width);
@@ -144,7 +159,7 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256i dot4_avx2(__m256i codes_
   return _mm256_madd_epi16(_mm256_maddubs_epi16(codes_u8, x), _mm256_set1_epi16(1));
 }
 
-template <int MR, int BITS>
+template <int MR, int BITS, int SUB>
 __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Activations& a, const Panel& p, float offset, int64_t r0,
                                                           float* y, int64_t n, int64_t width) {
   constexpr int64_t kBytes = BITS == 8 ? 512 : 256;
@@ -153,44 +168,46 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Activations& a, c
   const __m256i sign_flip = _mm256_set1_epi8(static_cast<char>(0x80)), low = _mm256_set1_epi8(0x0f);
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* cb = p.codes + b * kBytes;
-    __m256i acc[MR][2];
-    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
     int32_t x4[MR][8];
     for (int i = 0; i < MR; ++i) std::memcpy(x4[i], a.row(r0 + i) + b * kBlock, kBlock);
-    if constexpr (BITS == 8) {
-      for (int g = 0; g < 8; ++g) {
-        for (int h = 0; h < 2; ++h) {
-          // c - 128 as s8: |q| x sign(x, q) keeps vpmaddubsw's pair sums within 16 bits
-          const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + g * 64 + h * 32)),
-                                             sign_flip);
-          const __m256i aq = _mm256_abs_epi8(q);
-          for (int i = 0; i < MR; ++i) {
-            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x4[i][g]), q);
-            acc[i][h] = _mm256_add_epi32(acc[i][h], dot4_avx2(aq, xs));
+    for (int s = 0; s < SUB; ++s) {  // sub-blocks: the whole block, or its halves (groups 0..3, 4..7)
+      __m256i acc[MR][2];
+      for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+      if constexpr (BITS == 8) {
+        for (int g = s * (8 / SUB); g < (s + 1) * (8 / SUB); ++g) {
+          for (int h = 0; h < 2; ++h) {
+            // c - 128 as s8: |q| x sign(x, q) keeps vpmaddubsw's pair sums within 16 bits
+            const __m256i q = _mm256_xor_si256(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + g * 64 + h * 32)), sign_flip);
+            const __m256i aq = _mm256_abs_epi8(q);
+            for (int i = 0; i < MR; ++i) {
+              const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x4[i][g]), q);
+              acc[i][h] = _mm256_add_epi32(acc[i][h], dot4_avx2(aq, xs));
+            }
+          }
+        }
+      } else {
+        for (int g = 0; g < 4; ++g) {
+          for (int h = 0; h < 2; ++h) {
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + g * 64 + h * 32));
+            const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            for (int i = 0; i < MR; ++i) {
+              if (SUB == 1 || s == 0) acc[i][h] = _mm256_add_epi32(acc[i][h], dot4_avx2(lo, _mm256_set1_epi32(x4[i][g])));
+              if (SUB == 1 || s == 1) acc[i][h] = _mm256_add_epi32(acc[i][h], dot4_avx2(hi, _mm256_set1_epi32(x4[i][g + 4])));
+            }
           }
         }
       }
-    } else {
-      for (int g = 0; g < 4; ++g) {
-        for (int h = 0; h < 2; ++h) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + g * 64 + h * 32));
-          const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-          for (int i = 0; i < MR; ++i) {
-            acc[i][h] = _mm256_add_epi32(acc[i][h], dot4_avx2(lo, _mm256_set1_epi32(x4[i][g])));
-            acc[i][h] = _mm256_add_epi32(acc[i][h], dot4_avx2(hi, _mm256_set1_epi32(x4[i][g + 4])));
-          }
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = (b * SUB + s) * kPanel + h * 8;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.d + at)));
+        __m256 mv = p.mn ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mn + at)))
+                         : _mm256_mul_ps(d, _mm256_set1_ps(-offset));
+        if constexpr (BITS == 8) mv = _mm256_fmadd_ps(d, _mm256_set1_ps(128.0f), mv);  // the dot was of c - 128
+        for (int i = 0; i < MR; ++i) {
+          const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][h]), _mm256_set1_ps(a.scale[(r0 + i) * a.nb + b]));
+          accf[i][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.sum(r0 + i, b, SUB, s)), _mm256_fmadd_ps(d, t, accf[i][h]));
         }
-      }
-    }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.d + b * kPanel + h * 8)));
-      __m256 mv = p.mn ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mn + b * kPanel + h * 8)))
-                       : _mm256_mul_ps(d, _mm256_set1_ps(-offset));
-      if constexpr (BITS == 8) mv = _mm256_fmadd_ps(d, _mm256_set1_ps(128.0f), mv);  // the dot was of c - 128
-      for (int i = 0; i < MR; ++i) {
-        const int64_t at = (r0 + i) * a.nb + b;
-        const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][h]), _mm256_set1_ps(a.scale[at]));
-        accf[i][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.scaled_sum[at]), _mm256_fmadd_ps(d, t, accf[i][h]));
       }
     }
   }
@@ -204,7 +221,7 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Activations& a, c
 
 // ----- AVX-512 VNNI: the 16 outputs in one register, 4 inputs per lane per vpdpbusd -----
 
-template <int MR, int BITS>
+template <int MR, int BITS, int SUB>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(const Activations& a, const Panel& p,
                                                                                  float offset, int64_t r0, float* y,
                                                                                  int64_t n, int64_t width) {
@@ -214,32 +231,34 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* cb = p.codes + b * kBytes;
-    __m512i acc[MR];
-    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
     const int8_t* x4[MR];
     for (int i = 0; i < MR; ++i) x4[i] = a.row(r0 + i) + b * kBlock;
-    if constexpr (BITS == 8) {
-      for (int g = 0; g < 8; ++g) {
-        const __m512i w = _mm512_loadu_si512(cb + g * 64);
-        for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, _mm512_set1_epi32(load4(x4[i] + 4 * g)));
-      }
-    } else {
-      for (int g = 0; g < 4; ++g) {
-        const __m512i raw = _mm512_loadu_si512(cb + g * 64);
-        const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-        for (int i = 0; i < MR; ++i) {
-          acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(load4(x4[i] + 4 * g)));
-          acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(load4(x4[i] + 4 * g + 16)));
+    for (int s = 0; s < SUB; ++s) {  // sub-blocks: the whole block, or its halves (groups 0..3, 4..7)
+      __m512i acc[MR];
+      for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
+      if constexpr (BITS == 8) {
+        for (int g = s * (8 / SUB); g < (s + 1) * (8 / SUB); ++g) {
+          const __m512i w = _mm512_loadu_si512(cb + g * 64);
+          for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, _mm512_set1_epi32(load4(x4[i] + 4 * g)));
+        }
+      } else {
+        for (int g = 0; g < 4; ++g) {
+          const __m512i raw = _mm512_loadu_si512(cb + g * 64);
+          const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+          for (int i = 0; i < MR; ++i) {
+            if (SUB == 1 || s == 0) acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(load4(x4[i] + 4 * g)));
+            if (SUB == 1 || s == 1) acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(load4(x4[i] + 4 * g + 16)));
+          }
         }
       }
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.d + b * kPanel)));
-    const __m512 mv = p.mn ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mn + b * kPanel)))
-                           : _mm512_mul_ps(d, _mm512_set1_ps(-offset));
-    for (int i = 0; i < MR; ++i) {
-      const int64_t at = (r0 + i) * a.nb + b;
-      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_set1_ps(a.scale[at]));
-      accf[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.scaled_sum[at]), _mm512_fmadd_ps(d, t, accf[i]));
+      const int64_t at = (b * SUB + s) * kPanel;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.d + at)));
+      const __m512 mv = p.mn ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mn + at)))
+                             : _mm512_mul_ps(d, _mm512_set1_ps(-offset));
+      for (int i = 0; i < MR; ++i) {
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_set1_ps(a.scale[(r0 + i) * a.nb + b]));
+        accf[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.sum(r0 + i, b, SUB, s)), _mm512_fmadd_ps(d, t, accf[i]));
+      }
     }
   }
   for (int i = 0; i < MR; ++i) {
@@ -253,36 +272,46 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
 
 // Rows in tiles against one panel, by the chosen instruction set: up to 8 rows per tile with
 // AVX-512 (32 registers: 8 integer and 8 float accumulators), up to 4 with AVX2.
-template <int MR>
-void tile(const Activations& a, const Panel& p, int bits, float offset, int64_t isa, int64_t r, float* y, int64_t n,
-          int64_t width) {
+template <int MR, int BITS, int SUB>
+void tile_of(const Activations& a, const Panel& p, float offset, int64_t isa, int64_t r, float* y, int64_t n,
+             int64_t width) {
 #if defined(__x86_64__)
   if (isa == kVnni) {
-    bits == 8 ? panel_vnni<MR, 8>(a, p, offset, r, y, n, width) : panel_vnni<MR, 4>(a, p, offset, r, y, n, width);
+    panel_vnni<MR, BITS, SUB>(a, p, offset, r, y, n, width);
   } else if constexpr (MR <= 4) {
-    bits == 8 ? panel_avx2<MR, 8>(a, p, offset, r, y, n, width) : panel_avx2<MR, 4>(a, p, offset, r, y, n, width);
+    panel_avx2<MR, BITS, SUB>(a, p, offset, r, y, n, width);
   }
 #endif
 }
 
-void panel_rows(const Activations& a, const Panel& p, int bits, float offset, int64_t isa, int64_t m, float* y,
+template <int MR>
+void tile(const Activations& a, const Panel& p, int bits, int sub, float offset, int64_t isa, int64_t r, float* y,
+          int64_t n, int64_t width) {
+  if (bits == 8) {
+    sub == 1 ? tile_of<MR, 8, 1>(a, p, offset, isa, r, y, n, width) : tile_of<MR, 8, 2>(a, p, offset, isa, r, y, n, width);
+  } else {
+    sub == 1 ? tile_of<MR, 4, 1>(a, p, offset, isa, r, y, n, width) : tile_of<MR, 4, 2>(a, p, offset, isa, r, y, n, width);
+  }
+}
+
+void panel_rows(const Activations& a, const Panel& p, int bits, int sub, float offset, int64_t isa, int64_t m, float* y,
                 int64_t n, int64_t c0, int64_t width) {
   if (isa == kScalar) {
-    for (int64_t r = 0; r < m; ++r) panel_scalar(a, p, bits, offset, r, y + r * n + c0, width);
+    for (int64_t r = 0; r < m; ++r) panel_scalar(a, p, bits, sub, offset, r, y + r * n + c0, width);
     return;
   }
   const int64_t most = isa == kVnni ? 8 : 4;
   for (int64_t r = 0; r < m;) {
     const int64_t rows = std::min(most, m - r);
     switch (rows) {
-      case 1: tile<1>(a, p, bits, offset, isa, r, y + c0, n, width); break;
-      case 2: tile<2>(a, p, bits, offset, isa, r, y + c0, n, width); break;
-      case 3: tile<3>(a, p, bits, offset, isa, r, y + c0, n, width); break;
-      case 4: tile<4>(a, p, bits, offset, isa, r, y + c0, n, width); break;
-      case 5: tile<5>(a, p, bits, offset, isa, r, y + c0, n, width); break;
-      case 6: tile<6>(a, p, bits, offset, isa, r, y + c0, n, width); break;
-      case 7: tile<7>(a, p, bits, offset, isa, r, y + c0, n, width); break;
-      default: tile<8>(a, p, bits, offset, isa, r, y + c0, n, width); break;
+      case 1: tile<1>(a, p, bits, sub, offset, isa, r, y + c0, n, width); break;
+      case 2: tile<2>(a, p, bits, sub, offset, isa, r, y + c0, n, width); break;
+      case 3: tile<3>(a, p, bits, sub, offset, isa, r, y + c0, n, width); break;
+      case 4: tile<4>(a, p, bits, sub, offset, isa, r, y + c0, n, width); break;
+      case 5: tile<5>(a, p, bits, sub, offset, isa, r, y + c0, n, width); break;
+      case 6: tile<6>(a, p, bits, sub, offset, isa, r, y + c0, n, width); break;
+      case 7: tile<7>(a, p, bits, sub, offset, isa, r, y + c0, n, width); break;
+      default: tile<8>(a, p, bits, sub, offset, isa, r, y + c0, n, width); break;
     }
     r += rows;
   }
@@ -290,18 +319,20 @@ void panel_rows(const Activations& a, const Panel& p, int bits, float offset, in
 
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
                            ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> mins, ffi::ResultBuffer<ffi::F32> y,
-                           int64_t bits, float offset, int64_t isa, int64_t digits) {
+                           int64_t bits, float offset, int64_t isa, int64_t digits, int64_t sub) {
   auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(), md = mins.dimensions();
   auto yd = y->dimensions();
   if (xd.size() != 2 || cd.size() != 3 || sd.size() != 3 || yd.size() != 2) {
-    return ffi::Error::InvalidArgument("weld_quant_matmul: x [m, k], codes [P, nb, bytes], scales [P, nb, 16], y [m, n]");
+    return ffi::Error::InvalidArgument(
+        "weld_quant_matmul: x [m, k], codes [P, nb, bytes], scales [P, nb, 16 sub], y [m, n]");
   }
   const int64_t m = xd[0], k = xd[1], num_panels = cd[0], nb = cd[1], n = yd[1];
   const int64_t bytes = bits == 8 ? 512 : 256;
   const bool has_mins = md.size() == 3 && md[0] == num_panels;
-  if ((bits != 8 && bits != 4) || cd[2] != bytes || sd[0] != num_panels || sd[1] != nb || sd[2] != kPanel ||
+  if ((bits != 8 && bits != 4) || (sub != 1 && sub != 2) || cd[2] != bytes || sd[0] != num_panels || sd[1] != nb ||
+      sd[2] != kPanel * sub ||
       nb * kBlock < k || (nb - 1) * kBlock >= k || yd[0] != m || n > num_panels * kPanel ||
-      n <= (num_panels - 1) * kPanel || (has_mins && (md[1] != nb || md[2] != kPanel)) || isa < 0 || isa > kVnni ||
+      n <= (num_panels - 1) * kPanel || (has_mins && (md[1] != nb || md[2] != kPanel * sub)) || isa < 0 || isa > kVnni ||
       (digits != 1 && digits != 2)) {
     return ffi::Error::InvalidArgument("weld_quant_matmul: inconsistent shapes or attributes");
   }
@@ -325,11 +356,11 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                                          : std::max<int64_t>(1, 64 / std::max<int64_t>(nb, 1));
   weld::parallel_for(pool, num_panels, grain, [=](int64_t begin, int64_t end) {
     for (int64_t pi = begin; pi < end; ++pi) {
-      const Panel panel{cp + pi * nb * bytes, dp + pi * nb * kPanel, mp ? mp + pi * nb * kPanel : nullptr};
+      const Panel panel{cp + pi * nb * bytes, dp + pi * nb * kPanel * sub, mp ? mp + pi * nb * kPanel * sub : nullptr};
       const int64_t c0 = pi * kPanel;
       const int64_t width = std::min<int64_t>(kPanel, n - c0);
-      panel_rows(*ap, panel, static_cast<int>(bits), offset, isa, m, yp, n, c0, width);
-      if (ap2) panel_rows(*ap2, panel, static_cast<int>(bits), offset, isa, m, yp, n, c0, width);
+      panel_rows(*ap, panel, static_cast<int>(bits), static_cast<int>(sub), offset, isa, m, yp, n, c0, width);
+      if (ap2) panel_rows(*ap2, panel, static_cast<int>(bits), static_cast<int>(sub), offset, isa, m, yp, n, c0, width);
     }
   });
   return ffi::Error::Success();
@@ -367,4 +398,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WeldQuantMatmul, QuantMatmulImpl,
                                   .Attr<int64_t>("bits")
                                   .Attr<float>("offset")
                                   .Attr<int64_t>("isa")
-                                  .Attr<int64_t>("digits"));
+                                  .Attr<int64_t>("digits")
+                                  .Attr<int64_t>("sub"));

@@ -4,11 +4,12 @@ take next to plain and packed f32 matrices.
 A QuantWeight is a matrix [n, k] (HF's [out, in]) in blocks of 32 inputs per output: unsigned
 codes c (8 or 4 bits), a scale d and, in formats with one, a min mn per (output, block):
 
-    w = d * (c - offset)     "int8" / GGUF Q8_0 (offset 128), Q4_0 (offset 8), Q5_0 (16)
+    w = d * (c - offset)     "int8" / GGUF Q8_0 (offset 128), Q6_K (32), Q5_0 (16), Q4_0 (8)
     w = d * c + mn           "int4", GGUF Q4_1, Q5_1, Q4_K, Q5_K (offset 0, mins; 5-bit codes take a byte)
 
+(Q6_K, whose 6-bit codes take a byte, has a scale per 16 inputs: `sub` = 2 scales per block),
 laid out in panels of 16 outputs for the native CPU kernel (weld/kernels/cpu/quant_matmul.cc has
-the byte layout): codes [P, nb, 512 | 256], scales and mins f16 [P, nb, 16]. That kernel quantizes
+the byte layout): codes [P, nb, 512 | 256], scales and mins f16 [P, nb, 16 sub]. That kernel quantizes
 the activations per block of 32 to int8 and takes integer dot products (AVX-512 VNNI or AVX2).
 Elsewhere (no kernels, another backend) `linear` dequantizes and multiplies in XLA.
 
@@ -29,7 +30,10 @@ CHUNK_ROWS = 64 * PANEL  # `quantize` works through a matrix this many rows at a
 MODES = ("int8", "int4")
 FORMATS = {"int8": (8, 128.0, False), "int4": (4, 0.0, True), "q8_0": (8, 128.0, False),
            "q4_0": (4, 8.0, False), "q4_1": (4, 0.0, True), "q5_0": (8, 16.0, False), "q5_1": (8, 0.0, True),
-           "q4_k": (4, 0.0, True), "q5_k": (8, 0.0, True)}  # format -> (bits, offset, has mins)
+           "q4_k": (4, 0.0, True), "q5_k": (8, 0.0, True),
+           "q6_k": (8, 32.0, False)}  # format -> (bits, offset, has mins)
+# Scales (and mins) per block of 32 where not one: Q6_K has one per 16 inputs.
+SUBBLOCKS = {"q6_k": 2}
 # int8 digits per activation in the CPU kernel: "int8" (a mode for f32 checkpoints, held to 0.5% of
 # their perplexity) also multiplies the activations' rounding residual; a GGUF's blocks use one
 # digit, as llama.cpp does.
@@ -58,6 +62,11 @@ class QuantWeight:
         return ACTIVATION_DIGITS.get(self.fmt, 1)
 
     @property
+    def sub(self) -> int:
+        """Scales per block of 32 inputs (2: one per 16)."""
+        return SUBBLOCKS.get(self.fmt, 1)
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """(n, k), after the leading axes of a stack (an MoE layer's experts: [E, n, k])."""
         return tuple(self.codes.shape[:-3]) + (self.n, self.k)
@@ -81,13 +90,20 @@ class QuantWeight:
     def tree_unflatten(cls, meta, children):
         return cls(*children, *meta)
 
+    def _per_input(self, v: jax.Array) -> jax.Array:
+        """Scales or mins [..., nb, sub * 16] -> [..., nb, 16, sub, 1]: what multiplies the codes
+        [..., nb, 16, sub, 32 / sub]."""
+        v = v.astype(jnp.float32).reshape(v.shape[:-1] + (self.sub, PANEL))
+        return jnp.swapaxes(v, -1, -2)[..., None]
+
     def unpacked(self) -> jax.Array:
         """The [..., n, k] f32 matrix (or stack)."""
         *lead, p, nb, _ = self.codes.shape
         codes = unpack_codes(self.codes, self.bits).astype(jnp.float32)  # [..., P, nb, 16, 32]
-        d = self.scales.astype(jnp.float32)[..., None]
-        mv = self.mins.astype(jnp.float32)[..., None] if self.mins is not None else -self.offset * d
-        w = jnp.swapaxes(d * codes + mv, -3, -2)  # [..., P, 16, nb, 32]
+        codes = codes.reshape(codes.shape[:-1] + (self.sub, BLOCK // self.sub))
+        d = self._per_input(self.scales)
+        mv = self._per_input(self.mins) if self.mins is not None else -self.offset * d
+        w = jnp.swapaxes((d * codes + mv).reshape(codes.shape[:-2] + (BLOCK,)), -3, -2)  # [..., P, 16, nb, 32]
         return w.reshape(*lead, p * PANEL, nb * BLOCK)[..., :self.n, :self.k]
 
     def __getitem__(self, ids) -> jax.Array:
@@ -97,11 +113,14 @@ class QuantWeight:
         panel, out = flat // PANEL, flat % PANEL
         codes = unpack_codes(self.codes[panel], self.bits)  # [r, nb, 16, 32]
         rows = jnp.take_along_axis(codes, out[:, None, None, None], axis=2)[:, :, 0].astype(jnp.float32)
-        d = jnp.take_along_axis(self.scales[panel], out[:, None, None], axis=2)[..., 0].astype(jnp.float32)[..., None]
-        if self.mins is not None:
-            mv = jnp.take_along_axis(self.mins[panel], out[:, None, None], axis=2)[..., 0].astype(jnp.float32)[..., None]
-        else:
-            mv = -self.offset * d
+        rows = rows.reshape(rows.shape[:-1] + (self.sub, BLOCK // self.sub))  # [r, nb, sub, 32 / sub]
+
+        def pick(v):  # [r, nb, sub * 16] -> this row's [r, nb, sub, 1]
+            v = v.reshape(v.shape[:-1] + (self.sub, PANEL)).astype(jnp.float32)
+            return jnp.take_along_axis(v, out[:, None, None, None], axis=3)
+
+        d = pick(self.scales[panel])
+        mv = pick(self.mins[panel]) if self.mins is not None else -self.offset * d
         w = (d * rows + mv).reshape(flat.shape[0], -1)[:, :self.k]
         return w.reshape(ids.shape + (self.k,))
 
@@ -124,9 +143,11 @@ def unpack_codes(codes: jax.Array, bits: int) -> jax.Array:
 # ----- making them (host side, numpy, at load) -----
 
 def from_codes(codes: np.ndarray, d: np.ndarray, mn: np.ndarray | None, fmt: str) -> QuantWeight:
-    """A QuantWeight of codes [n, k] (unsigned, < 2^bits) and per-block scales d [n, ceil(k / 32)]
-    (and mins), e.g. a GGUF tensor's blocks. Padded inputs and outputs get weight 0."""
+    """A QuantWeight of codes [n, k] (unsigned, < 2^bits) and per-block scales d [n, ceil(k / 32) * sub]
+    (and mins; sub scales per block, `SUBBLOCKS`), e.g. a GGUF tensor's blocks. Padded inputs and
+    outputs get weight 0."""
     bits, offset, has_mins = FORMATS[fmt]
+    sub = SUBBLOCKS.get(fmt, 1)
     if has_mins != (mn is not None):
         raise ValueError(f"format {fmt} {'needs' if has_mins else 'has no'} mins")
     n, k = codes.shape
@@ -140,10 +161,11 @@ def from_codes(codes: np.ndarray, d: np.ndarray, mn: np.ndarray | None, fmt: str
     else:
         packed = (c[:, :, :4] | (c[:, :, 4:] << 4)).reshape(p, nb, 256)
 
-    def panels(v: np.ndarray) -> jax.Array:
-        full = np.zeros((p * PANEL, nb), np.float32)
+    def panels(v: np.ndarray) -> jax.Array:  # [n, nb * sub] -> [P, nb, sub * 16]
+        full = np.zeros((p * PANEL, nb * sub), np.float32)
         full[:n] = v
-        return jnp.asarray(full.reshape(p, PANEL, nb).transpose(0, 2, 1).astype(np.float16))
+        return jnp.asarray(full.reshape(p, PANEL, nb, sub).transpose(0, 2, 3, 1).reshape(p, nb, sub * PANEL)
+                           .astype(np.float16))
 
     return QuantWeight(jnp.asarray(packed), panels(d), panels(mn) if mn is not None else None, n, k, fmt)
 
@@ -249,7 +271,7 @@ def expert(w: QuantWeight, e: int) -> QuantWeight:
 # GGUF block types weld keeps quantized: name -> (format, inputs per block, bytes per block)
 GGUF_KEPT = {"Q8_0": ("q8_0", 32, 34), "Q4_0": ("q4_0", 32, 18), "Q4_1": ("q4_1", 32, 20),
              "Q5_0": ("q5_0", 32, 22), "Q5_1": ("q5_1", 32, 24), "Q4_K": ("q4_k", 256, 144),
-             "Q5_K": ("q5_k", 256, 176)}
+             "Q5_K": ("q5_k", 256, 176), "Q6_K": ("q6_k", 256, 210)}
 F16_MAX = 65504.0
 
 
@@ -277,7 +299,8 @@ def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Bloc
     w = d q + m; Q5_0 / Q5_1 nibbles plus 32 high bits, w = d (q - 16) / d q + m. All lossless.
     Super-blocks of 256 (Q4_K, Q5_K): f16 d and dmin, 6-bit scale sc and min mn of each 32, then the
     4-bit codes (Q5_K: with a fifth bit), w = d sc q - dmin mn; weld stores d sc and -dmin mn as f16
-    per 32, which rounds them to 11 significant bits (2^-12 relative, far below the codes' step)."""
+    per 32, which rounds them to 11 significant bits (2^-12 relative, far below the codes' step).
+    Q6_K: 6-bit codes, an int8 scale sc per 16 and f16 d, w = d sc (q - 32); d sc per 16 as f16."""
     fmt, per_block, size = GGUF_KEPT[type_name]
     if len(shape) not in (2, 3):
         raise ValueError(f"{type_name} tensor of shape {shape}: weld keeps matrices and expert stacks only")
@@ -301,6 +324,16 @@ def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Bloc
         high = np.unpackbits(blocks[..., start:start + 4], axis=-1, bitorder="little")  # bit j of a LE u32
         codes = _nibbles(blocks[..., start + 4:start + 20]) | (high << 4)
         mn = _f16(blocks[..., 2:4]) if type_name == "Q5_1" else None
+    elif type_name == "Q6_K":  # ql [128] low nibbles, qh [64] two high bits each, int8 scales [16], f16 d
+        ql = blocks[..., 0:128].reshape(n, nb, 2, 64)
+        qh = blocks[..., 128:192].reshape(n, nb, 2, 32)
+        low = np.concatenate([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)
+        high = np.concatenate([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-1)
+        codes = low | (high << 4)  # [n, nb, 2, 128]: 0..63, w = d sc (q - 32), sc per 16 inputs
+        sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+        d = (_f16(blocks[..., 208:210])[..., None] * sc).reshape(n, nb * 16)
+        if not np.all(np.abs(d) <= F16_MAX):
+            raise ValueError(f"{type_name} block scales beyond the f16 range (|d sc| > {F16_MAX:g})")
     else:  # K-quants: 8 sub-blocks of 32 per super-block; 64 codes per 32 bytes (low nibbles, then high)
         dmin = _f16(blocks[..., 2:4])
         sc, m = _k_scales(blocks[..., 4:16])
@@ -321,8 +354,11 @@ def to_blocks(w: QuantWeight) -> Blocks:
     codes = np.asarray(unpack_codes(w.codes, w.bits))  # [P, nb, 16, 32]
     codes = codes.transpose(0, 2, 1, 3).reshape(p * PANEL, nb * BLOCK)[:w.n, :w.k]
 
-    def rows(v):
-        return None if v is None else np.asarray(v).astype(np.float32).transpose(0, 2, 1).reshape(p * PANEL, nb)[:w.n]
+    def rows(v):  # [P, nb, sub * 16] -> [n, nb * sub]
+        if v is None:
+            return None
+        v = np.asarray(v).astype(np.float32).reshape(p, nb, w.sub, PANEL)
+        return v.transpose(0, 3, 1, 2).reshape(p * PANEL, nb * w.sub)[:w.n]
 
     return Blocks(codes, rows(w.scales), rows(w.mins), w.fmt)
 
