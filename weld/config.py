@@ -27,8 +27,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_GB = 1.0
 # --quantization (vLLM's flag): None keeps a GGUF's quantized blocks (quant.GGUF_KEPT) quantized and loads
 # anything else as stored; "none" dequantizes every tensor to dtype; "int8" / "int4" quantize the
-# projections and the LM head once at load (blocks of 32, `weld.models.common.quant`).
-QUANTIZATIONS = ("none", "int8", "int4")
+# projections and the LM head once at load (blocks of 32, `weld.models.common.quant`, for the CPU
+# kernels); "int8_channel" per output channel (for XLA on GPU / TPU and the megakernel).
+QUANTIZATIONS = ("none", "int8", "int4", "int8_channel")
 SPEC_METHODS = ("ngram", "draft_model", "dspark")
 # Bounds on sizes a user sets, checked before anything is allocated from them.
 MAX_NUM_SEQS = 4096
@@ -181,9 +182,9 @@ class EngineConfig:
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
         _check(self.quantization is None or self.quantization in QUANTIZATIONS,
                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        _check(self.backend != "megakernel" or self.quantization in (None, "none"),
-               f"the megakernel backend quantizes its own weights: quantization {self.quantization!r} is for "
-               "backend 'xla'")
+        _check(self.backend != "megakernel" or self.quantization in (None, "none", "int8_channel"),
+               f"the megakernel backend takes float weights or int8 per output channel (quantization "
+               f"'int8_channel'), not {self.quantization!r}")
         if self.speculative.method == "dspark" and self.backend == "megakernel":
             raise InvalidInputError("the DSpark drafter needs the target's hidden states, which the megakernel "
                                     "backend does not return: use backend 'xla' or another speculative method")
@@ -191,8 +192,8 @@ class EngineConfig:
     @property
     def load_quantization(self) -> str | None:
         """`weld.weights.load_model`'s quantization: this config's, except that the megakernel takes
-        dense matrices ("none")."""
-        return "none" if self.backend == "megakernel" else self.quantization
+        no GGUF blocks (None: "none")."""
+        return "none" if self.backend == "megakernel" and self.quantization is None else self.quantization
 
     @classmethod
     def create(cls, model: str | None = None, dtype: Any = "auto", *, backend: str = "xla",
@@ -286,7 +287,8 @@ def add_quantization_argument(g) -> None:
     """--quantization / -q (vLLM's name), for the engine's flags and `weld bench`'s."""
     g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                    help="weight quantization: int8 or int4 quantize the projections and LM head at load "
-                        "(blocks of 32); none dequantizes a GGUF (default: as stored, a GGUF's Q8_0/Q4_*/Q5_*/Q6_K "
+                        "(blocks of 32, for the CPU kernels; int8_channel: per output channel, for GPU, TPU "
+                        "and the megakernel); none dequantizes a GGUF (default: as stored, a GGUF's Q8_0/Q4_*/Q5_*/Q6_K "
                         "blocks kept)")
 
 

@@ -20,7 +20,9 @@ from weld.models import llama_megakernel as megakernel
 from weld.models.common.cache import AttentionBatch
 from weld.models.llama import cache_spec
 from weld.models.common.rope import RopeScaling
-from weld.models.common.spec import abstract_weights, random_weights
+from weld.models.common import quant
+from weld.models.common.spec import abstract_weights, map_specs, random_weights
+from weld.models.family import WeightTarget
 
 PAGE = 4
 # every row's pages are scattered over the pool, out of order
@@ -155,27 +157,43 @@ def test_verify_block_qwen_batch2(interpret):
     _verify_block(QWEN, 2, interpret)
 
 
-@jax.jit
-def _dequantized(weights):
-    """The same tree with every streamed matrix replaced by its int8 round trip (f32)."""
-    names = set(megakernel._WEIGHT_NAMES.values())
-    out = dict(weights, layers=[{k: (mk.dequantize_int8(mk.quantize_int8(w)) if k in names else w)
-                                 for k, w in lw.items()} for lw in weights["layers"]])
-    head = weights.get("lm_head", weights["embed"])
-    out["lm_head"] = mk.dequantize_int8(mk.quantize_int8(head))
-    return out
+def _quantized(weights, cfg):
+    """The tree as loaded with quantization "int8_channel" (what the declaration marks, by
+    `weld.weights.tree.finished`'s rule), prepared for the megakernel."""
+    out = map_specs(lambda path, spec: _leaf(weights, path, spec), llama.weight_specs(cfg))
+    return llama.prepare_weights(out, cfg, WeightTarget(backend="megakernel"))
 
 
-def test_int8_weights_match_xla_on_dequantized_weights(interpret):
-    """int8 matrices with per-output-channel scales, streamed with their scales: equal to the XLA
+def _leaf(weights, path, spec):
+    value = weights
+    for key in path:
+        value = value[key]
+    mode = quant.leaf_mode(spec.quantize, "int8_channel")
+    return quant.quantize_any(np.asarray(value, np.float32), mode) if mode else value
+
+
+def _dequantized(quantized):
+    """The same tree with every quantized matrix replaced by its float values."""
+    return jax.tree_util.tree_map(lambda w: w.unpacked() if quant.is_quantized(w) else w, quantized,
+                                  is_leaf=quant.is_quantized)
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, QWEN], ids=["llama", "qwen-tied"])
+def test_int8_weights_match_xla_on_dequantized_weights(interpret, cfg):
+    """int8 matrices with per-output-channel scales, quantized once at load and streamed with their
+    scales (a tied embedding as the LM head too, looked up in its float copy): equal to the XLA
     path run on the dequantized weights, and not equal to the f32 model (quantization happened)."""
-    cfg = LLAMA
     weights, cache, bt, tok, pos = _setup(cfg, batch=1, seed=2)
-    options = dataclasses.replace(OPTIONS, int8=True, interpret=interpret)
-    logits, _, k_cache = _kernel_step(cfg, options)(weights, tok[:, None], pos[:, None], cache, bt)
-    ref, _, ref_cache = _xla_step(cfg)(_dequantized(weights), tok[:, None], pos[:, None], cache, bt)
+    quantized = _quantized(weights, cfg)
+    assert quant.is_quantized(quantized["layers"][0]["wq"]) and quantized["layers"][0]["wq"].fmt == "int8_channel"
+    options = dataclasses.replace(OPTIONS, interpret=interpret)
+    logits, _, k_cache = _kernel_step(cfg, options)(quantized, tok[:, None], pos[:, None], cache, bt)
+    ref, _, ref_cache = _xla_step(cfg)(_dequantized(quantized), tok[:, None], pos[:, None], cache, bt)
     assert _rel_err(logits, ref) < 1e-3
     _assert_caches_close(k_cache, ref_cache)
+    # the XLA path takes the quantized tree as it is (int8 codes into the matmul, scales after)
+    direct, _, _ = _xla_step(cfg)(quantized, tok[:, None], pos[:, None], cache, bt)
+    assert _rel_err(direct, ref) < 1e-4
     full, _, _ = _xla_step(cfg)(weights, tok[:, None], pos[:, None], cache, bt)
     assert _rel_err(logits, full) > 1e-4
     assert not races_found()
@@ -183,9 +201,10 @@ def test_int8_weights_match_xla_on_dequantized_weights(interpret):
 
 def test_int8_round_trip_by_hand():
     """Row [1, -2, 0.5]: scale 2/127; q = round(w / scale) = [64, -127, 32]."""
-    m = mk.quantize_int8(jnp.asarray([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]]))
-    np.testing.assert_array_equal(np.asarray(m.q), [[64, -127, 32], [0, 0, 0]])
-    np.testing.assert_allclose(np.asarray(m.scale), [2 / 127, 1.0], rtol=1e-7)
+    m = quant.quantize(np.asarray([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]]), "int8_channel")
+    np.testing.assert_array_equal(np.asarray(m.codes), [[64, -127, 32], [0, 0, 0]])
+    np.testing.assert_allclose(np.asarray(m.scales), [2 / 127, 1.0], rtol=1e-7)
+    np.testing.assert_allclose(np.asarray(m.unpacked()), [[64 * 2 / 127, -2.0, 32 * 2 / 127], [0, 0, 0]], rtol=1e-6)
 
 
 @pytest.mark.parametrize("bug", [pytest.param(None, marks=pytest.mark.slow), "wrong_slot",

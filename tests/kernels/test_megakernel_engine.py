@@ -10,9 +10,9 @@ from weld import LLM, SamplingParams
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris"]
 
 
-def _llm(directory, backend):
+def _llm(directory, backend, quantization=None):
     return LLM(model=str(directory), dtype="float32", max_model_len=64, kv_cache_memory_gb=0.01, steps_per_call=4,
-               backend=backend)
+               backend=backend, quantization=quantization)
 
 
 @pytest.mark.slow
@@ -31,6 +31,31 @@ def test_megakernel_backend_greedy_text_matches_xla(tiny_llama_dir):
     assert mega_llm.engine.runner._decode.__wrapped__.args[0] is megakernel.forward
     bm = mega_llm.engine.block_manager
     assert bm.num_free_pages == bm.num_pages
+
+
+def test_megakernel_takes_weights_quantized_at_load(tiny_llama_dir):
+    """quantization "int8_channel": the matrices and the LM head are quantized once, at load, and
+    the kernel's operands are those arrays themselves (nothing is quantized inside a call)."""
+    from weld.models import llama_megakernel as megakernel
+    from weld.models.common import quant
+
+    llm = _llm(tiny_llama_dir[0], "megakernel", quantization="int8_channel")
+    weights = llm.model.weights
+    names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    assert all(quant.is_quantized(lw[n]) and lw[n].fmt == "int8_channel" for lw in weights["layers"] for n in names)
+    params = megakernel.kernel_params(llm.cfg, weights)
+    assert params["layers"][0]["q"].q is weights["layers"][0]["wq"].codes
+    assert params["lm_head"].scale is weights.get("lm_head", weights["embed"]).scales
+    assert not quant.is_quantized(params["embed"])  # the rows the kernel fetches are floats
+
+
+@pytest.mark.slow
+def test_megakernel_int8_greedy_text_matches_xla_int8(tiny_llama_dir):
+    directory, _ = tiny_llama_dir
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    xla = _llm(directory, "xla", "int8_channel").generate(PROMPTS, params)
+    mega = _llm(directory, "megakernel", "int8_channel").generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in mega] == [o.outputs[0].token_ids for o in xla]
 
 
 def test_backend_switch_picks_the_decode_forward():

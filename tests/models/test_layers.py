@@ -15,7 +15,7 @@ import pytest
 from weld.kernels import cpu as cpu_kernels
 from weld.models import llama
 from weld.models.family import WeightTarget, output_matrix
-from weld.models.common import layers
+from weld.models.common import layers, quant
 from weld.models.common.spec import random_weights
 
 
@@ -180,3 +180,39 @@ def test_engine_fuses_projections_only_on_xla(tiny_llama_dir, backend):
     head = llm.model.weights.get("lm_head", llm.model.weights["embed"])
     assert isinstance(head, layers.PackedWeight) == (backend == "xla")
     assert ({"wq", "wk", "wv", "w_gate", "w_up"} <= keys) == (backend == "megakernel")
+
+
+# ----- int8 per output channel in XLA: what the optimized program materializes -----
+
+def _entry_values(hlo: str, dims: tuple[int, ...]) -> list[str]:
+    """The ENTRY computation's instructions that produce a float array of shape dims: the buffers
+    the program materializes (what happens inside a fusion is not among them)."""
+    entry = hlo[hlo.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}")]
+    shape = ",".join(str(d) for d in dims)
+    return [line.strip() for line in entry.splitlines()
+            if re.search(rf"= (f32|bf16|f16)\[{shape}\]", line)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_int8_channel_matmul_materializes_no_float_weights(dtype):
+    """The seeds' int8 weights with bf16 activations and f32 accumulation: the program takes the
+    s8 codes as its parameter and applies the scales to the [m, n] output, so no scaled float
+    copy of the weights exists. On GPU and TPU XLA fuses the s8 -> float convert into the matmul
+    (no float [n, k] buffer at all; benchmarks/gpu_int8_check.py checks it on a device); XLA:CPU
+    converts into one buffer that feeds its matmul, and that convert must be all there is."""
+    n, k, m = 384, 256, 4
+    w = quant.quantize(np.random.default_rng(0).standard_normal((n, k)).astype(np.float32), "int8_channel")
+    x = jnp.ones((m, k), dtype)
+    hlo = jax.jit(layers.linear).lower(x, w).compile().as_text()
+    params = re.findall(r"parameter\(\d+\)", hlo)
+    assert re.search(rf"s8\[{n},{k}\]", hlo) and len(params) >= 3  # x, the codes, the scales
+    materialized = _entry_values(hlo, (n, k))
+    if jax.default_backend() == "cpu":  # one buffer, made from the codes alone (not scaled by the scales)
+        assert len(materialized) == 1, materialized
+        operands = re.search(r"(?:fusion|convert)\(([^)]*)\)", materialized[0]).group(1).split(",")
+        assert len(operands) == 1, materialized
+    else:
+        assert not materialized, materialized
+    y = np.asarray(layers.linear(x, w), np.float32)
+    np.testing.assert_allclose(y, np.asarray(x, np.float32) @ np.asarray(w.unpacked()).T, rtol=2e-2, atol=2e-2)

@@ -119,6 +119,10 @@ def test_bfloat16_dtype_and_requested_forms(tiny_family_dir, tmp_path):
     native.convert(ModelSource("hf", directory, "q"), tmp_path / "i4", quantization="int4", progress=False)
     again = load_model(tmp_path / "i4", quantization="int8")
     assert {x.fmt for x in leaves(again.weights) if quant.is_quantized(x)} == {"int8"}
+    # int8 per channel (rows of int8 codes, f32 scales) round-trips too
+    native.convert(ModelSource("hf", directory, "q"), tmp_path / "ch", quantization="int8_channel", progress=False)
+    assert_same_tree(load_model(tmp_path / "ch").weights,
+                     load_model(ModelSource("hf", directory, "q"), quantization="int8_channel").weights)
 
 
 def test_interrupted_conversion_resumes(tiny_family_dir, tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from weld.models.common import moe as moe_lib
+from weld.models.common import quant
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, PagedKV
 from weld.models.common.checkpoint import Convert, KeyMap, unpermute_rows
 from weld.models.common import decoder
@@ -366,10 +367,14 @@ def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     """The weight forms for where the model runs (`target`: a `weld.models.family.WeightTarget`):
     on the XLA backend, fused q/k/v and gate/up matrices (and expert stacks), then projections and
     the LM head (quantized at load) or, f32 on the CPU with the native kernels, packed
-    in panels (`layers.prepared_matrix`). The megakernel reads the tree as declared."""
+    in panels (`layers.prepared_matrix`). The megakernel reads the tree as declared, plus, when a
+    tied embedding was quantized as the LM head, a float copy of it for its row lookups
+    ("embed_table": the kernel fetches embedding rows by DMA)."""
     if target.backend == "xla":
         fuse_projections(weights)
         prepare_projections(weights, target)
+    elif quant.is_quantized(weights["embed"]):
+        weights["embed_table"] = jax.block_until_ready(weights["embed"].unpacked().astype(weights["final_norm"].dtype))
     return weights
 
 

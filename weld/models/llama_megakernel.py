@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from weld.kernels.megakernel.decode import MATRICES, decode_step, quantize_int8
+from weld.kernels.megakernel.decode import MATRICES, Int8Matrix, decode_step
 from weld.kernels.megakernel.plan import MegakernelSpec
 from weld.models import llama
 from weld.models.common.cache import AttentionBatch, Cache, KVPages
+from weld.models.common.quant import QuantWeight
 
 # the kernel's matrix names -> the family's weight names
 _WEIGHT_NAMES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
@@ -50,16 +51,17 @@ def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight
         rms_norm_eps=cfg.rms_norm_eps, rope_mscale=float(mscale))
 
 
-def kernel_params(cfg, weights: dict, *, int8: bool = False) -> dict:
-    """The kernel's params from the family's weight tree. The matrices are the tree's own arrays
-    (or their int8 quantization); only the small vectors are stacked per call."""
+def kernel_params(cfg, weights: dict) -> dict:
+    """The kernel's params from the family's weight tree. The matrices are the tree's own arrays:
+    float, or int8 per output channel as quantized at load (`quant.QuantWeight`, "int8_channel");
+    only the small vectors are stacked per call. A tied embedding quantized as the LM head is
+    looked up in `prepare_weights`' float copy ("embed_table")."""
     layers = weights["layers"]
-    quant = quantize_int8 if int8 else (lambda w: w)
     inv_freq, _ = cfg.rope.tables()
     params = {
-        "embed": weights["embed"],
-        "lm_head": quant(weights.get("lm_head", weights["embed"])),
-        "layers": [{name: quant(lw[_WEIGHT_NAMES[name]]) for name in MATRICES} for lw in layers],
+        "embed": weights.get("embed_table", weights["embed"]),
+        "lm_head": _matrix(weights.get("lm_head", weights["embed"])),
+        "layers": [{name: _matrix(lw[_WEIGHT_NAMES[name]]) for name in MATRICES} for lw in layers],
         "attn_norm": jnp.stack([lw["attn_norm"] for lw in layers]),
         "mlp_norm": jnp.stack([lw["mlp_norm"] for lw in layers]),
         "final_norm": weights["final_norm"],
@@ -75,6 +77,16 @@ def kernel_params(cfg, weights: dict, *, int8: bool = False) -> dict:
     return params
 
 
+def _matrix(w):
+    """A float matrix as it is; a QuantWeight as the kernel's `Int8Matrix` of its own arrays."""
+    if not isinstance(w, QuantWeight):
+        return w
+    if w.fmt != "int8_channel":
+        raise ValueError(f"the megakernel streams float or int8 per-channel matrices, not {w.fmt} blocks: "
+                         "load with quantization 'int8_channel' or 'none'")
+    return Int8Matrix(w.codes, w.scales)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
     """How the kernel is tiled and run (hashable: a static argument under jit)."""
@@ -83,7 +95,6 @@ class KernelOptions:
     vocab_tile_rows: int = 256
     ring_depth: int = 4
     pages_per_kv_tile: int = 8
-    int8: bool = False
     generation: str | None = None  # None: detected on a TPU, unchecked in interpret mode
     interpret: object = None  # None: interpret mode (default InterpretParams) unless on a TPU
 
@@ -103,9 +114,11 @@ def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: Attentio
     interpret = options.interpret
     if interpret is None:
         interpret = False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
-    spec = spec_for(cfg, batch=b, tokens_per_row=t, page_size=cache.page_size, weight_dtype=weights["embed"].dtype,
-                    kv_dtype=cache.layers[0].k.dtype, pages_per_kv_tile=options.pages_per_kv_tile, int8=options.int8)
-    logits, _, k, v = decode_step(spec, kernel_params(cfg, weights, int8=options.int8), tokens, positions,
+    params = kernel_params(cfg, weights)
+    spec = spec_for(cfg, batch=b, tokens_per_row=t, page_size=cache.page_size, weight_dtype=params["embed"].dtype,
+                    kv_dtype=cache.layers[0].k.dtype, pages_per_kv_tile=options.pages_per_kv_tile,
+                    int8=isinstance(params["lm_head"], Int8Matrix))
+    logits, _, k, v = decode_step(spec, params, tokens, positions,
                                   batch.block_tables, [p.k for p in cache.layers], [p.v for p in cache.layers],
                                   tile_rows=options.tile_rows,
                                   vocab_tile_rows=options.vocab_tile_rows, ring_depth=options.ring_depth,

@@ -11,9 +11,9 @@ The manifest: {"format": "weld", "version", "family" (its NAME), "config" (the f
 as stored), "formats" (the quantized formats present), "source", "tensors" {leaf path: {"shard",
 "shape", "axes" (the logical axes, for sharding), and "dtype" or, quantized, "format"}},
 "shards" {file: {"bytes", "sha256"}}}. Each leaf of `weight_specs(cfg)` is one tensor under its
-path ("layers.0.wq"), or for a `quant.QuantWeight` its arrays in the CPU kernels' panel layout
-(`<path>.codes` uint8, `<path>.scales` and `<path>.mins` float16), so loading copies bytes and
-re-packs nothing.
+path ("layers.0.wq"), or for a `quant.QuantWeight` its arrays as the type holds them (`<path>.codes`,
+`<path>.scales`, `<path>.mins`: the CPU kernels' panels in uint8 and float16, or for
+"int8_channel" int8 rows and float32 scales), so loading copies bytes and re-packs nothing.
 
 A conversion streams: one leaf is read, quantized and appended to the open shard at a time, so
 memory holds one leaf (one expert stack) beyond the mapped source. It is resumable: every shard
@@ -356,6 +356,8 @@ def _check_entry(directory, name: str, entry: dict, spec, parts: dict) -> None:
     p, nb = -(-n // quant.PANEL), -(-k // quant.BLOCK)
     scales = (*lead, p, nb, quant.PANEL * quant.SUBBLOCKS.get(fmt, 1))
     want = {"codes": ("U8", (*lead, p, nb, 512 if bits == 8 else 256)), "scales": ("F16", scales)}
+    if fmt in quant.ROWS:  # signed codes as rows, an f32 scale per output
+        want = {"codes": ("I8", (*lead, n, k)), "scales": ("F32", (*lead, n))}
     if has_mins:
         want["mins"] = want["scales"]
     have = {key.rsplit(".", 1)[1]: (kind, tuple(shape)) for key, (kind, shape, _) in parts.items()}

@@ -49,7 +49,9 @@ _OPTIONAL_VECTORS = (("qkv_bias", "qkv_bias"), ("o_bias", "o_bias"), ("q_norm", 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Int8Matrix:
-    """A weight matrix as int8 with one f32 scale per output channel: w ~= q * scale[:, None]."""
+    """A weight matrix as int8 with one f32 scale per output channel: w = q * scale[:, None]. The
+    kernel's view of `weld.models.common.quant.QuantWeight` "int8_channel" (its codes and scales,
+    quantized at load; the model adapter wraps them, the kernel computes nothing to make them)."""
 
     q: jax.Array  # int8 [out, in]
     scale: jax.Array  # f32 [out]
@@ -57,19 +59,6 @@ class Int8Matrix:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.q.shape
-
-
-def quantize_int8(w: jax.Array) -> Int8Matrix:
-    """Symmetric per-row quantization: scale = max|w_row| / 127 (1 for an all-zero row)."""
-    w = w.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(w), axis=1) / 127.0
-    scale = jnp.where(scale > 0, scale, 1.0)
-    q = jnp.clip(jnp.round(w / scale[:, None]), -127, 127).astype(jnp.int8)
-    return Int8Matrix(q, scale)
-
-
-def dequantize_int8(m: Int8Matrix) -> jax.Array:
-    return m.q.astype(jnp.float32) * m.scale[:, None]
 
 
 def tpu_generation(device_kind: str) -> str:
@@ -128,7 +117,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
 
     spec: the model's shapes and switches, `batch` = B rows of `tokens_per_row` = T tokens.
     params: "embed" [V, d] (HBM, rows fetched by DMA), "lm_head" [V, d] (the embedding itself
-      when tied), "layers": L dicts of MATRICES, each [out, in] or an `Int8Matrix` (all or none),
+      when tied), "layers": L dicts of MATRICES, each [out, in] or an `Int8Matrix` (all or none,
+      the LM head too),
       "attn_norm" / "mlp_norm" [L, d], "final_norm" [d], "inv_freq" [E / 2] (the model's rope
       table, f32), and per the spec's switches "qkv_bias" [L, q + 2 kv], "o_bias" [L, d],
       "q_norm" / "k_norm" [L, E].

@@ -157,10 +157,15 @@ def pack_weight(w: jax.Array) -> PackedWeight:
 
 def linear(x: jax.Array, w: jax.Array | PackedWeight | QuantWeight, b: jax.Array | None = None) -> jax.Array:
     """x @ w.T for w stored [out, in] (the HF / GGUF layout, so loading copies nothing), packed
-    in panels, or quantized (`quant.QuantWeight`: the native integer kernel on the CPU, else
-    dequantized in XLA)."""
+    in panels, or quantized (`quant.QuantWeight`: in blocks, the native integer kernel on the CPU,
+    else dequantized in XLA; per channel, its int8 codes go into the matmul as they are and the
+    scales multiply its output, which XLA on GPU and TPU fuses into one int8-weight matmul)."""
     rows = math.prod(x.shape[:-1])
-    if isinstance(w, QuantWeight):
+    if isinstance(w, QuantWeight) and w.rows:  # int8 codes into the matmul as they are, scales on its output
+        y = jax.lax.dot_general(x, w.codes.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        y = (y * w.scales).astype(x.dtype)
+    elif isinstance(w, QuantWeight):
         x2 = x.reshape(rows, x.shape[-1])
         if cpu_kernels.available():
             y = cpu_kernels.quant_matmul(x2, w.codes, w.scales, w.mins, w.n, w.bits, w.offset,

@@ -27,11 +27,16 @@ import numpy as np
 BLOCK = 32
 PANEL = 16
 CHUNK_ROWS = 64 * PANEL  # `quantize` works through a matrix this many rows at a time
-MODES = ("int8", "int4")
+MODES = ("int8", "int4", "int8_channel")
 FORMATS = {"int8": (8, 128.0, False), "int4": (4, 0.0, True), "q8_0": (8, 128.0, False),
            "q4_0": (4, 8.0, False), "q4_1": (4, 0.0, True), "q5_0": (8, 16.0, False), "q5_1": (8, 0.0, True),
            "q4_k": (4, 0.0, True), "q5_k": (8, 0.0, True),
-           "q6_k": (8, 32.0, False)}  # format -> (bits, offset, has mins)
+           "q6_k": (8, 32.0, False),
+           "int8_channel": (8, 0.0, False)}  # format -> (bits, offset, has mins)
+# Formats laid out as plain rows rather than the CPU kernel's panels: "int8_channel", signed codes
+# [..., n, k] and one f32 scale per output [..., n] (w = d * c), for the XLA backends, whose matmul
+# takes the codes as they are and scales its output (GPU, TPU), and the TPU megakernel.
+ROWS = frozenset({"int8_channel"})
 # Scales (and mins) per block of 32 where not one: Q6_K has one per 16 inputs.
 SUBBLOCKS = {"q6_k": 2}
 # int8 digits per activation in the CPU kernel: "int8" (a mode for f32 checkpoints, held to 0.5% of
@@ -67,9 +72,14 @@ class QuantWeight:
         return SUBBLOCKS.get(self.fmt, 1)
 
     @property
+    def rows(self) -> bool:
+        """Laid out as rows (`ROWS`), not panels."""
+        return self.fmt in ROWS
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """(n, k), after the leading axes of a stack (an MoE layer's experts: [E, n, k])."""
-        return tuple(self.codes.shape[:-3]) + (self.n, self.k)
+        return tuple(self.codes.shape[:-2 if self.rows else -3]) + (self.n, self.k)
 
     @property
     def dtype(self):
@@ -98,6 +108,8 @@ class QuantWeight:
 
     def unpacked(self) -> jax.Array:
         """The [..., n, k] f32 matrix (or stack)."""
+        if self.rows:
+            return jnp.asarray(self.codes).astype(jnp.float32) * jnp.asarray(self.scales)[..., None]
         *lead, p, nb, _ = self.codes.shape
         codes = unpack_codes(self.codes, self.bits).astype(jnp.float32)  # [..., P, nb, 16, 32]
         codes = codes.reshape(codes.shape[:-1] + (self.sub, BLOCK // self.sub))
@@ -109,6 +121,8 @@ class QuantWeight:
     def __getitem__(self, ids) -> jax.Array:
         """Rows of the matrix (a quantized embedding's lookups): ids.shape + (k,), f32."""
         ids = jnp.asarray(ids)
+        if self.rows:
+            return self.codes[ids].astype(jnp.float32) * self.scales[ids][..., None]
         flat = ids.reshape(-1)
         panel, out = flat // PANEL, flat % PANEL
         codes = unpack_codes(self.codes[panel], self.bits)  # [r, nb, 16, 32]
@@ -173,10 +187,13 @@ def from_codes(codes: np.ndarray, d: np.ndarray, mn: np.ndarray | None, fmt: str
 def quantize(w: np.ndarray, mode: str) -> QuantWeight:
     """Quantization of a float matrix [n, k] in blocks of 32: "int8" symmetric (Q8_0's rule),
     "int4" from each block's min to its max (Q4_1's rule; benchmarks/perplexity.py measured it
-    against the symmetric Q4_0 rule). Codes are rounded against the f16 scales and mins stored."""
+    against the symmetric Q4_0 rule). Codes are rounded against the f16 scales and mins stored.
+    "int8_channel": symmetric per output row, laid out as rows (`ROWS`)."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {MODES}, got {mode!r}")
     n, k = np.shape(w)
+    if mode in ROWS and n <= CHUNK_ROWS:
+        return _quantize_rows(np.asarray(w, np.float32), mode)
     if n > CHUNK_ROWS:  # by panels of rows, so the f32 temporaries stay a chunk's, not the matrix's
         parts = [quantize(w[i:i + CHUNK_ROWS], mode) for i in range(0, n, CHUNK_ROWS)]
         mins = None if parts[0].mins is None else jnp.concatenate([q.mins for q in parts])
@@ -203,6 +220,15 @@ def quantize(w: np.ndarray, mode: str) -> QuantWeight:
     return from_codes(codes.reshape(n, nb * BLOCK)[:, :k].astype(np.uint8), d16, mn16, mode)
 
 
+def _quantize_rows(w: np.ndarray, mode: str) -> QuantWeight:
+    """"int8_channel": symmetric per output row, d = max |w_row| / 127 (1 for an all-zero row),
+    c = round(w / d) (half to even)."""
+    d = np.abs(w).max(axis=1) / np.float32(127.0)
+    d = np.where(d > 0, d, np.float32(1.0)).astype(np.float32)
+    codes = np.clip(np.rint(w / d[:, None]), -127, 127).astype(np.int8)
+    return QuantWeight(jnp.asarray(codes), jnp.asarray(d), None, w.shape[0], w.shape[1], mode)
+
+
 def quantize_stack(w: np.ndarray, mode: str) -> QuantWeight:
     """`quantize` of each matrix of a stack [E, n, k] (an MoE layer's experts), as one QuantWeight
     whose arrays carry the leading axis; indexing every leaf along it gives one expert's."""
@@ -221,7 +247,7 @@ def leaf_mode(kind: str | None, quantization: str | None) -> str | None:
     wider too), None is never quantized."""
     if kind is None or quantization not in MODES:
         return None
-    return "int8" if kind == "head" else quantization
+    return "int8" if kind == "head" and quantization == "int4" else quantization
 
 
 class Blocks:
@@ -350,6 +376,8 @@ def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Bloc
 
 def to_blocks(w: QuantWeight) -> Blocks:
     """The host form of a packed QuantWeight (for re-packing, e.g. after concatenating)."""
+    if w.rows:
+        raise ValueError(f"{w.fmt} is laid out as rows, not blocks")
     p, nb, _ = w.codes.shape
     codes = np.asarray(unpack_codes(w.codes, w.bits))  # [P, nb, 16, 32]
     codes = codes.transpose(0, 2, 1, 3).reshape(p * PANEL, nb * BLOCK)[:w.n, :w.k]
@@ -372,6 +400,10 @@ def concat_rows(parts: list) -> "QuantWeight | jax.Array | None":
     if not all(isinstance(p, QuantWeight) and p.fmt == parts[0].fmt and p.shape[:-2] + (p.k,) ==
                parts[0].shape[:-2] + (parts[0].k,) for p in parts):
         return None
+    if parts[0].rows:
+        return QuantWeight(jnp.concatenate([p.codes for p in parts], axis=-2),
+                           jnp.concatenate([p.scales for p in parts], axis=-1), None,
+                           sum(p.n for p in parts), parts[0].k, parts[0].fmt)
     if parts[0].ndim == 3:  # expert stacks: each expert's matrices
         return stack([concat_rows([expert(p, e) for p in parts]) for e in range(parts[0].shape[0])])
     if all(p.n % PANEL == 0 for p in parts):
