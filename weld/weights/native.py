@@ -355,7 +355,7 @@ def _check_entry(directory, name: str, entry: dict, spec, parts: dict) -> None:
     *lead, n, k = spec.shape
     p, nb = -(-n // quant.PANEL), -(-k // quant.BLOCK)
     scales = (*lead, p, nb, quant.PANEL * quant.SUBBLOCKS.get(fmt, 1))
-    want = {"codes": ("U8", (*lead, p, nb, 512 if bits == 8 else 256)), "scales": ("F16", scales)}
+    want = {"codes": ("U8", (*lead, p, nb, quant.block_bytes(bits))), "scales": ("F16", scales)}
     if fmt in quant.ROWS:  # signed codes as rows, an f32 scale per output
         want = {"codes": ("I8", (*lead, n, k)), "scales": ("F32", (*lead, n))}
     if has_mins:

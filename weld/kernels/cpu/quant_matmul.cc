@@ -2,10 +2,10 @@
 // (weld.models.common.layers.QuantWeight), for any number of rows. XLA:CPU FFI; built by
 // weld/kernels/cpu/__init__.py.
 //
-// Weights: per output o and block b of 32 inputs, unsigned codes c (8 or 4 bits), a scale d[o, b]
+// Weights: per output o and block b of 32 inputs, unsigned codes c (8, 6, 5 or 4 bits), a scale d[o, b]
 // and, in formats with one, a min mn[o, b] (f16):
 //     w = d * (c - offset)      offset 128: int8 / Q8_0;  32: Q6_K;  16: Q5_0;  8: int4 / Q4_0
-//     w = d * c + mn            Q4_1, Q5_1, Q4_K, Q5_K (offset 0, mins; 5- and 6-bit codes in 8 bits)
+//     w = d * c + mn            Q4_1, Q5_1, Q4_K, Q5_K (offset 0, mins)
 // With sub = 2 (Q6_K) each half block (16 inputs) has its own scale (and min): d[o, b, s].
 // Activations: each row's block of 32 is quantized to int8 on entry, xq = round(x / sx) with
 // sx = max|x| / 127, and xsum = sum of xq (llama.cpp's Q8 activations). Then
@@ -22,7 +22,9 @@
 // Layout (panels of 16 outputs, as the f32 packed kernel): codes [P, nb, bytes]; in a block, group
 // g of 4 inputs (32 b + 4 g .. + 3) for the 16 outputs is 64 bytes [o][j]. 8 bits: groups 0..7 one
 // after another (512 bytes); 4 bits: 256 bytes, byte [g][o][j] holding group g in its low nibble
-// and group g + 4 in its high nibble. Scales and mins [P, nb, 16]. Rows pad k to whole blocks
+// and group g + 4 in its high nibble; 5 and 6 bits: the 4-bit layout of the low nibbles, then one
+// (two) 64-byte planes of the fifth (and sixth) bits, byte [o][j] of a plane holding in bit g that
+// bit of input 4 g + j (320 or 384 bytes). Scales and mins [P, nb, 16]. Rows pad k to whole blocks
 // with zeros; padded outputs have code `offset` (weight 0). With sub = 2, scales and mins are
 // [P, nb, 2 * 16]: the first half's 16 outputs, then the second's; in the 4-bit layout the first
 // half is the low nibbles, the second the high ones.
@@ -48,6 +50,8 @@ namespace {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kStreamRows = 8;  // up to this many rows a call streams its weights (see QuantMatmulImpl)
+// Bytes of one block of one panel: 8-bit codes, or the 4-bit layout plus a plane per bit above 4.
+constexpr int64_t block_bytes(int64_t bits) { return bits == 8 ? 512 : 256 + 64 * (bits - 4); }
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kVnni = 2 };
 
 using weld::half_to_float;
@@ -120,7 +124,7 @@ struct Panel {
 
 void panel_scalar(const Activations& a, const Panel& p, int bits, int sub, float offset, int64_t r, float* y,
                   int64_t width) {
-  const int64_t bytes = bits == 8 ? 512 : 256;
+  const int64_t bytes = block_bytes(bits);
   float acc[kPanel] = {};
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* cb = p.codes + b * bytes;
@@ -135,6 +139,7 @@ void panel_scalar(const Activations& a, const Panel& p, int bits, int sub, float
           } else {
             const uint8_t byte = cb[(g % 4) * 64 + o * 4 + j];
             c = g < 4 ? (byte & 0x0f) : (byte >> 4);
+            for (int plane = 0; plane < bits - 4; ++plane) c |= ((cb[256 + 64 * plane + o * 4 + j] >> g) & 1) << (4 + plane);
           }
           dot[sub == 2 && g >= 4] += c * xq[4 * g + j];
         }
@@ -159,10 +164,23 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256i dot4_avx2(__m256i codes_
   return _mm256_madd_epi16(_mm256_maddubs_epi16(codes_u8, x), _mm256_set1_epi16(1));
 }
 
+// A nibble vector of group g with its fifth (and sixth) bits set from the planes: bit g of each
+// plane byte moved to bit 4 (5) by a 16-bit shift; the mask drops what crossed a byte.
+template <int BITS>
+__attribute__((target("avx2"))) inline __m256i high_bits_avx2(__m256i nib, const __m256i* planes, int g) {
+  for (int b = 0; b < BITS - 4; ++b) {
+    const int pos = 4 + b;
+    const __m256i moved = g <= pos ? _mm256_sll_epi16(planes[b], _mm_cvtsi32_si128(pos - g))
+                                   : _mm256_srl_epi16(planes[b], _mm_cvtsi32_si128(g - pos));
+    nib = _mm256_or_si256(nib, _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(1 << pos))));
+  }
+  return nib;
+}
+
 template <int MR, int BITS, int SUB>
 __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Activations& a, const Panel& p, float offset, int64_t r0,
                                                           float* y, int64_t n, int64_t width) {
-  constexpr int64_t kBytes = BITS == 8 ? 512 : 256;
+  constexpr int64_t kBytes = block_bytes(BITS);
   __m256 accf[MR][2];
   for (int i = 0; i < MR; ++i) accf[i][0] = accf[i][1] = _mm256_setzero_ps();
   const __m256i sign_flip = _mm256_set1_epi8(static_cast<char>(0x80)), low = _mm256_set1_epi8(0x0f);
@@ -190,7 +208,14 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Activations& a, c
         for (int g = 0; g < 4; ++g) {
           for (int h = 0; h < 2; ++h) {
             const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + g * 64 + h * 32));
-            const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            if constexpr (BITS > 4) {
+              __m256i planes[2];
+              for (int b = 0; b < BITS - 4; ++b)
+                planes[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 256 + 64 * b + h * 32));
+              lo = high_bits_avx2<BITS>(lo, planes, g);
+              hi = high_bits_avx2<BITS>(hi, planes, g + 4);
+            }
             for (int i = 0; i < MR; ++i) {
               if (SUB == 1 || s == 0) acc[i][h] = _mm256_add_epi32(acc[i][h], dot4_avx2(lo, _mm256_set1_epi32(x4[i][g])));
               if (SUB == 1 || s == 1) acc[i][h] = _mm256_add_epi32(acc[i][h], dot4_avx2(hi, _mm256_set1_epi32(x4[i][g + 4])));
@@ -221,11 +246,22 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Activations& a, c
 
 // ----- AVX-512 VNNI: the 16 outputs in one register, 4 inputs per lane per vpdpbusd -----
 
+template <int BITS>
+__attribute__((target("avx512f,avx512bw"))) inline __m512i high_bits_vnni(__m512i nib, const __m512i* planes, int g) {
+  for (int b = 0; b < BITS - 4; ++b) {
+    const int pos = 4 + b;
+    const __m512i moved = g <= pos ? _mm512_sll_epi16(planes[b], _mm_cvtsi32_si128(pos - g))
+                                   : _mm512_srl_epi16(planes[b], _mm_cvtsi32_si128(g - pos));
+    nib = _mm512_or_si512(nib, _mm512_and_si512(moved, _mm512_set1_epi8(static_cast<char>(1 << pos))));
+  }
+  return nib;
+}
+
 template <int MR, int BITS, int SUB>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(const Activations& a, const Panel& p,
                                                                                  float offset, int64_t r0, float* y,
                                                                                  int64_t n, int64_t width) {
-  constexpr int64_t kBytes = BITS == 8 ? 512 : 256;
+  constexpr int64_t kBytes = block_bytes(BITS);
   __m512 accf[MR];
   for (int i = 0; i < MR; ++i) accf[i] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f);
@@ -242,9 +278,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
           for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, _mm512_set1_epi32(load4(x4[i] + 4 * g)));
         }
       } else {
+        __m512i planes[2];
+        for (int b = 0; b < BITS - 4; ++b) planes[b] = _mm512_loadu_si512(cb + 256 + 64 * b);
         for (int g = 0; g < 4; ++g) {
           const __m512i raw = _mm512_loadu_si512(cb + g * 64);
-          const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+          __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+          if constexpr (BITS > 4) {
+            lo = high_bits_vnni<BITS>(lo, planes, g);
+            hi = high_bits_vnni<BITS>(hi, planes, g + 4);
+          }
           for (int i = 0; i < MR; ++i) {
             if (SUB == 1 || s == 0) acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(load4(x4[i] + 4 * g)));
             if (SUB == 1 || s == 1) acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(load4(x4[i] + 4 * g + 16)));
@@ -284,13 +326,21 @@ void tile_of(const Activations& a, const Panel& p, float offset, int64_t isa, in
 #endif
 }
 
+template <int MR, int BITS>
+void tile_bits(const Activations& a, const Panel& p, int sub, float offset, int64_t isa, int64_t r, float* y, int64_t n,
+               int64_t width) {
+  sub == 1 ? tile_of<MR, BITS, 1>(a, p, offset, isa, r, y, n, width)
+           : tile_of<MR, BITS, 2>(a, p, offset, isa, r, y, n, width);
+}
+
 template <int MR>
 void tile(const Activations& a, const Panel& p, int bits, int sub, float offset, int64_t isa, int64_t r, float* y,
           int64_t n, int64_t width) {
-  if (bits == 8) {
-    sub == 1 ? tile_of<MR, 8, 1>(a, p, offset, isa, r, y, n, width) : tile_of<MR, 8, 2>(a, p, offset, isa, r, y, n, width);
-  } else {
-    sub == 1 ? tile_of<MR, 4, 1>(a, p, offset, isa, r, y, n, width) : tile_of<MR, 4, 2>(a, p, offset, isa, r, y, n, width);
+  switch (bits) {
+    case 8: tile_bits<MR, 8>(a, p, sub, offset, isa, r, y, n, width); break;
+    case 6: tile_bits<MR, 6>(a, p, sub, offset, isa, r, y, n, width); break;
+    case 5: tile_bits<MR, 5>(a, p, sub, offset, isa, r, y, n, width); break;
+    default: tile_bits<MR, 4>(a, p, sub, offset, isa, r, y, n, width); break;
   }
 }
 
@@ -327,9 +377,9 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
         "weld_quant_matmul: x [m, k], codes [P, nb, bytes], scales [P, nb, 16 sub], y [m, n]");
   }
   const int64_t m = xd[0], k = xd[1], num_panels = cd[0], nb = cd[1], n = yd[1];
-  const int64_t bytes = bits == 8 ? 512 : 256;
+  const int64_t bytes = block_bytes(bits);
   const bool has_mins = md.size() == 3 && md[0] == num_panels;
-  if ((bits != 8 && bits != 4) || (sub != 1 && sub != 2) || cd[2] != bytes || sd[0] != num_panels || sd[1] != nb ||
+  if (bits < 4 || bits > 8 || bits == 7 || (sub != 1 && sub != 2) || cd[2] != bytes || sd[0] != num_panels || sd[1] != nb ||
       sd[2] != kPanel * sub ||
       nb * kBlock < k || (nb - 1) * kBlock >= k || yd[0] != m || n > num_panels * kPanel ||
       n <= (num_panels - 1) * kPanel || (has_mins && (md[1] != nb || md[2] != kPanel * sub)) || isa < 0 || isa > kVnni ||

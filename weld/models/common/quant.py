@@ -2,14 +2,15 @@
 take next to plain and packed f32 matrices.
 
 A QuantWeight is a matrix [n, k] (HF's [out, in]) in blocks of 32 inputs per output: unsigned
-codes c (8 or 4 bits), a scale d and, in formats with one, a min mn per (output, block):
+codes c (8, 6, 5 or 4 bits), a scale d and, in formats with one, a min mn per (output, block):
 
     w = d * (c - offset)     "int8" / GGUF Q8_0 (offset 128), Q6_K (32), Q5_0 (16), Q4_0 (8)
-    w = d * c + mn           "int4", GGUF Q4_1, Q5_1, Q4_K, Q5_K (offset 0, mins; 5-bit codes take a byte)
+    w = d * c + mn           "int4", GGUF Q4_1, Q5_1, Q4_K, Q5_K (offset 0, mins)
 
-(Q6_K, whose 6-bit codes take a byte, has a scale per 16 inputs: `sub` = 2 scales per block),
+(Q6_K has a scale per 16 inputs: `sub` = 2 scales per block),
 laid out in panels of 16 outputs for the native CPU kernel (weld/kernels/cpu/quant_matmul.cc has
-the byte layout): codes [P, nb, 512 | 256], scales and mins f16 [P, nb, 16 sub]. That kernel quantizes
+the byte layout): codes [P, nb, 512 | 256 + 64 (bits - 4)] (8 bits, or 4, 5, 6 in nibbles plus bit
+planes: a GGUF's Q5 and Q6 blocks keep their size), scales and mins f16 [P, nb, 16 sub]. That kernel quantizes
 the activations per block of 32 to int8 and takes integer dot products (AVX-512 VNNI or AVX2).
 Elsewhere (no kernels, another backend) `linear` dequantizes and multiplies in XLA.
 
@@ -29,9 +30,9 @@ PANEL = 16
 CHUNK_ROWS = 64 * PANEL  # `quantize` works through a matrix this many rows at a time
 MODES = ("int8", "int4", "int8_channel")
 FORMATS = {"int8": (8, 128.0, False), "int4": (4, 0.0, True), "q8_0": (8, 128.0, False),
-           "q4_0": (4, 8.0, False), "q4_1": (4, 0.0, True), "q5_0": (8, 16.0, False), "q5_1": (8, 0.0, True),
-           "q4_k": (4, 0.0, True), "q5_k": (8, 0.0, True),
-           "q6_k": (8, 32.0, False),
+           "q4_0": (4, 8.0, False), "q4_1": (4, 0.0, True), "q5_0": (5, 16.0, False), "q5_1": (5, 0.0, True),
+           "q4_k": (4, 0.0, True), "q5_k": (5, 0.0, True),
+           "q6_k": (6, 32.0, False),
            "int8_channel": (8, 0.0, False)}  # format -> (bits, offset, has mins)
 # Formats laid out as plain rows rather than the CPU kernel's panels: "int8_channel", signed codes
 # [..., n, k] and one f32 scale per output [..., n] (w = d * c), for the XLA backends, whose matmul
@@ -143,14 +144,23 @@ def is_quantized(x) -> bool:
     return isinstance(x, QuantWeight)
 
 
+def block_bytes(bits: int) -> int:
+    """Bytes of one block of one panel: 8-bit codes, or the 4-bit layout plus a plane per bit above 4."""
+    return 512 if bits == 8 else 256 + 64 * (bits - 4)
+
+
 def unpack_codes(codes: jax.Array, bits: int) -> jax.Array:
     """Codes [..., bytes] of panels' blocks -> [..., 16, 32] (output, input) as uint8."""
     lead = codes.shape[:-1]
     if bits == 8:
         grouped = codes.reshape(lead + (8, PANEL, 4))
     else:
-        raw = codes.reshape(lead + (4, PANEL, 4))
+        raw = codes[..., :256].reshape(lead + (4, PANEL, 4))
         grouped = jnp.concatenate([raw & 0x0F, raw >> 4], axis=-3)  # groups 0..3, then 4..7
+        for plane in range(bits - 4):  # bit g of byte [o][j]: this bit of input 4 g + j
+            bits_of = codes[..., 256 + 64 * plane:320 + 64 * plane].reshape(lead + (1, PANEL, 4))
+            groups = jnp.arange(8, dtype=codes.dtype).reshape(8, 1, 1)
+            grouped = grouped | (((bits_of >> groups) & 1) << (4 + plane)).astype(grouped.dtype)
     return jnp.moveaxis(grouped, -2, -3).reshape(lead + (PANEL, BLOCK))
 
 
@@ -173,7 +183,13 @@ def from_codes(codes: np.ndarray, d: np.ndarray, mn: np.ndarray | None, fmt: str
     if bits == 8:
         packed = c.reshape(p, nb, 512)
     else:
-        packed = (c[:, :, :4] | (c[:, :, 4:] << 4)).reshape(p, nb, 256)
+        low = c & 0x0F
+        parts = [(low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(p, nb, 256)]
+        weights = (1 << np.arange(8, dtype=np.uint16)).reshape(8, 1, 1)
+        for plane in range(bits - 4):  # byte [o][j], bit g: bit 4 + plane of input 4 g + j
+            bit = ((c >> (4 + plane)) & 1).astype(np.uint16)  # [P, nb, 8, 16, 4]
+            parts.append((bit * weights).sum(axis=2).astype(np.uint8).reshape(p, nb, 64))
+        packed = np.concatenate(parts, axis=-1)
 
     def panels(v: np.ndarray) -> jax.Array:  # [n, nb * sub] -> [P, nb, sub * 16]
         full = np.zeros((p * PANEL, nb * sub), np.float32)
