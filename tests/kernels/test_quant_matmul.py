@@ -14,9 +14,9 @@ from weld.models.common import layers, quant
 from weld.utils.errors import InvalidInputError
 
 ISAS = cpu_kernels.supported_isas()
-# the kernel's distinct cases: 8 or 4 bits, an offset or mins, a scale per 32 or per 16 inputs
-# (q6_k; q4_k / q5_k run as q4_1 / q5_1)
-KERNEL_FORMATS = ["int8", "int4", "q4_1", "q5_0", "q5_1", "q6_k"]
+# the kernel's distinct cases: 8, 6, 5 or 4 bits, an offset or mins, a scale per 32 or per 16
+# inputs (q6_k, q3_k, q2_k; q4_k / q5_k run as q4_1 / q5_1)
+KERNEL_FORMATS = ["int8", "int4", "q4_1", "q5_0", "q5_1", "q6_k", "q3_k", "q2_k"]
 
 
 def subs(fmt: str) -> int:
@@ -234,8 +234,8 @@ def gguf_raw(rng, type_name: str, n: int, k: int) -> np.ndarray:
     (and mins / K-quants' dmin) in front."""
     _, per_block, size = quant.GGUF_KEPT[type_name]
     raw = rng.integers(0, 256, (n, k // per_block, size), dtype=np.uint8)
-    halves = 2 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1
-    at = slice(size - 2, size) if type_name == "Q6_K" else slice(0, 2 * halves)  # Q6_K's d comes last
+    halves = 2 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K") else 1
+    at = slice(size - 2 * halves, size) if type_name in ("Q6_K", "Q3_K", "Q2_K") else slice(0, 2 * halves)  # d last
     raw[..., at] = (rng.standard_normal((n, k // per_block, halves)) * 0.1).astype(np.float16).view(np.uint8)
     return raw.reshape(n, -1)
 

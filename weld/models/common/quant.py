@@ -32,14 +32,14 @@ MODES = ("int8", "int4", "int8_channel")
 FORMATS = {"int8": (8, 128.0, False), "int4": (4, 0.0, True), "q8_0": (8, 128.0, False),
            "q4_0": (4, 8.0, False), "q4_1": (4, 0.0, True), "q5_0": (5, 16.0, False), "q5_1": (5, 0.0, True),
            "q4_k": (4, 0.0, True), "q5_k": (5, 0.0, True),
-           "q6_k": (6, 32.0, False),
+           "q6_k": (6, 32.0, False), "q3_k": (4, 4.0, False), "q2_k": (4, 0.0, True),
            "int8_channel": (8, 0.0, False)}  # format -> (bits, offset, has mins)
 # Formats laid out as plain rows rather than the CPU kernel's panels: "int8_channel", signed codes
 # [..., n, k] and one f32 scale per output [..., n] (w = d * c), for the XLA backends, whose matmul
 # takes the codes as they are and scales its output (GPU, TPU), and the TPU megakernel.
 ROWS = frozenset({"int8_channel"})
-# Scales (and mins) per block of 32 where not one: Q6_K has one per 16 inputs.
-SUBBLOCKS = {"q6_k": 2}
+# Scales (and mins) per block of 32 where not one: Q6_K, Q3_K and Q2_K have one per 16 inputs.
+SUBBLOCKS = {"q6_k": 2, "q3_k": 2, "q2_k": 2}
 # int8 digits per activation in the CPU kernel: "int8" (a mode for f32 checkpoints, held to 0.5% of
 # their perplexity) also multiplies the activations' rounding residual; a GGUF's blocks use one
 # digit, as llama.cpp does.
@@ -313,7 +313,8 @@ def expert(w: QuantWeight, e: int) -> QuantWeight:
 # GGUF block types weld keeps quantized: name -> (format, inputs per block, bytes per block)
 GGUF_KEPT = {"Q8_0": ("q8_0", 32, 34), "Q4_0": ("q4_0", 32, 18), "Q4_1": ("q4_1", 32, 20),
              "Q5_0": ("q5_0", 32, 22), "Q5_1": ("q5_1", 32, 24), "Q4_K": ("q4_k", 256, 144),
-             "Q5_K": ("q5_k", 256, 176), "Q6_K": ("q6_k", 256, 210)}
+             "Q5_K": ("q5_k", 256, 176), "Q6_K": ("q6_k", 256, 210), "Q3_K": ("q3_k", 256, 110),
+             "Q2_K": ("q2_k", 256, 84)}
 F16_MAX = 65504.0
 
 
@@ -334,6 +335,17 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), m.astype(np.float32)
 
 
+def _q3_k_scales(raw: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 bytes [..., 12] -> its 16 6-bit scales [..., 16] (0..63), as ggml's kmask shuffle."""
+    aux = np.ascontiguousarray(raw).view("<u4")  # [..., 3]
+    a0, a1, tmp = aux[..., 0], aux[..., 1], aux[..., 2]
+    low, high = np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
+    words = np.stack([(a0 & low) | ((tmp & high) << 4), (a1 & low) | (((tmp >> 2) & high) << 4),
+                      ((a0 >> 4) & low) | (((tmp >> 4) & high) << 4), ((a1 >> 4) & low) | (((tmp >> 6) & high) << 4)],
+                     axis=-1).astype("<u4")
+    return np.ascontiguousarray(words).view(np.uint8).astype(np.float32)
+
+
 def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Blocks:
     """A GGUF tensor's raw blocks (uint8 [n, bytes per row]) as codes and per-32 scales (and mins).
 
@@ -342,7 +354,9 @@ def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Bloc
     Super-blocks of 256 (Q4_K, Q5_K): f16 d and dmin, 6-bit scale sc and min mn of each 32, then the
     4-bit codes (Q5_K: with a fifth bit), w = d sc q - dmin mn; weld stores d sc and -dmin mn as f16
     per 32, which rounds them to 11 significant bits (2^-12 relative, far below the codes' step).
-    Q6_K: 6-bit codes, an int8 scale sc per 16 and f16 d, w = d sc (q - 32); d sc per 16 as f16."""
+    Q6_K: 6-bit codes, an int8 scale sc per 16 and f16 d, w = d sc (q - 32); d sc per 16 as f16.
+    Q3_K (3-bit codes, a 6-bit scale per 16, w = d (sc - 32) (q - 4)) and Q2_K (2-bit codes, a 4-bit
+    scale and min per 16, w = d sc q - dmin m) are held in 4-bit codes with those products per 16."""
     fmt, per_block, size = GGUF_KEPT[type_name]
     if len(shape) not in (2, 3):
         raise ValueError(f"{type_name} tensor of shape {shape}: weld keeps matrices and expert stacks only")
@@ -366,6 +380,21 @@ def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Bloc
         high = np.unpackbits(blocks[..., start:start + 4], axis=-1, bitorder="little")  # bit j of a LE u32
         codes = _nibbles(blocks[..., start + 4:start + 20]) | (high << 4)
         mn = _f16(blocks[..., 2:4]) if type_name == "Q5_1" else None
+    elif type_name in ("Q2_K", "Q3_K"):  # 2-bit planes of 32 bytes per 128 codes; scale (and min) per 16
+        qs = blocks[..., 16:80] if type_name == "Q2_K" else blocks[..., 32:96]
+        qs = qs.reshape(n, nb, 2, 1, 32)
+        codes = (qs >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [n, nb, half, plane, 32]
+        if type_name == "Q2_K":  # w = d (sc & 15) q - dmin (sc >> 4)
+            sc = blocks[..., 0:16]
+            d = (_f16(blocks[..., 80:82])[..., None] * (sc & 0x0F)).reshape(n, nb * 16)
+            mn = (-_f16(blocks[..., 82:84])[..., None] * (sc >> 4)).reshape(n, nb * 16)
+        else:  # w = d (sc - 32) (q + 4 h - 4): h from hmask bit 4 half + plane of byte l
+            hmask = blocks[..., 0:32].reshape(n, nb, 1, 1, 32)
+            shifts = (4 * np.arange(2, dtype=np.uint8)[:, None] + np.arange(4, dtype=np.uint8)).reshape(2, 4, 1)
+            codes = codes | (((hmask >> shifts) & 1) << 2)
+            d = (_f16(blocks[..., 108:110])[..., None] * (_q3_k_scales(blocks[..., 96:108]) - 32)).reshape(n, nb * 16)
+        if not (np.all(np.abs(d) <= F16_MAX) and (mn is None or np.all(np.abs(mn) <= F16_MAX))):
+            raise ValueError(f"{type_name} block scales beyond the f16 range")
     elif type_name == "Q6_K":  # ql [128] low nibbles, qh [64] two high bits each, int8 scales [16], f16 d
         ql = blocks[..., 0:128].reshape(n, nb, 2, 64)
         qh = blocks[..., 128:192].reshape(n, nb, 2, 32)
