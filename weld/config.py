@@ -288,7 +288,7 @@ def add_quantization_argument(g) -> None:
     g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                    help="weight quantization: int8 or int4 quantize the projections and LM head at load "
                         "(blocks of 32, for the CPU kernels; int8_channel: per output channel, for GPU, TPU "
-                        "and the megakernel); none dequantizes a GGUF (default: as stored, a GGUF's Q8_0/Q4_*/Q5_*/Q6_K "
+                        "and the megakernel); none dequantizes a GGUF (default: as stored, a GGUF's Q8_0/Q4_*/Q5_*/Q2_K..Q6_K "
                         "blocks kept)")
 
 
