@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import FAMILY_VARIANTS
+from tests.weights.test_gguf import check_error as one_line
 from weld import LLM, SamplingParams
 from weld.models.common import quant
 from weld.models.common.spec import iter_specs, path_str
@@ -191,13 +192,6 @@ def edit_manifest(directory, edit):
     manifest = json.loads(path.read_text())
     edit(manifest)
     path.write_text(json.dumps(manifest))
-
-
-def one_line(exc_info, *words):
-    message = str(exc_info.value)
-    assert "\n" not in message
-    for word in words:
-        assert word in message, message
 
 
 def test_truncated_shard_is_named(small_checkpoint):
