@@ -237,6 +237,8 @@ def gguf_raw(rng, type_name: str, n: int, k: int) -> np.ndarray:
     halves = 2 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K") else 1
     at = slice(size - 2 * halves, size) if type_name in ("Q6_K", "Q3_K", "Q2_K") else slice(0, 2 * halves)  # d last
     raw[..., at] = (rng.standard_normal((n, k // per_block, halves)) * 0.1).astype(np.float16).view(np.uint8)
+    if type_name == "MXFP4":  # an e8m0 exponent, not an f16 scale, leads the block
+        raw[..., 0] = rng.integers(110, 135, (n, k // per_block))
     return raw.reshape(n, -1)
 
 
@@ -274,3 +276,16 @@ def test_k_quant_scales_beyond_f16_are_refused():
     raw[0, 4] = 63  # sub-block 0's scale: 60000 * 63 overflows f16
     with pytest.raises(ValueError, match="beyond the f16 range"):
         quant.gguf_blocks(raw, "Q4_K", (2, 256))
+
+
+def test_mxfp4_exponents_beyond_f16_are_refused():
+    """MXFP4's scale 2^(e - 128) is kept exactly as an f16 for e in 104..143; outside, the
+    tensor is refused with the reason (an exponent real weights do not reach)."""
+    raw = gguf_raw(np.random.default_rng(2), "MXFP4", 2, 64)
+    raw[1, 17] = 200
+    with pytest.raises(ValueError, match="MXFP4 block exponents beyond the f16 range"):
+        quant.gguf_blocks(raw, "MXFP4", (2, 64))
+    raw[1, 17] = 143  # the largest that fits: 2^15
+    w = quant.gguf_blocks(raw, "MXFP4", (2, 64)).packed()
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4)
+    np.testing.assert_array_equal(np.asarray(w.unpacked()), want)

@@ -12,7 +12,10 @@ import numpy as np
 BLOCKS = {  # name -> (elements per block, bytes per block)
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "MXFP4": (32, 17),
 }
+# ggml's kvalues_mxfp4: the e2m1 values doubled, by 4-bit code
+_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 def _f16(b: np.ndarray) -> np.float32:
@@ -150,8 +153,14 @@ def _q6_k(b):
     return list(y)
 
 
+def _mxfp4(b):
+    d = np.float32(2.0) ** (int(b[0]) - 128)  # GGML_E8M0_TO_FP32_HALF: half of 2^(e - 127)
+    qs = b[1:17]
+    return [d * np.float32(_MXFP4[int(q) & 0xF]) for q in qs] + [d * np.float32(_MXFP4[int(q) >> 4]) for q in qs]
+
+
 _BLOCK_FNS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-              "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+              "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4}
 
 
 def dequantize(blocks: np.ndarray, kind: str) -> np.ndarray:
@@ -168,7 +177,9 @@ def random_blocks(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
     def put_f16(col: int, values: np.ndarray):
         raw[:, col:col + 2] = values.astype(np.float16).view(np.uint8).reshape(n, 2)
 
-    if kind == "Q6_K":
+    if kind == "MXFP4":
+        raw[:, 0] = rng.integers(110, 135, n)  # e8m0 exponents of weights' size
+    elif kind == "Q6_K":
         put_f16(208, rng.uniform(0.001, 0.01, n))
     elif kind == "Q3_K":
         put_f16(108, rng.uniform(0.001, 0.01, n))

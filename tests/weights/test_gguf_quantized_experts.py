@@ -46,14 +46,25 @@ def requantized(src, dst, qtype_of) -> str:
 
 
 def experts_quantized(name: str, shape: tuple) -> Q | None:
-    if "_exps" not in name or shape[-1] % 32:
+    if "_exps.weight" not in name or shape[-1] % 32:
         return None
     return Q.Q4_1 if "down" in name else Q.Q8_0
 
 
-@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
+def experts_mxfp4(name: str, shape: tuple) -> Q | None:
+    """As llama.cpp ships gpt-oss: every expert matrix in MXFP4."""
+    return Q.MXFP4 if "_exps.weight" in name and shape[-1] % 32 == 0 else None
+
+
+FORMATS = {"qwen3_moe": (experts_quantized, {"w_down": "q4_1"}, "q8_0"),
+           "mixtral": (experts_quantized, {"w_down": "q4_1"}, "q8_0"),
+           "gpt_oss": (experts_mxfp4, {}, "mxfp4")}
+
+
+@pytest.mark.parametrize("variant", list(FORMATS))
 def test_quantized_expert_stacks_stay_in_their_blocks(variant, tmp_path):
-    path = requantized(OUT_DIR / f"{variant}.gguf", tmp_path / f"{variant}-q.gguf", experts_quantized)
+    qtype_of, special, usual = FORMATS[variant]
+    path = requantized(OUT_DIR / f"{variant}.gguf", tmp_path / f"{variant}-q.gguf", qtype_of)
     source = ModelSource("gguf", pathlib.Path(path), variant)
     plain, kept = load_model(source, dtype="float32", quantization="none"), load_model(source, dtype="float32")
     checked = 0
@@ -63,7 +74,7 @@ def test_quantized_expert_stacks_stay_in_their_blocks(variant, tmp_path):
                 continue
             stack = lw_kept["moe"][name]
             assert quant.is_quantized(stack) and stack.shape == lw_plain["moe"][name].shape
-            assert stack.fmt == ("q4_1" if name == "w_down" else "q8_0")
+            assert stack.fmt == special.get(name, usual)
             np.testing.assert_array_equal(np.asarray(stack.unpacked()), np.asarray(lw_plain["moe"][name]))
             checked += 1
     assert checked >= 3
@@ -73,7 +84,7 @@ def test_quantized_expert_stacks_stay_in_their_blocks(variant, tmp_path):
     engine = dict(dtype="float32", max_model_len=64, page_size=4, kv_cache_memory_gb=0.002, max_num_seqs=2)
     llm, f32 = LLM(path, **engine), LLM(path, quantization="none", **engine)
     fused = [lw["moe"]["w_gate_up"] for lw in llm.model.weights["layers"] if "moe" in lw]
-    assert fused and all(quant.is_quantized(w) and w.ndim == 3 and w.fmt == "q8_0" for w in fused)
+    assert fused and all(quant.is_quantized(w) and w.ndim == 3 and w.fmt == usual for w in fused)
     ids = [{"prompt_token_ids": [3, 17, 9, 28, 5, 11, 40, 2, 7]}]
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
 

@@ -33,6 +33,7 @@ FORMATS = {"int8": (8, 128.0, False), "int4": (4, 0.0, True), "q8_0": (8, 128.0,
            "q4_0": (4, 8.0, False), "q4_1": (4, 0.0, True), "q5_0": (5, 16.0, False), "q5_1": (5, 0.0, True),
            "q4_k": (4, 0.0, True), "q5_k": (5, 0.0, True),
            "q6_k": (6, 32.0, False), "q3_k": (4, 4.0, False), "q2_k": (4, 0.0, True),
+           "mxfp4": (8, 128.0, False),
            "int8_channel": (8, 0.0, False)}  # format -> (bits, offset, has mins)
 # Formats laid out as plain rows rather than the CPU kernel's panels: "int8_channel", signed codes
 # [..., n, k] and one f32 scale per output [..., n] (w = d * c), for the XLA backends, whose matmul
@@ -314,7 +315,9 @@ def expert(w: QuantWeight, e: int) -> QuantWeight:
 GGUF_KEPT = {"Q8_0": ("q8_0", 32, 34), "Q4_0": ("q4_0", 32, 18), "Q4_1": ("q4_1", 32, 20),
              "Q5_0": ("q5_0", 32, 22), "Q5_1": ("q5_1", 32, 24), "Q4_K": ("q4_k", 256, 144),
              "Q5_K": ("q5_k", 256, 176), "Q6_K": ("q6_k", 256, 210), "Q3_K": ("q3_k", 256, 110),
-             "Q2_K": ("q2_k", 256, 84)}
+             "Q2_K": ("q2_k", 256, 84), "MXFP4": ("mxfp4", 32, 17)}
+# MXFP4's e2m1 values times 2 (integers), by 4-bit code: w = (2 v) * 2^(e - 128)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int16)
 F16_MAX = 65504.0
 
 
@@ -356,7 +359,9 @@ def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Bloc
     per 32, which rounds them to 11 significant bits (2^-12 relative, far below the codes' step).
     Q6_K: 6-bit codes, an int8 scale sc per 16 and f16 d, w = d sc (q - 32); d sc per 16 as f16.
     Q3_K (3-bit codes, a 6-bit scale per 16, w = d (sc - 32) (q - 4)) and Q2_K (2-bit codes, a 4-bit
-    scale and min per 16, w = d sc q - dmin m) are held in 4-bit codes with those products per 16."""
+    scale and min per 16, w = d sc q - dmin m) are held in 4-bit codes with those products per 16.
+    MXFP4 (gpt-oss's experts: an e8m0 exponent per 32, e2m1 nibbles) is held as 8-bit codes 128 + 2 v
+    under the scale 2^(e - 128), losslessly."""
     fmt, per_block, size = GGUF_KEPT[type_name]
     if len(shape) not in (2, 3):
         raise ValueError(f"{type_name} tensor of shape {shape}: weld keeps matrices and expert stacks only")
@@ -369,7 +374,13 @@ def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Bloc
     blocks = np.ascontiguousarray(raw).reshape(n, nb, size)
     d = _f16(blocks[..., 0:2])
     mn = None
-    if type_name == "Q8_0":
+    if type_name == "MXFP4":  # e8m0 exponent e, 32 e2m1 nibbles: w = 2 v * 2^(e - 128), v's table
+        e = blocks[..., 0].astype(np.int32)
+        if np.any(e < 104) or np.any(e > 143):
+            raise ValueError(f"{type_name} block exponents beyond the f16 range (2^(e - 128) for e in 104..143)")
+        d = np.ldexp(np.float32(1.0), e - 128).astype(np.float32)
+        codes = (MXFP4_VALUES[_nibbles(blocks[..., 1:17])] + 128).astype(np.uint8)
+    elif type_name == "Q8_0":
         codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     elif type_name in ("Q4_0", "Q4_1"):
         start = 2 if type_name == "Q4_0" else 4
