@@ -26,7 +26,7 @@ serve: install
 	$(BIN)/weld serve --host $(HOST) --port $(PORT)
 
 test: install-test
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "not slow and not llamacpp" tests
 
 test-slow: install-test
 	$(BIN)/python -m pytest -q -m slow tests
