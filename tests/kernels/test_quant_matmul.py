@@ -16,11 +16,17 @@ from weld.utils.errors import InvalidInputError
 ISAS = cpu_kernels.supported_isas()
 # the kernel's distinct cases: 8, 6, 5 or 4 bits, an offset or mins, a scale per 32 or per 16
 # inputs (q6_k, q3_k, q2_k; q4_k / q5_k run as q4_1 / q5_1)
-KERNEL_FORMATS = ["int8", "int4", "q4_1", "q5_0", "q5_1", "q6_k", "q3_k", "q2_k"]
+KERNEL_FORMATS = ["int8", "int4", "q4_1", "q5_0", "q5_1", "q6_k", "q3_k", "q2_k", "mxfp4"]
 
 
 def subs(fmt: str) -> int:
     return quant.SUBBLOCKS.get(fmt, 1)
+
+
+def values(codes: np.ndarray, fmt: str) -> np.ndarray:
+    """The unsigned c of w = d (c - offset): a table format's codes index its int8 values (+ 128)."""
+    table = quant.LUTS.get(fmt)
+    return codes if table is None else (table.astype(np.int64) + 128)[codes]
 
 
 @pytest.fixture
@@ -47,6 +53,7 @@ def dense(codes, d, mn, fmt) -> np.ndarray:
     _, offset, _ = quant.FORMATS[fmt]
     n, k = codes.shape
     per_input = lambda v: np.repeat(v.astype(np.float64), quant.BLOCK // subs(fmt), axis=1)[:, :k]  # noqa: E731
+    codes = values(codes, fmt)
     if mn is None:
         return per_input(d) * (codes.astype(np.float64) - offset)
     return per_input(d) * codes + per_input(mn)
@@ -68,7 +75,7 @@ def reference(x: np.ndarray, codes, d, mn, fmt, digits: int | None = None) -> np
     amax = np.abs(xb).max(axis=-1)
     sub, per = subs(fmt), quant.BLOCK // subs(fmt)
     cp = np.zeros((n, nb * quant.BLOCK), np.int64)
-    cp[:, :k] = codes
+    cp[:, :k] = values(codes, fmt)
     cb = cp.reshape(n, nb * sub, per)  # per scale: a block of 32, or each half of one
     mv = mn if mn is not None else -offset * d
     total, value = 0.0, xb
@@ -88,7 +95,7 @@ def reference(x: np.ndarray, codes, d, mn, fmt, digits: int | None = None) -> np
 def run(x, w: quant.QuantWeight, isa: str, digits: int | None = None) -> np.ndarray:
     digits = w.activation_digits if digits is None else digits
     return np.asarray(cpu_kernels.quant_matmul(jnp.asarray(x), w.codes, w.scales, w.mins, w.n, w.bits, w.offset, isa,
-                                               digits, w.sub))
+                                               digits, w.sub, w.lut))
 
 
 def close(y, want, rtol=2e-6):

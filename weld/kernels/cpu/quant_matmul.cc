@@ -7,6 +7,7 @@
 //     w = d * (c - offset)      offset 128: int8 / Q8_0;  32: Q6_K;  16: Q5_0;  8: int4 / Q4_0
 //     w = d * c + mn            Q4_1, Q5_1, Q4_K, Q5_K (offset 0, mins)
 // With sub = 2 (Q6_K) each half block (16 inputs) has its own scale (and min): d[o, b, s].
+// With a table (MXFP4's e2m1 grid), 4-bit codes are indices: c = 128 + table[code] (int8), offset 128.
 // Activations: each row's block of 32 is quantized to int8 on entry, xq = round(x / sx) with
 // sx = max|x| / 127, and xsum = sum of xq (llama.cpp's Q8 activations). Then
 //     y[r, o] = sum_b sx[r, b] * sum_s (d[o, b, s] * dot(c[o, b, s], xq[r, b, s]) + mv[o, b, s] * xsum[r, b, s]),
@@ -118,6 +119,7 @@ struct Panel {
   const uint8_t* codes;  // [nb, bytes]
   const uint16_t* d;     // [nb, sub, 16]
   const uint16_t* mn;    // [nb, sub, 16] or null
+  const int8_t* lut;     // [16]: 4-bit codes are indices into it (c = 128 + lut[code]), or null
 };
 
 // ----- scalar: the reference the vector paths are tested against -----
@@ -139,6 +141,7 @@ void panel_scalar(const Activations& a, const Panel& p, int bits, int sub, float
           } else {
             const uint8_t byte = cb[(g % 4) * 64 + o * 4 + j];
             c = g < 4 ? (byte & 0x0f) : (byte >> 4);
+            if (p.lut) c = 128 + p.lut[c];
             for (int plane = 0; plane < bits - 4; ++plane) c |= ((cb[256 + 64 * plane + o * 4 + j] >> g) & 1) << (4 + plane);
           }
           dot[sub == 2 && g >= 4] += c * xq[4 * g + j];
@@ -177,10 +180,13 @@ __attribute__((target("avx2"))) inline __m256i high_bits_avx2(__m256i nib, const
   return nib;
 }
 
-template <int MR, int BITS, int SUB>
+template <int MR, int BITS, int SUB, bool LUT>
 __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Activations& a, const Panel& p, float offset, int64_t r0,
                                                           float* y, int64_t n, int64_t width) {
   constexpr int64_t kBytes = block_bytes(BITS);
+  // a table's int8 values (the codes' c - 128), in both 128-bit lanes for vpshufb
+  const __m256i table = LUT ? _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.lut)))
+                            : _mm256_setzero_si256();
   __m256 accf[MR][2];
   for (int i = 0; i < MR; ++i) accf[i][0] = accf[i][1] = _mm256_setzero_ps();
   const __m256i sign_flip = _mm256_set1_epi8(static_cast<char>(0x80)), low = _mm256_set1_epi8(0x0f);
@@ -216,6 +222,18 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Activations& a, c
               lo = high_bits_avx2<BITS>(lo, planes, g);
               hi = high_bits_avx2<BITS>(hi, planes, g + 4);
             }
+            if constexpr (LUT) {  // signed values: |q| x sign(x, q), as the 8-bit path
+              const __m256i ql = _mm256_shuffle_epi8(table, lo), qh = _mm256_shuffle_epi8(table, hi);
+              const __m256i al = _mm256_abs_epi8(ql), ah = _mm256_abs_epi8(qh);
+              for (int i = 0; i < MR; ++i) {
+                if (SUB == 1 || s == 0)
+                  acc[i][h] = _mm256_add_epi32(acc[i][h], dot4_avx2(al, _mm256_sign_epi8(_mm256_set1_epi32(x4[i][g]), ql)));
+                if (SUB == 1 || s == 1)
+                  acc[i][h] = _mm256_add_epi32(acc[i][h],
+                                               dot4_avx2(ah, _mm256_sign_epi8(_mm256_set1_epi32(x4[i][g + 4]), qh)));
+              }
+              continue;
+            }
             for (int i = 0; i < MR; ++i) {
               if (SUB == 1 || s == 0) acc[i][h] = _mm256_add_epi32(acc[i][h], dot4_avx2(lo, _mm256_set1_epi32(x4[i][g])));
               if (SUB == 1 || s == 1) acc[i][h] = _mm256_add_epi32(acc[i][h], dot4_avx2(hi, _mm256_set1_epi32(x4[i][g + 4])));
@@ -228,7 +246,7 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Activations& a, c
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.d + at)));
         __m256 mv = p.mn ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mn + at)))
                          : _mm256_mul_ps(d, _mm256_set1_ps(-offset));
-        if constexpr (BITS == 8) mv = _mm256_fmadd_ps(d, _mm256_set1_ps(128.0f), mv);  // the dot was of c - 128
+        if constexpr (BITS == 8 || LUT) mv = _mm256_fmadd_ps(d, _mm256_set1_ps(128.0f), mv);  // the dot was of c - 128
         for (int i = 0; i < MR; ++i) {
           const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][h]), _mm256_set1_ps(a.scale[(r0 + i) * a.nb + b]));
           accf[i][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.sum(r0 + i, b, SUB, s)), _mm256_fmadd_ps(d, t, accf[i][h]));
@@ -257,11 +275,15 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i high_bits_vnni(__m512
   return nib;
 }
 
-template <int MR, int BITS, int SUB>
+template <int MR, int BITS, int SUB, bool LUT>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(const Activations& a, const Panel& p,
                                                                                  float offset, int64_t r0, float* y,
                                                                                  int64_t n, int64_t width) {
   constexpr int64_t kBytes = block_bytes(BITS);
+  // a table's codes c = 128 + value (value xor 0x80), in every 128-bit lane for vpshufb
+  const __m512i table = LUT ? _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.lut))),
+                                               _mm512_set1_epi8(static_cast<char>(0x80)))
+                            : _mm512_setzero_si512();
   __m512 accf[MR];
   for (int i = 0; i < MR; ++i) accf[i] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f);
@@ -286,6 +308,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
           if constexpr (BITS > 4) {
             lo = high_bits_vnni<BITS>(lo, planes, g);
             hi = high_bits_vnni<BITS>(hi, planes, g + 4);
+          }
+          if constexpr (LUT) {
+            lo = _mm512_shuffle_epi8(table, lo);
+            hi = _mm512_shuffle_epi8(table, hi);
           }
           for (int i = 0; i < MR; ++i) {
             if (SUB == 1 || s == 0) acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(load4(x4[i] + 4 * g)));
@@ -314,14 +340,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
 
 // Rows in tiles against one panel, by the chosen instruction set: up to 8 rows per tile with
 // AVX-512 (32 registers: 8 integer and 8 float accumulators), up to 4 with AVX2.
-template <int MR, int BITS, int SUB>
+template <int MR, int BITS, int SUB, bool LUT = false>
 void tile_of(const Activations& a, const Panel& p, float offset, int64_t isa, int64_t r, float* y, int64_t n,
              int64_t width) {
 #if defined(__x86_64__)
   if (isa == kVnni) {
-    panel_vnni<MR, BITS, SUB>(a, p, offset, r, y, n, width);
+    panel_vnni<MR, BITS, SUB, LUT>(a, p, offset, r, y, n, width);
   } else if constexpr (MR <= 4) {
-    panel_avx2<MR, BITS, SUB>(a, p, offset, r, y, n, width);
+    panel_avx2<MR, BITS, SUB, LUT>(a, p, offset, r, y, n, width);
   }
 #endif
 }
@@ -340,7 +366,14 @@ void tile(const Activations& a, const Panel& p, int bits, int sub, float offset,
     case 8: tile_bits<MR, 8>(a, p, sub, offset, isa, r, y, n, width); break;
     case 6: tile_bits<MR, 6>(a, p, sub, offset, isa, r, y, n, width); break;
     case 5: tile_bits<MR, 5>(a, p, sub, offset, isa, r, y, n, width); break;
-    default: tile_bits<MR, 4>(a, p, sub, offset, isa, r, y, n, width); break;
+    default:
+      if (p.lut) {
+        sub == 1 ? tile_of<MR, 4, 1, true>(a, p, offset, isa, r, y, n, width)
+                 : tile_of<MR, 4, 2, true>(a, p, offset, isa, r, y, n, width);
+      } else {
+        tile_bits<MR, 4>(a, p, sub, offset, isa, r, y, n, width);
+      }
+      break;
   }
 }
 
@@ -368,7 +401,8 @@ void panel_rows(const Activations& a, const Panel& p, int bits, int sub, float o
 }
 
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
-                           ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> mins, ffi::ResultBuffer<ffi::F32> y,
+                           ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> mins, ffi::Buffer<ffi::S8> lut,
+                           ffi::ResultBuffer<ffi::F32> y,
                            int64_t bits, float offset, int64_t isa, int64_t digits, int64_t sub) {
   auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(), md = mins.dimensions();
   auto yd = y->dimensions();
@@ -379,6 +413,10 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const int64_t m = xd[0], k = xd[1], num_panels = cd[0], nb = cd[1], n = yd[1];
   const int64_t bytes = block_bytes(bits);
   const bool has_mins = md.size() == 3 && md[0] == num_panels;
+  const bool has_lut = lut.element_count() == 16;
+  if (has_lut && (bits != 4 || has_mins)) {
+    return ffi::Error::InvalidArgument("weld_quant_matmul: a table takes 4-bit codes without mins");
+  }
   if (bits < 4 || bits > 8 || bits == 7 || (sub != 1 && sub != 2) || cd[2] != bytes || sd[0] != num_panels || sd[1] != nb ||
       sd[2] != kPanel * sub ||
       nb * kBlock < k || (nb - 1) * kBlock >= k || yd[0] != m || n > num_panels * kPanel ||
@@ -396,6 +434,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const uint8_t* cp = codes.typed_data();
   const uint16_t* dp = scales.typed_data();
   const uint16_t* mp = has_mins ? mins.typed_data() : nullptr;
+  const int8_t* lp = has_lut ? lut.typed_data() : nullptr;
   float* yp = y->typed_data();
   const Activations *ap = &acts, *ap2 = q2;
   // Few rows (decode) are bound by memory: each thread then streams one contiguous run of panels,
@@ -406,7 +445,8 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                                          : std::max<int64_t>(1, 64 / std::max<int64_t>(nb, 1));
   weld::parallel_for(pool, num_panels, grain, [=](int64_t begin, int64_t end) {
     for (int64_t pi = begin; pi < end; ++pi) {
-      const Panel panel{cp + pi * nb * bytes, dp + pi * nb * kPanel * sub, mp ? mp + pi * nb * kPanel * sub : nullptr};
+      const Panel panel{cp + pi * nb * bytes, dp + pi * nb * kPanel * sub, mp ? mp + pi * nb * kPanel * sub : nullptr,
+                        lp};
       const int64_t c0 = pi * kPanel;
       const int64_t width = std::min<int64_t>(kPanel, n - c0);
       panel_rows(*ap, panel, static_cast<int>(bits), static_cast<int>(sub), offset, isa, m, yp, n, c0, width);
@@ -444,6 +484,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WeldQuantMatmul, QuantMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // codes [P, nb, 512 | 256]
                                   .Arg<ffi::Buffer<ffi::F16>>()  // scales [P, nb, 16]
                                   .Arg<ffi::Buffer<ffi::F16>>()  // mins [P, nb, 16], or [0] for none
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // lut [16] (4-bit codes index it), or [0]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
                                   .Attr<int64_t>("bits")
                                   .Attr<float>("offset")

@@ -33,12 +33,14 @@ FORMATS = {"int8": (8, 128.0, False), "int4": (4, 0.0, True), "q8_0": (8, 128.0,
            "q4_0": (4, 8.0, False), "q4_1": (4, 0.0, True), "q5_0": (5, 16.0, False), "q5_1": (5, 0.0, True),
            "q4_k": (4, 0.0, True), "q5_k": (5, 0.0, True),
            "q6_k": (6, 32.0, False), "q3_k": (4, 4.0, False), "q2_k": (4, 0.0, True),
-           "mxfp4": (8, 128.0, False),
+           "mxfp4": (4, 128.0, False),
            "int8_channel": (8, 0.0, False)}  # format -> (bits, offset, has mins)
 # Formats laid out as plain rows rather than the CPU kernel's panels: "int8_channel", signed codes
 # [..., n, k] and one f32 scale per output [..., n] (w = d * c), for the XLA backends, whose matmul
 # takes the codes as they are and scales its output (GPU, TPU), and the TPU megakernel.
 ROWS = frozenset({"int8_channel"})
+# Formats whose 4-bit codes index a table of int8 values (non-linear grids): w = d * table[c].
+LUTS = {"mxfp4": np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)}  # 2 x e2m1
 # Scales (and mins) per block of 32 where not one: Q6_K, Q3_K and Q2_K have one per 16 inputs.
 SUBBLOCKS = {"q6_k": 2, "q3_k": 2, "q2_k": 2}
 # int8 digits per activation in the CPU kernel: "int8" (a mode for f32 checkpoints, held to 0.5% of
@@ -72,6 +74,15 @@ class QuantWeight:
     def sub(self) -> int:
         """Scales per block of 32 inputs (2: one per 16)."""
         return SUBBLOCKS.get(self.fmt, 1)
+
+    @property
+    def lut(self) -> np.ndarray | None:
+        """The int8 values 4-bit codes index (`LUTS`), or None for linear codes."""
+        return LUTS.get(self.fmt)
+
+    def _values(self, codes: jax.Array) -> jax.Array:
+        """Unpacked codes as the unsigned c of w = d (c - offset): through the table, if any."""
+        return codes if self.lut is None else jnp.asarray(self.lut.astype(np.int16) + 128, jnp.uint8)[codes]
 
     @property
     def rows(self) -> bool:
@@ -113,7 +124,7 @@ class QuantWeight:
         if self.rows:
             return jnp.asarray(self.codes).astype(jnp.float32) * jnp.asarray(self.scales)[..., None]
         *lead, p, nb, _ = self.codes.shape
-        codes = unpack_codes(self.codes, self.bits).astype(jnp.float32)  # [..., P, nb, 16, 32]
+        codes = self._values(unpack_codes(self.codes, self.bits)).astype(jnp.float32)  # [..., P, nb, 16, 32]
         codes = codes.reshape(codes.shape[:-1] + (self.sub, BLOCK // self.sub))
         d = self._per_input(self.scales)
         mv = self._per_input(self.mins) if self.mins is not None else -self.offset * d
@@ -127,7 +138,7 @@ class QuantWeight:
             return self.codes[ids].astype(jnp.float32) * self.scales[ids][..., None]
         flat = ids.reshape(-1)
         panel, out = flat // PANEL, flat % PANEL
-        codes = unpack_codes(self.codes[panel], self.bits)  # [r, nb, 16, 32]
+        codes = self._values(unpack_codes(self.codes[panel], self.bits))  # [r, nb, 16, 32]
         rows = jnp.take_along_axis(codes, out[:, None, None, None], axis=2)[:, :, 0].astype(jnp.float32)
         rows = rows.reshape(rows.shape[:-1] + (self.sub, BLOCK // self.sub))  # [r, nb, sub, 32 / sub]
 
@@ -177,7 +188,7 @@ def from_codes(codes: np.ndarray, d: np.ndarray, mn: np.ndarray | None, fmt: str
         raise ValueError(f"format {fmt} {'needs' if has_mins else 'has no'} mins")
     n, k = codes.shape
     nb, p = -(-k // BLOCK), -(-n // PANEL)
-    pad_code = int(offset) if not has_mins else 0
+    pad_code = int(offset) if not has_mins and fmt not in LUTS else 0  # weight 0 (a table's code 0 is 0)
     c = np.full((p * PANEL, nb * BLOCK), pad_code, np.uint8)
     c[:n, :k] = codes
     c = c.reshape(p, PANEL, nb, 8, 4).transpose(0, 2, 3, 1, 4)  # [P, nb, group, output, 4 inputs]
@@ -316,8 +327,6 @@ GGUF_KEPT = {"Q8_0": ("q8_0", 32, 34), "Q4_0": ("q4_0", 32, 18), "Q4_1": ("q4_1"
              "Q5_0": ("q5_0", 32, 22), "Q5_1": ("q5_1", 32, 24), "Q4_K": ("q4_k", 256, 144),
              "Q5_K": ("q5_k", 256, 176), "Q6_K": ("q6_k", 256, 210), "Q3_K": ("q3_k", 256, 110),
              "Q2_K": ("q2_k", 256, 84), "MXFP4": ("mxfp4", 32, 17)}
-# MXFP4's e2m1 values times 2 (integers), by 4-bit code: w = (2 v) * 2^(e - 128)
-MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int16)
 F16_MAX = 65504.0
 
 
@@ -360,8 +369,8 @@ def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Bloc
     Q6_K: 6-bit codes, an int8 scale sc per 16 and f16 d, w = d sc (q - 32); d sc per 16 as f16.
     Q3_K (3-bit codes, a 6-bit scale per 16, w = d (sc - 32) (q - 4)) and Q2_K (2-bit codes, a 4-bit
     scale and min per 16, w = d sc q - dmin m) are held in 4-bit codes with those products per 16.
-    MXFP4 (gpt-oss's experts: an e8m0 exponent per 32, e2m1 nibbles) is held as 8-bit codes 128 + 2 v
-    under the scale 2^(e - 128), losslessly."""
+    MXFP4 (gpt-oss's experts: an e8m0 exponent per 32, e2m1 nibbles) keeps its nibbles, which index
+    the table of 2 v (`LUTS`), under the scale 2^(e - 128), losslessly."""
     fmt, per_block, size = GGUF_KEPT[type_name]
     if len(shape) not in (2, 3):
         raise ValueError(f"{type_name} tensor of shape {shape}: weld keeps matrices and expert stacks only")
@@ -374,12 +383,12 @@ def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Bloc
     blocks = np.ascontiguousarray(raw).reshape(n, nb, size)
     d = _f16(blocks[..., 0:2])
     mn = None
-    if type_name == "MXFP4":  # e8m0 exponent e, 32 e2m1 nibbles: w = 2 v * 2^(e - 128), v's table
+    if type_name == "MXFP4":  # e8m0 exponent e, 32 e2m1 nibbles indexing LUTS["mxfp4"] (2 v): w = 2 v 2^(e - 128)
         e = blocks[..., 0].astype(np.int32)
         if np.any(e < 104) or np.any(e > 143):
             raise ValueError(f"{type_name} block exponents beyond the f16 range (2^(e - 128) for e in 104..143)")
         d = np.ldexp(np.float32(1.0), e - 128).astype(np.float32)
-        codes = (MXFP4_VALUES[_nibbles(blocks[..., 1:17])] + 128).astype(np.uint8)
+        codes = _nibbles(blocks[..., 1:17])
     elif type_name == "Q8_0":
         codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     elif type_name in ("Q4_0", "Q4_1"):
