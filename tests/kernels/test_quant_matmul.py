@@ -16,7 +16,7 @@ from weld.utils.errors import InvalidInputError
 ISAS = cpu_kernels.supported_isas()
 # the kernel's distinct cases: 8, 6, 5 or 4 bits, an offset or mins, a scale per 32 or per 16
 # inputs (q6_k, q3_k, q2_k; q4_k / q5_k run as q4_1 / q5_1)
-KERNEL_FORMATS = ["int8", "int4", "q4_1", "q5_0", "q5_1", "q6_k", "q3_k", "q2_k", "mxfp4"]
+KERNEL_FORMATS = ["int8", "int4", "q4_1", "q5_0", "q5_1", "q6_k", "q3_k", "q2_k", "mxfp4", "iq4_nl"]
 
 
 def subs(fmt: str) -> int:
@@ -251,21 +251,23 @@ def gguf_raw(rng, type_name: str, n: int, k: int) -> np.ndarray:
 
 @pytest.mark.parametrize("type_name", sorted(quant.GGUF_KEPT))
 def test_gguf_blocks_are_lossless(type_name):
-    """Blocks of 32 repack exactly; K-quants' per-32 scales d * sc and mins -dmin * m are exact
-    products before packing and within f16's rounding (2^-11 relative) after."""
+    """Blocks of 32 repack exactly; super-blocks' (K-quants', IQ4_XS's) per-32 or per-16 scales
+    d * sc and mins -dmin * m are exact products before packing and within f16's rounding (2^-11
+    relative) after."""
     rng = np.random.default_rng(13)
     raw = gguf_raw(rng, type_name, 24, 512)
     want = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, type_name)).astype(np.float32)
     blocks = quant.gguf_blocks(raw, type_name, (24, 512))
     got = np.asarray(blocks.packed().unpacked())
-    if type_name.endswith("_K"):
-        fmt = quant.GGUF_KEPT[type_name][0]
+    fmt, per_block, _ = quant.GGUF_KEPT[type_name]
+    if per_block == 256:  # super-blocks: scale products per 32 (or 16), rounded to f16
         per_input = lambda v: np.repeat(v, 32 // subs(fmt), axis=1)  # noqa: E731
         _, offset, _ = quant.FORMATS[fmt]
         mins = blocks.mn if blocks.mn is not None else -offset * blocks.d
-        stated = per_input(blocks.d) * blocks.codes + per_input(mins)
+        c = values(blocks.codes, fmt)
+        stated = per_input(blocks.d) * c + per_input(mins)
         np.testing.assert_allclose(stated, want, rtol=1e-6, atol=1e-7)
-        bound = 2.0 ** -11 * (per_input(np.abs(blocks.d)) * blocks.codes + per_input(np.abs(mins))) + 1e-7
+        bound = 2.0 ** -11 * (per_input(np.abs(blocks.d)) * c + per_input(np.abs(mins))) + 1e-7
         assert np.all(np.abs(got - want) <= bound) and np.any(got != want)
     else:
         np.testing.assert_array_equal(got, want)

@@ -12,8 +12,10 @@ import numpy as np
 BLOCKS = {  # name -> (elements per block, bytes per block)
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-    "MXFP4": (32, 17),
+    "MXFP4": (32, 17), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
 }
+# ggml's kvalues_iq4nl
+_IQ4 = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # ggml's kvalues_mxfp4: the e2m1 values doubled, by 4-bit code
 _MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
@@ -159,8 +161,25 @@ def _mxfp4(b):
     return [d * np.float32(_MXFP4[int(q) & 0xF]) for q in qs] + [d * np.float32(_MXFP4[int(q) >> 4]) for q in qs]
 
 
+def _iq4_nl(b):
+    d, qs = _f16(b[0:2]), b[2:18]
+    return [d * np.float32(_IQ4[int(q) & 0xF]) for q in qs] + [d * np.float32(_IQ4[int(q) >> 4]) for q in qs]
+
+
+def _iq4_xs(b):
+    d, scales_h, scales_l, qs = _f16(b[0:2]), int(b[2]) | (int(b[3]) << 8), b[4:8], b[8:136]
+    y = []
+    for ib in range(8):
+        ls = ((int(scales_l[ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4)
+        dl = d * np.float32(ls - 32)
+        q = qs[16 * ib:16 * ib + 16]
+        y += [dl * np.float32(_IQ4[int(v) & 0xF]) for v in q] + [dl * np.float32(_IQ4[int(v) >> 4]) for v in q]
+    return y
+
+
 _BLOCK_FNS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-              "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4}
+              "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4,
+              "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
 
 
 def dequantize(blocks: np.ndarray, kind: str) -> np.ndarray:

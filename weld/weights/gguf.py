@@ -27,7 +27,7 @@ from weld.weights.tree import CheckpointError, TensorSource, plan_tensors
 Q = gguf.GGMLQuantizationType
 # Types weld loads; each is checked against an independent reference in tests/weights.
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
-                             Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4})
+                             Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS})
 
 
 class _PastEndOfFile(Exception):

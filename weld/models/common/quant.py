@@ -33,14 +33,16 @@ FORMATS = {"int8": (8, 128.0, False), "int4": (4, 0.0, True), "q8_0": (8, 128.0,
            "q4_0": (4, 8.0, False), "q4_1": (4, 0.0, True), "q5_0": (5, 16.0, False), "q5_1": (5, 0.0, True),
            "q4_k": (4, 0.0, True), "q5_k": (5, 0.0, True),
            "q6_k": (6, 32.0, False), "q3_k": (4, 4.0, False), "q2_k": (4, 0.0, True),
-           "mxfp4": (4, 128.0, False),
+           "mxfp4": (4, 128.0, False), "iq4_nl": (4, 128.0, False), "iq4_xs": (4, 128.0, False),
            "int8_channel": (8, 0.0, False)}  # format -> (bits, offset, has mins)
 # Formats laid out as plain rows rather than the CPU kernel's panels: "int8_channel", signed codes
 # [..., n, k] and one f32 scale per output [..., n] (w = d * c), for the XLA backends, whose matmul
 # takes the codes as they are and scales its output (GPU, TPU), and the TPU megakernel.
 ROWS = frozenset({"int8_channel"})
 # Formats whose 4-bit codes index a table of int8 values (non-linear grids): w = d * table[c].
-LUTS = {"mxfp4": np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)}  # 2 x e2m1
+_IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)  # ggml's
+LUTS = {"mxfp4": np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8),  # 2 x e2m1
+        "iq4_nl": _IQ4, "iq4_xs": _IQ4}
 # Scales (and mins) per block of 32 where not one: Q6_K, Q3_K and Q2_K have one per 16 inputs.
 SUBBLOCKS = {"q6_k": 2, "q3_k": 2, "q2_k": 2}
 # int8 digits per activation in the CPU kernel: "int8" (a mode for f32 checkpoints, held to 0.5% of
@@ -326,7 +328,8 @@ def expert(w: QuantWeight, e: int) -> QuantWeight:
 GGUF_KEPT = {"Q8_0": ("q8_0", 32, 34), "Q4_0": ("q4_0", 32, 18), "Q4_1": ("q4_1", 32, 20),
              "Q5_0": ("q5_0", 32, 22), "Q5_1": ("q5_1", 32, 24), "Q4_K": ("q4_k", 256, 144),
              "Q5_K": ("q5_k", 256, 176), "Q6_K": ("q6_k", 256, 210), "Q3_K": ("q3_k", 256, 110),
-             "Q2_K": ("q2_k", 256, 84), "MXFP4": ("mxfp4", 32, 17)}
+             "Q2_K": ("q2_k", 256, 84), "MXFP4": ("mxfp4", 32, 17), "IQ4_NL": ("iq4_nl", 32, 18),
+             "IQ4_XS": ("iq4_xs", 256, 136)}
 F16_MAX = 65504.0
 
 
@@ -370,7 +373,8 @@ def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Bloc
     Q3_K (3-bit codes, a 6-bit scale per 16, w = d (sc - 32) (q - 4)) and Q2_K (2-bit codes, a 4-bit
     scale and min per 16, w = d sc q - dmin m) are held in 4-bit codes with those products per 16.
     MXFP4 (gpt-oss's experts: an e8m0 exponent per 32, e2m1 nibbles) keeps its nibbles, which index
-    the table of 2 v (`LUTS`), under the scale 2^(e - 128), losslessly."""
+    the table of 2 v (`LUTS`), under the scale 2^(e - 128), losslessly; IQ4_NL and IQ4_XS (ggml's
+    non-linear 4-bit grid, a scale per 32: f16 d, or d (ls - 32) under a 256 super-block) too."""
     fmt, per_block, size = GGUF_KEPT[type_name]
     if len(shape) not in (2, 3):
         raise ValueError(f"{type_name} tensor of shape {shape}: weld keeps matrices and expert stacks only")
@@ -389,6 +393,17 @@ def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Bloc
             raise ValueError(f"{type_name} block exponents beyond the f16 range (2^(e - 128) for e in 104..143)")
         d = np.ldexp(np.float32(1.0), e - 128).astype(np.float32)
         codes = _nibbles(blocks[..., 1:17])
+    elif type_name == "IQ4_NL":  # f16 d, 32 nibbles indexing LUTS["iq4_nl"]: w = d table[q]
+        codes = _nibbles(blocks[..., 2:18])
+    elif type_name == "IQ4_XS":  # f16 d, a 6-bit scale ls per 32 (4 low bits + 2 high), nibbles
+        low = blocks[..., 4:8]
+        high = (blocks[..., 2].astype(np.uint16) | (blocks[..., 3].astype(np.uint16) << 8))[..., None]
+        ib = np.arange(8)
+        ls = ((low[..., ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 0x0F) | (((high >> (2 * ib)) & 3) << 4).astype(np.uint8)
+        d = (d[..., None] * (ls.astype(np.float32) - 32)).reshape(n, nb * 8)
+        codes = _nibbles(blocks[..., 8:136].reshape(n, nb, 8, 16))
+        if not np.all(np.abs(d) <= F16_MAX):
+            raise ValueError(f"{type_name} block scales beyond the f16 range")
     elif type_name == "Q8_0":
         codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     elif type_name in ("Q4_0", "Q4_1"):
