@@ -208,11 +208,13 @@ def test_int8_channel_matmul_materializes_no_float_weights(dtype):
     params = re.findall(r"parameter\(\d+\)", hlo)
     assert re.search(rf"s8\[{n},{k}\]", hlo) and len(params) >= 3  # x, the codes, the scales
     materialized = _entry_values(hlo, (n, k))
-    if jax.default_backend() == "cpu":  # one buffer, made from the codes alone (not scaled by the scales)
-        assert len(materialized) == 1, materialized
-        operands = re.search(r"(?:fusion|convert)\(([^)]*)\)", materialized[0]).group(1).split(",")
+    assert len(materialized) <= 1, materialized  # at most one buffer, made from the codes alone (not scaled)
+    for line in materialized:
+        operands = re.search(r"(?:fusion|convert)\(([^)]*)\)", line).group(1).split(",")
         assert len(operands) == 1, materialized
-    else:
-        assert not materialized, materialized
+    if jax.default_backend() == "cpu":
+        assert len(materialized) == 1, materialized  # XLA:CPU's matmul takes a converted copy
+    elif dtype == jnp.bfloat16:
+        assert not materialized, materialized  # GPU / TPU: the convert lives inside the matmul
     y = np.asarray(layers.linear(x, w), np.float32)
     np.testing.assert_allclose(y, np.asarray(x, np.float32) @ np.asarray(w.unpacked()).T, rtol=2e-2, atol=2e-2)
