@@ -205,12 +205,12 @@ def test_unsupported_architecture(tmp_path):
 
 def test_unsupported_tensor_type(tmp_path):
     hf = hf_layout_tensors(np.random.default_rng(3))
-    raw = np.zeros((HEADS * HEAD_DIM, HIDDEN // 32 * gguf.GGML_QUANT_SIZES[Q.IQ4_NL][1]), np.uint8)
-    hf["blk.1.attn_q.weight"] = (raw, Q.IQ4_NL)
+    raw = np.zeros((HEADS * HEAD_DIM, HIDDEN // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), np.uint8)
+    hf["blk.1.attn_q.weight"] = (raw, Q.Q8_1)
     path = write_gguf(tmp_path / "iq.gguf", "llama", llama_kv(LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB), hf)
     with pytest.raises(UnsupportedModelError) as e:
         load(path)
-    check_error(e, "iq.gguf", "blk.1.attn_q.weight", "IQ4_NL")
+    check_error(e, "iq.gguf", "blk.1.attn_q.weight", "Q8_1")
 
 
 def test_unmapped_and_missing_tensors(tmp_path):
