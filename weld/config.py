@@ -26,10 +26,11 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # sequences of max_model_len tokens need.
 DEFAULT_KV_CACHE_GB = 1.0
 # --quantization (vLLM's flag): None keeps a GGUF's quantized blocks (quant.GGUF_KEPT) quantized and loads
-# anything else as stored; "none" dequantizes every tensor to dtype; "int8" / "int4" quantize the
-# projections and the LM head once at load (blocks of 32, `weld.models.common.quant`, for the CPU
-# kernels); "int8_channel" per output channel (for XLA on GPU / TPU and the megakernel).
-QUANTIZATIONS = ("none", "int8", "int4", "int8_channel")
+# anything else as stored; "none" dequantizes every tensor to dtype; "int8" / "int4" / "int4_g128"
+# quantize the projections and the LM head once at load (a scale per 32 inputs, int4_g128 per 128:
+# `weld.models.common.quant`, for the CPU kernels); "int8_channel" per output channel (for XLA on
+# GPU / TPU and the megakernel).
+QUANTIZATIONS = ("none", "int8", "int4", "int4_g128", "int8_channel")
 SPEC_METHODS = ("ngram", "draft_model", "dspark")
 # Bounds on sizes a user sets, checked before anything is allocated from them.
 MAX_NUM_SEQS = 4096
@@ -287,7 +288,8 @@ def add_quantization_argument(g) -> None:
     """--quantization / -q (vLLM's name), for the engine's flags and `weld bench`'s."""
     g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                    help="weight quantization: int8 or int4 quantize the projections and LM head at load "
-                        "(blocks of 32, for the CPU kernels; int8_channel: per output channel, for GPU, TPU "
+                        "(blocks of 32, for the CPU kernels; int4_g128: int4 with a scale and min per 128 "
+                        "inputs; int8_channel: per output channel, for GPU, TPU "
                         "and the megakernel); none dequantizes a GGUF (default: as stored, a GGUF's Q8_0/Q4_*/Q5_*/Q2_K..Q6_K "
                         "blocks kept)")
 

@@ -14,13 +14,23 @@ from weld.models.common import layers, quant
 from weld.utils.errors import InvalidInputError
 
 ISAS = cpu_kernels.supported_isas()
-# the kernel's distinct cases: 8, 6, 5 or 4 bits, an offset or mins, a scale per 32 or per 16
-# inputs (q6_k, q3_k, q2_k; q4_k / q5_k run as q4_1 / q5_1)
-KERNEL_FORMATS = ["int8", "int4", "q4_1", "q5_0", "q5_1", "q6_k", "q3_k", "q2_k", "mxfp4", "iq4_nl"]
+# the kernel's distinct cases: 8, 6, 5 or 4 bits, an offset or mins, a scale per 32, per 16
+# (q6_k, q3_k, q2_k) or per 128 inputs (int4_g128; q4_k / q5_k run as q4_1 / q5_1)
+KERNEL_FORMATS = ["int8", "int4", "int4_g128", "q4_1", "q5_0", "q5_1", "q6_k", "q3_k", "q2_k", "mxfp4", "iq4_nl"]
 
 
 def subs(fmt: str) -> int:
-    return quant.SUBBLOCKS.get(fmt, 1)
+    return quant.subblocks(fmt)
+
+
+def num_scales(fmt: str, k: int) -> int:
+    """Scales (and mins) per output of a matrix with k inputs."""
+    return -(-(-(-k // quant.BLOCK)) // quant.group(fmt)) * subs(fmt)
+
+
+def block_scales(v: np.ndarray, fmt: str, k: int) -> np.ndarray:
+    """Scales [n, ng * sub] -> each block's [n, nb * sub] (a group's scale repeated for its blocks)."""
+    return np.repeat(v, quant.group(fmt), axis=1)[:, :-(-k // quant.BLOCK) * subs(fmt)]
 
 
 def values(codes: np.ndarray, fmt: str) -> np.ndarray:
@@ -41,7 +51,7 @@ needs_kernels = pytest.mark.usefixtures("kernels")
 def random_blocks(rng, n: int, k: int, fmt: str, scale: float = 1.0):
     """Codes [n, k], scales and mins [n, nb * sub] of a random matrix in fmt (scales already f16-exact)."""
     bits, _, has_mins = quant.FORMATS[fmt]
-    nb = -(-k // quant.BLOCK) * subs(fmt)
+    nb = num_scales(fmt, k)
     codes = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
     d = (rng.uniform(0.2, 1.0, (n, nb)) * scale).astype(np.float16).astype(np.float32)
     mn = (rng.standard_normal((n, nb)) * scale).astype(np.float16).astype(np.float32) if has_mins else None
@@ -52,7 +62,8 @@ def dense(codes, d, mn, fmt) -> np.ndarray:
     """The float matrix the blocks state, in float64."""
     _, offset, _ = quant.FORMATS[fmt]
     n, k = codes.shape
-    per_input = lambda v: np.repeat(v.astype(np.float64), quant.BLOCK // subs(fmt), axis=1)[:, :k]  # noqa: E731
+    per = quant.SCALE_INPUTS.get(fmt, quant.BLOCK)
+    per_input = lambda v: np.repeat(v.astype(np.float64), per, axis=1)[:, :k]  # noqa: E731
     codes = values(codes, fmt)
     if mn is None:
         return per_input(d) * (codes.astype(np.float64) - offset)
@@ -77,7 +88,8 @@ def reference(x: np.ndarray, codes, d, mn, fmt, digits: int | None = None) -> np
     cp = np.zeros((n, nb * quant.BLOCK), np.int64)
     cp[:, :k] = values(codes, fmt)
     cb = cp.reshape(n, nb * sub, per)  # per scale: a block of 32, or each half of one
-    mv = mn if mn is not None else -offset * d
+    d = block_scales(d, fmt, k)
+    mv = block_scales(mn, fmt, k) if mn is not None else -offset * d
     total, value = 0.0, xb
     for levels in (127.0, 32258.0)[:digits]:
         inv = np.where(amax > 0, np.float32(levels) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
@@ -95,7 +107,7 @@ def reference(x: np.ndarray, codes, d, mn, fmt, digits: int | None = None) -> np
 def run(x, w: quant.QuantWeight, isa: str, digits: int | None = None) -> np.ndarray:
     digits = w.activation_digits if digits is None else digits
     return np.asarray(cpu_kernels.quant_matmul(jnp.asarray(x), w.codes, w.scales, w.mins, w.n, w.bits, w.offset, isa,
-                                               digits, w.sub, w.lut))
+                                               digits, w.sub, w.lut, w.group))
 
 
 def close(y, want, rtol=2e-6):
@@ -137,19 +149,19 @@ def test_extreme_codes_zero_blocks_and_scales(isa, fmt):
     scales, and activations near f32's range."""
     bits = quant.FORMATS[fmt][0]
     rng = np.random.default_rng(7)
-    n, k = 32, 128
+    n, k = 32, 512
     codes = np.zeros((n, k), np.uint8)
     codes[:8] = (1 << bits) - 1
     codes[8:16] = rng.integers(0, 1 << bits, (8, k))
     codes[16:] = np.where(rng.random((16, k)) < 0.5, 0, (1 << bits) - 1)
-    d = np.full((n, k // 32 * subs(fmt)), 1.0, np.float32)
+    d = np.full((n, num_scales(fmt, k)), 1.0, np.float32)
     d[:, 1] = 0.0  # a zero scale
     d[:4, 2] = 65504.0  # f16's largest
     d[4:8, 2] = np.float32(np.float16(6e-8))  # a subnormal f16
     mn = np.full_like(d, -0.5) if quant.FORMATS[fmt][2] else None
     w = quant.from_codes(codes, d, mn, fmt)
     for x in (np.ones((3, k), np.float32), -np.ones((3, k), np.float32),
-              np.concatenate([np.zeros((2, 64), np.float32), np.ones((2, 64), np.float32)], axis=1),
+              np.concatenate([np.zeros((2, k // 2), np.float32), np.ones((2, k // 2), np.float32)], axis=1),
               np.sign(rng.standard_normal((5, k))).astype(np.float32) * 1e30,
               rng.standard_normal((4, k)).astype(np.float32) * 1e-30):
         close(run(x, w, isa), reference(x, codes, d, mn, fmt))
@@ -214,24 +226,39 @@ def test_linear_without_kernels_dequantizes(monkeypatch):
     np.testing.assert_allclose(y, x @ np.asarray(w.unpacked()).T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4_g128"])
 def test_quantize_error_is_bounded(mode):
-    """Within half a step d, plus the f16 rounding of d (2^-11 relative, over up to 127 or 15
-    steps): int8 d = max|w| / 127 (Q8_0's rule); int4 d = (max w - min w) / 15 from the block's
-    min (Q4_1's rule; the min is stored in f16 and the codes are rounded against it)."""
+    """int8 (d = max|w| / 127, Q8_0's rule) is within half a step d plus the f16 rounding of d
+    (2^-11 relative, over up to 127 steps). int4 (a scale and min per 32 inputs, int4_g128 per 128;
+    the last group of k = 300 takes the 44 inputs left) leaves each group no more squared error
+    than Q4_1's rule (mn = min w, d = (max w - mn) / 15, both f16, codes rounded against them),
+    and less over the matrix: its fit searches steps and solves for (d, mn)."""
     rng = np.random.default_rng(11)
-    w = rng.standard_normal((20, 100)).astype(np.float32) * np.logspace(-2, 2, 20, dtype=np.float32)[:, None]
-    w[3, 32:64] = 0.0  # an all-zero block
+    k = 300
+    w = rng.standard_normal((20, k)).astype(np.float32) * np.logspace(-2, 2, 20, dtype=np.float32)[:, None]
+    w[3, 128:256] = 0.0  # an all-zero block (and group)
     w[5, 64:96] += 7.0 * np.abs(w[5]).max()  # a block far from zero: the range, not |w|, sets int4's step
     q = np.asarray(quant.quantize(w, mode).unpacked())
-    padded = np.pad(w, ((0, 0), (0, 28)), constant_values=np.nan).reshape(20, 4, 32)
+    assert np.all(q[3, 128:256] == 0.0)
+    per = quant.SCALE_INPUTS.get(mode, quant.BLOCK)
+    padded = np.pad(w, ((0, 0), (0, -k % per)), constant_values=np.nan).reshape(20, -1, per)
     if mode == "int8":
-        step, steps = np.nanmax(np.abs(padded), -1) / 127.0, 127
+        step = np.nanmax(np.abs(padded), -1) / 127.0
+        bound = np.repeat(step, per, axis=1)[:, :k] * (0.5 + 128 * 2.0 ** -11 + 1e-3)
+        assert np.all(np.abs(q - w) <= bound + 1e-30)
     else:
-        step, steps = (np.nanmax(padded, -1) - np.nanmin(padded, -1)) / 15.0, 15
-    bound = np.repeat(step, 32, axis=1)[:, :100] * (0.5 + (steps + 1) * 2.0 ** -11 + 1e-3)
-    assert np.all(np.abs(q - w) <= bound + 1e-30)
-    assert np.all(q[3, 32:64] == 0.0)
+        f16 = lambda v: v.astype(np.float16).astype(np.float32)  # noqa: E731
+        mn = f16(np.nanmin(padded, -1))
+        d = f16((np.nanmax(padded, -1) - mn) / 15.0)
+        inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+        rule = d[..., None] * np.clip(np.rint((padded - mn[..., None]) * inv[..., None]), 0, 15) + mn[..., None]
+        rule_err = np.nansum((padded - rule) ** 2, axis=-1)
+        err = np.nansum((padded - np.pad(q, ((0, 0), (0, -k % per)), constant_values=np.nan).reshape(padded.shape)) ** 2,
+                        axis=-1)
+        assert np.all(err <= rule_err * (1 + 1e-5) + 1e-30)
+        assert err.sum() < 0.95 * rule_err.sum()
+    if mode == "int4_g128":  # one scale and min per 128 inputs: fewer bytes than per 32
+        assert quant.quantize(w, mode).nbytes < quant.quantize(w, "int4").nbytes
     with pytest.raises(ValueError, match="quantization must be one of"):
         quant.quantize(w, "int3")
 

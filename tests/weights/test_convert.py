@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ from weld import LLM, SamplingParams
 from weld.models.common import quant
 from weld.models.common.spec import iter_specs, path_str
 from weld.utils import records
-from weld.utils.errors import InvalidInputError, UnsupportedModelError
+from weld.utils.errors import InvalidInputError, UnsupportedModelError, WeldError
 from weld.weights import CheckpointError, ModelSource, load_model, native, resolve_model
 from weld.weights.safetensors_file import SafetensorsFile, ShardWriter, sha256_of
 
@@ -120,6 +121,10 @@ def test_bfloat16_dtype_and_requested_forms(tiny_family_dir, tmp_path):
     native.convert(ModelSource("hf", directory, "q"), tmp_path / "i4", quantization="int4", progress=False)
     again = load_model(tmp_path / "i4", quantization="int8")
     assert {x.fmt for x in leaves(again.weights) if quant.is_quantized(x)} == {"int8"}
+    # int4 with a scale and min per 128 inputs round-trips as its [P, ng, 16] scales
+    native.convert(ModelSource("hf", directory, "q"), tmp_path / "g128", quantization="int4_g128", progress=False)
+    assert_same_tree(load_model(tmp_path / "g128").weights,
+                     load_model(ModelSource("hf", directory, "q"), quantization="int4_g128").weights)
     # int8 per channel (rows of int8 codes, f32 scales) round-trips too
     native.convert(ModelSource("hf", directory, "q"), tmp_path / "ch", quantization="int8_channel", progress=False)
     assert_same_tree(load_model(tmp_path / "ch").weights,
@@ -178,6 +183,13 @@ def test_bad_output_directories(tiny_family_dir, tmp_path):
         native.convert(src, tmp_path / "c", progress=False)
     with pytest.raises(InvalidInputError, match="quantization must be one of"):
         native.convert(src, tmp_path / "d", quantization="fp8", progress=False)
+    # a source that does not open leaves no output directory behind
+    broken = tmp_path / "broken"
+    shutil.copytree(directory, broken)
+    (broken / "config.json").write_text('{"model_type": "no_such_family"}')
+    with pytest.raises(WeldError):
+        native.convert(ModelSource("hf", broken, "llama"), tmp_path / "e", progress=False)
+    assert not (tmp_path / "e").exists()
 
 
 @pytest.fixture()

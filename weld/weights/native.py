@@ -7,7 +7,7 @@ a HF checkpoint (quantized if asked) and loaded memory-mapped with `--model DIR`
     DIR/tokenizer.json, ...        a HF source's tokenizer, chat template and config files
 
 The manifest: {"format": "weld", "version", "family" (its NAME), "config" (the family's Config,
-`weld.utils.records`), "quantization" (the mode asked for: "int8" | "int4" | "none" | null for
+`weld.utils.records`), "quantization" (the mode asked for: one of `quant.MODES`, "none", or null for
 as stored), "formats" (the quantized formats present), "source", "tensors" {leaf path: {"shard",
 "shape", "axes" (the logical axes, for sharding), and "dtype" or, quantized, "format"}},
 "shards" {file: {"bytes", "sha256"}}}. Each leaf of `weight_specs(cfg)` is one tensor under its
@@ -80,7 +80,8 @@ def convert(source, out: str | pathlib.Path, quantization: str | None = None, dt
     `resolve_model` takes) to directory `out`.
 
     quantization: None keeps what the source stores quantized (a GGUF's kept blocks) and the rest
-    as stored; "none" dequantizes; "int8" / "int4" quantize the declared matrices and head.
+    as stored; "none" dequantizes; a mode of `quant.MODES` ("int8", "int4", ...) quantizes the
+    declared matrices and head.
     dtype of the float tensors: "auto" (as the source stores them; a GGUF's dequantized tensors
     float32), "float32", "bfloat16", "float16". An `out` holding a conversion of the same source
     with the same options resumes it; one with other options, or anything else, is an error."""
@@ -96,11 +97,11 @@ def convert(source, out: str | pathlib.Path, quantization: str | None = None, dt
     out = pathlib.Path(out).expanduser()
     options = {"source": _fingerprint(src_model.path), "quantization": quantization, "dtype": dtype}
     done = _finished_shards(out, options)
+    src = open_checkpoint(src_model, quantization)  # a source that does not open leaves no `out` behind
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob("*.partial")) + list(out.glob("*.data")):
         stale.unlink()
 
-    src = open_checkpoint(src_model, quantization)
     declared = dict(iter_specs(src.family.weight_specs(src.cfg)))
     by_name = {path_str(p): p for p in declared}
     skip = frozenset(by_name[name] for shard in done.values() for name in shard["tensors"])
@@ -354,7 +355,7 @@ def _check_entry(directory, name: str, entry: dict, spec, parts: dict) -> None:
     bits, _, has_mins = quant.FORMATS[fmt]
     *lead, n, k = spec.shape
     p, nb = -(-n // quant.PANEL), -(-k // quant.BLOCK)
-    scales = (*lead, p, nb, quant.PANEL * quant.SUBBLOCKS.get(fmt, 1))
+    scales = (*lead, *quant.scales_shape(fmt, n, k))
     want = {"codes": ("U8", (*lead, p, nb, quant.block_bytes(bits))), "scales": ("F16", scales)}
     if fmt in quant.ROWS:  # signed codes as rows, an f32 scale per output
         want = {"codes": ("I8", (*lead, n, k)), "scales": ("F32", (*lead, n))}

@@ -208,10 +208,11 @@ def quant_isa() -> str:
 
 def quant_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None, n: int, bits: int,
                  offset: float, isa: str | None = None, digits: int = 1, sub: int = 1,
-                 lut: np.ndarray | None = None) -> jax.Array:
+                 lut: np.ndarray | None = None, group: int = 1) -> jax.Array:
     """x [m, k] f32 @ W.T for W [n, k] quantized in blocks of 32 (quant_matmul.cc;
     weld.models.common.layers.QuantWeight): codes u8 [P, nb, 512 | 256], scales and mins f16
-    [P, nb, 16 sub] (sub 2: a scale per 16 inputs; mins None: w = d (c - offset)); lut: 16 int8
+    [P, ng, 16 sub] (sub 2: a scale per 16 inputs; group: blocks per scale, a power of two, and
+    ng = ceil(nb / group); mins None: w = d (c - offset)); lut: 16 int8
     values that 4-bit codes index (c = 128 + lut[code], offset 128), or None. isa: one of ISAS
     (None: `quant_isa()`). digits: int8 digits per activation (2: the rounding residual quantized
     again and multiplied too). Returns y [m, n] f32."""
@@ -225,4 +226,4 @@ def quant_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Ar
     table = jnp.zeros((0,), jnp.int8) if lut is None else jnp.asarray(np.asarray(lut, np.int8))
     return call(x.astype(jnp.float32), codes, scales, no_mins if mins is None else mins, table, bits=np.int64(bits),
                 offset=np.float32(offset), isa=np.int64(ISAS.index(isa)), digits=np.int64(digits),
-                sub=np.int64(sub))
+                sub=np.int64(sub), group=np.int64(group))

@@ -6,7 +6,8 @@
 // and, in formats with one, a min mn[o, b] (f16):
 //     w = d * (c - offset)      offset 128: int8 / Q8_0;  32: Q6_K;  16: Q5_0;  8: int4 / Q4_0
 //     w = d * c + mn            Q4_1, Q5_1, Q4_K, Q5_K (offset 0, mins)
-// With sub = 2 (Q6_K) each half block (16 inputs) has its own scale (and min): d[o, b, s].
+// With sub = 2 (Q6_K) each half block (16 inputs) has its own scale (and min): d[o, b, s]. With
+// group = 2^gshift > 1 (int4_g128: 4) that many blocks share one: block b takes d[o, b >> gshift].
 // With a table (MXFP4's e2m1 grid), 4-bit codes are indices: c = 128 + table[code] (int8), offset 128.
 // Activations: each row's block of 32 is quantized to int8 on entry, xq = round(x / sx) with
 // sx = max|x| / 127, and xsum = sum of xq (llama.cpp's Q8 activations). Then
@@ -25,7 +26,8 @@
 // after another (512 bytes); 4 bits: 256 bytes, byte [g][o][j] holding group g in its low nibble
 // and group g + 4 in its high nibble; 5 and 6 bits: the 4-bit layout of the low nibbles, then one
 // (two) 64-byte planes of the fifth (and sixth) bits, byte [o][j] of a plane holding in bit g that
-// bit of input 4 g + j (320 or 384 bytes). Scales and mins [P, nb, 16]. Rows pad k to whole blocks
+// bit of input 4 g + j (320 or 384 bytes). Scales and mins [P, ng, 16] (ng = nb / group, rounded
+// up). Rows pad k to whole blocks
 // with zeros; padded outputs have code `offset` (weight 0). With sub = 2, scales and mins are
 // [P, nb, 2 * 16]: the first half's 16 outputs, then the second's; in the 4-bit layout the first
 // half is the low nibbles, the second the high ones.
@@ -122,9 +124,10 @@ inline int32_t load4(const int8_t* p) {
 
 struct Panel {
   const uint8_t* codes;  // [nb, bytes]
-  const uint16_t* d;     // [nb, sub, 16]
-  const uint16_t* mn;    // [nb, sub, 16] or null
+  const uint16_t* d;     // [ng, sub, 16]
+  const uint16_t* mn;    // [ng, sub, 16] or null
   const int8_t* lut;     // [16]: 4-bit codes are indices into it (c = 128 + lut[code]), or null
+  int gshift;            // block b's scales are group b >> gshift's
 };
 
 // ----- scalar: the reference the vector paths are tested against -----
@@ -153,7 +156,7 @@ void panel_scalar(const Activations& a, const Panel& p, int bits, int sub, float
         }
       }
       for (int s = 0; s < sub; ++s) {
-        const int64_t at = (b * sub + s) * kPanel + o;
+        const int64_t at = ((b >> p.gshift) * sub + s) * kPanel + o;
         const float d = half_to_float(p.d[at]);
         const float mv = p.mn ? half_to_float(p.mn[at]) : -offset * d;
         acc[o] += d * (static_cast<float>(dot[s]) * a.scale[r * a.nb + b]) + mv * a.sum(r, b, sub, s);
@@ -247,7 +250,7 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Activations& a, c
         }
       }
       for (int h = 0; h < 2; ++h) {
-        const int64_t at = (b * SUB + s) * kPanel + h * 8;
+        const int64_t at = ((b >> p.gshift) * SUB + s) * kPanel + h * 8;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.d + at)));
         __m256 mv = p.mn ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mn + at)))
                          : _mm256_mul_ps(d, _mm256_set1_ps(-offset));
@@ -324,7 +327,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
           }
         }
       }
-      const int64_t at = (b * SUB + s) * kPanel;
+      const int64_t at = ((b >> p.gshift) * SUB + s) * kPanel;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.d + at)));
       const __m512 mv = p.mn ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mn + at)))
                              : _mm512_mul_ps(d, _mm512_set1_ps(-offset));
@@ -408,24 +411,27 @@ void panel_rows(const Activations& a, const Panel& p, int bits, int sub, float o
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
                            ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> mins, ffi::Buffer<ffi::S8> lut,
                            ffi::ResultBuffer<ffi::F32> y,
-                           int64_t bits, float offset, int64_t isa, int64_t digits, int64_t sub) {
+                           int64_t bits, float offset, int64_t isa, int64_t digits, int64_t sub, int64_t group) {
   auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(), md = mins.dimensions();
   auto yd = y->dimensions();
   if (xd.size() != 2 || cd.size() != 3 || sd.size() != 3 || yd.size() != 2) {
     return ffi::Error::InvalidArgument(
-        "weld_quant_matmul: x [m, k], codes [P, nb, bytes], scales [P, nb, 16 sub], y [m, n]");
+        "weld_quant_matmul: x [m, k], codes [P, nb, bytes], scales [P, ng, 16 sub], y [m, n]");
   }
   const int64_t m = xd[0], k = xd[1], num_panels = cd[0], nb = cd[1], n = yd[1];
   const int64_t bytes = block_bytes(bits);
+  int gshift = 0;
+  while (gshift < 4 && (int64_t{1} << gshift) < group) ++gshift;
+  const int64_t ng = (nb + group - 1) / std::max<int64_t>(group, 1);
   const bool has_mins = md.size() == 3 && md[0] == num_panels;
   const bool has_lut = lut.element_count() == 16;
   if (has_lut && (bits != 4 || has_mins)) {
     return ffi::Error::InvalidArgument("weld_quant_matmul: a table takes 4-bit codes without mins");
   }
-  if (bits < 4 || bits > 8 || bits == 7 || (sub != 1 && sub != 2) || cd[2] != bytes || sd[0] != num_panels || sd[1] != nb ||
-      sd[2] != kPanel * sub ||
+  if (bits < 4 || bits > 8 || bits == 7 || (sub != 1 && sub != 2) || (int64_t{1} << gshift) != group ||
+      (group > 1 && sub != 1) || cd[2] != bytes || sd[0] != num_panels || sd[1] != ng || sd[2] != kPanel * sub ||
       nb * kBlock < k || (nb - 1) * kBlock >= k || yd[0] != m || n > num_panels * kPanel ||
-      n <= (num_panels - 1) * kPanel || (has_mins && (md[1] != nb || md[2] != kPanel * sub)) || isa < 0 || isa > kVnni ||
+      n <= (num_panels - 1) * kPanel || (has_mins && (md[1] != ng || md[2] != kPanel * sub)) || isa < 0 || isa > kVnni ||
       (digits != 1 && digits != 2)) {
     return ffi::Error::InvalidArgument("weld_quant_matmul: inconsistent shapes or attributes");
   }
@@ -450,8 +456,8 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                                          : std::max<int64_t>(1, 64 / std::max<int64_t>(nb, 1));
   weld::parallel_for(pool, num_panels, grain, [=](int64_t begin, int64_t end) {
     for (int64_t pi = begin; pi < end; ++pi) {
-      const Panel panel{cp + pi * nb * bytes, dp + pi * nb * kPanel * sub, mp ? mp + pi * nb * kPanel * sub : nullptr,
-                        lp};
+      const Panel panel{cp + pi * nb * bytes, dp + pi * ng * kPanel * sub, mp ? mp + pi * ng * kPanel * sub : nullptr,
+                        lp, gshift};
       const int64_t c0 = pi * kPanel;
       const int64_t width = std::min<int64_t>(kPanel, n - c0);
       panel_rows(*ap, panel, static_cast<int>(bits), static_cast<int>(sub), offset, isa, m, yp, n, c0, width);
@@ -487,12 +493,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WeldQuantMatmul, QuantMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [m, k]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // codes [P, nb, 512 | 256]
-                                  .Arg<ffi::Buffer<ffi::F16>>()  // scales [P, nb, 16]
-                                  .Arg<ffi::Buffer<ffi::F16>>()  // mins [P, nb, 16], or [0] for none
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scales [P, ng, 16 sub]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // mins [P, ng, 16 sub], or [0] for none
                                   .Arg<ffi::Buffer<ffi::S8>>()   // lut [16] (4-bit codes index it), or [0]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [m, n]
                                   .Attr<int64_t>("bits")
                                   .Attr<float>("offset")
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("digits")
-                                  .Attr<int64_t>("sub"));
+                                  .Attr<int64_t>("sub")
+                                  .Attr<int64_t>("group"));

@@ -169,7 +169,8 @@ def linear(x: jax.Array, w: jax.Array | PackedWeight | QuantWeight, b: jax.Array
         x2 = x.reshape(rows, x.shape[-1])
         if cpu_kernels.available():
             y = cpu_kernels.quant_matmul(x2, w.codes, w.scales, w.mins, w.n, w.bits, w.offset,
-                                         digits=w.activation_digits, sub=w.sub, lut=w.lut).astype(x.dtype)
+                                         digits=w.activation_digits, sub=w.sub, lut=w.lut,
+                                         group=w.group).astype(x.dtype)
         else:
             y = jax.lax.dot_general(x2, w.unpacked().astype(x.dtype), (((1,), (1,)), ((), ())))
         y = y.reshape(x.shape[:-1] + (w.n,))

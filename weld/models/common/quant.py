@@ -7,15 +7,18 @@ codes c (8, 6, 5 or 4 bits), a scale d and, in formats with one, a min mn per (o
     w = d * (c - offset)     "int8" / GGUF Q8_0 (offset 128), Q6_K (32), Q5_0 (16), Q4_0 (8)
     w = d * c + mn           "int4", GGUF Q4_1, Q5_1, Q4_K, Q5_K (offset 0, mins)
 
-(Q6_K has a scale per 16 inputs: `sub` = 2 scales per block),
+(Q6_K, Q3_K and Q2_K have a scale per 16 inputs: `sub` = 2 scales per block; "int4_g128" one per
+128: `group` = 4 blocks share a scale and a min),
 laid out in panels of 16 outputs for the native CPU kernel (weld/kernels/cpu/quant_matmul.cc has
 the byte layout): codes [P, nb, 512 | 256 + 64 (bits - 4)] (8 bits, or 4, 5, 6 in nibbles plus bit
-planes: a GGUF's Q5 and Q6 blocks keep their size), scales and mins f16 [P, nb, 16 sub]. That kernel quantizes
+planes: a GGUF's Q5 and Q6 blocks keep their size), scales and mins f16 [P, ng, 16 sub] (ng = nb / group,
+rounded up). That kernel quantizes
 the activations per block of 32 to int8 and takes integer dot products (AVX-512 VNNI or AVX2).
 Elsewhere (no kernels, another backend) `linear` dequantizes and multiplies in XLA.
 
-`quantize(w, "int8" | "int4")` makes one from a float matrix (int8 symmetric, d = max|w| / 127 as
-llama.cpp's Q8_0; int4 asymmetric, mn = min w and d = (max w - mn) / 15 as Q4_1); `from_codes` from
+`quantize(w, "int8" | "int4" | "int4_g128")` makes one from a float matrix (int8 symmetric,
+d = max|w| / 127 as llama.cpp's Q8_0; int4 asymmetric, mn = min w and d = (max w - mn) / 15 as Q4_1,
+over 32 or 128 inputs); `from_codes` from
 codes and scales already in blocks (a GGUF's tensors: `gguf_blocks`).
 """
 
@@ -28,8 +31,8 @@ import numpy as np
 BLOCK = 32
 PANEL = 16
 CHUNK_ROWS = 64 * PANEL  # `quantize` works through a matrix this many rows at a time
-MODES = ("int8", "int4", "int8_channel")
-FORMATS = {"int8": (8, 128.0, False), "int4": (4, 0.0, True), "q8_0": (8, 128.0, False),
+MODES = ("int8", "int4", "int4_g128", "int8_channel")
+FORMATS = {"int8": (8, 128.0, False), "int4": (4, 0.0, True), "int4_g128": (4, 0.0, True), "q8_0": (8, 128.0, False),
            "q4_0": (4, 8.0, False), "q4_1": (4, 0.0, True), "q5_0": (5, 16.0, False), "q5_1": (5, 0.0, True),
            "q4_k": (4, 0.0, True), "q5_k": (5, 0.0, True),
            "q6_k": (6, 32.0, False), "q3_k": (4, 4.0, False), "q2_k": (4, 0.0, True),
@@ -43,8 +46,27 @@ ROWS = frozenset({"int8_channel"})
 _IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)  # ggml's
 LUTS = {"mxfp4": np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8),  # 2 x e2m1
         "iq4_nl": _IQ4, "iq4_xs": _IQ4}
-# Scales (and mins) per block of 32 where not one: Q6_K, Q3_K and Q2_K have one per 16 inputs.
-SUBBLOCKS = {"q6_k": 2, "q3_k": 2, "q2_k": 2}
+# Inputs per scale (and min) where not a block's 32: Q6_K, Q3_K and Q2_K have one per 16 inputs
+# (`subblocks`: 2 per block), "int4_g128" one per 128 (`group`: 4 blocks share one).
+SCALE_INPUTS = {"q6_k": 16, "q3_k": 16, "q2_k": 16, "int4_g128": 128}
+
+
+def subblocks(fmt: str) -> int:
+    """Scales per block of 32 inputs: 1, or 2 (one per 16)."""
+    return max(1, BLOCK // SCALE_INPUTS.get(fmt, BLOCK))
+
+
+def group(fmt: str) -> int:
+    """Blocks of 32 that share one scale (and min): 1, or 4 (one per 128)."""
+    return max(1, SCALE_INPUTS.get(fmt, BLOCK) // BLOCK)
+
+
+def scales_shape(fmt: str, n: int, k: int) -> tuple[int, int, int]:
+    """The panels' scales (and mins) of a matrix [n, k] in fmt: [P, ng, 16 sub]."""
+    nb = -(-k // BLOCK)
+    return -(-n // PANEL), -(-nb // group(fmt)), PANEL * subblocks(fmt)
+
+
 # int8 digits per activation in the CPU kernel: "int8" (a mode for f32 checkpoints, held to 0.5% of
 # their perplexity) also multiplies the activations' rounding residual; a GGUF's blocks use one
 # digit, as llama.cpp does.
@@ -75,7 +97,12 @@ class QuantWeight:
     @property
     def sub(self) -> int:
         """Scales per block of 32 inputs (2: one per 16)."""
-        return SUBBLOCKS.get(self.fmt, 1)
+        return subblocks(self.fmt)
+
+    @property
+    def group(self) -> int:
+        """Blocks of 32 inputs per scale (4: one per 128)."""
+        return group(self.fmt)
 
     @property
     def lut(self) -> np.ndarray | None:
@@ -115,10 +142,18 @@ class QuantWeight:
     def tree_unflatten(cls, meta, children):
         return cls(*children, *meta)
 
+    def _per_block(self, v: jax.Array) -> jax.Array:
+        """Scales or mins [..., ng, sub * 16] -> [..., nb, sub * 16]: each group's for its blocks."""
+        if self.group == 1:
+            return v
+        nb = self.codes.shape[-2]
+        return jnp.repeat(v, self.group, axis=-2)[..., :nb, :]
+
     def _per_input(self, v: jax.Array) -> jax.Array:
-        """Scales or mins [..., nb, sub * 16] -> [..., nb, 16, sub, 1]: what multiplies the codes
+        """Scales or mins [..., ng, sub * 16] -> [..., nb, 16, sub, 1]: what multiplies the codes
         [..., nb, 16, sub, 32 / sub]."""
-        v = v.astype(jnp.float32).reshape(v.shape[:-1] + (self.sub, PANEL))
+        v = self._per_block(v).astype(jnp.float32)
+        v = v.reshape(v.shape[:-1] + (self.sub, PANEL))
         return jnp.swapaxes(v, -1, -2)[..., None]
 
     def unpacked(self) -> jax.Array:
@@ -144,7 +179,8 @@ class QuantWeight:
         rows = jnp.take_along_axis(codes, out[:, None, None, None], axis=2)[:, :, 0].astype(jnp.float32)
         rows = rows.reshape(rows.shape[:-1] + (self.sub, BLOCK // self.sub))  # [r, nb, sub, 32 / sub]
 
-        def pick(v):  # [r, nb, sub * 16] -> this row's [r, nb, sub, 1]
+        def pick(v):  # [r, ng, sub * 16] -> this row's [r, nb, sub, 1]
+            v = self._per_block(v)
             v = v.reshape(v.shape[:-1] + (self.sub, PANEL)).astype(jnp.float32)
             return jnp.take_along_axis(v, out[:, None, None, None], axis=3)
 
@@ -181,11 +217,11 @@ def unpack_codes(codes: jax.Array, bits: int) -> jax.Array:
 # ----- making them (host side, numpy, at load) -----
 
 def from_codes(codes: np.ndarray, d: np.ndarray, mn: np.ndarray | None, fmt: str) -> QuantWeight:
-    """A QuantWeight of codes [n, k] (unsigned, < 2^bits) and per-block scales d [n, ceil(k / 32) * sub]
-    (and mins; sub scales per block, `SUBBLOCKS`), e.g. a GGUF tensor's blocks. Padded inputs and
-    outputs get weight 0."""
+    """A QuantWeight of codes [n, k] (unsigned, < 2^bits) and scales d [n, ng * sub] (and mins):
+    `SCALE_INPUTS` inputs each (32 unless the format says otherwise; ng = ceil(k / 32 / group)), e.g.
+    a GGUF tensor's blocks. Padded inputs and outputs get weight 0."""
     bits, offset, has_mins = FORMATS[fmt]
-    sub = SUBBLOCKS.get(fmt, 1)
+    sub = subblocks(fmt)
     if has_mins != (mn is not None):
         raise ValueError(f"format {fmt} {'needs' if has_mins else 'has no'} mins")
     n, k = codes.shape
@@ -205,10 +241,14 @@ def from_codes(codes: np.ndarray, d: np.ndarray, mn: np.ndarray | None, fmt: str
             parts.append((bit * weights).sum(axis=2).astype(np.uint8).reshape(p, nb, 64))
         packed = np.concatenate(parts, axis=-1)
 
-    def panels(v: np.ndarray) -> jax.Array:  # [n, nb * sub] -> [P, nb, sub * 16]
-        full = np.zeros((p * PANEL, nb * sub), np.float32)
+    _, ng, _ = scales_shape(fmt, n, k)
+    if d.shape != (n, ng * sub) or (mn is not None and mn.shape != d.shape):
+        raise ValueError(f"{fmt} matrix [{n}, {k}] takes scales [{n}, {ng * sub}], got {d.shape}")
+
+    def panels(v: np.ndarray) -> jax.Array:  # [n, ng * sub] -> [P, ng, sub * 16]
+        full = np.zeros((p * PANEL, ng * sub), np.float32)
         full[:n] = v
-        return jnp.asarray(full.reshape(p, PANEL, nb, sub).transpose(0, 2, 3, 1).reshape(p, nb, sub * PANEL)
+        return jnp.asarray(full.reshape(p, PANEL, ng, sub).transpose(0, 2, 3, 1).reshape(p, ng, sub * PANEL)
                            .astype(np.float16))
 
     return QuantWeight(jnp.asarray(packed), panels(d), panels(mn) if mn is not None else None, n, k, fmt)
@@ -216,8 +256,10 @@ def from_codes(codes: np.ndarray, d: np.ndarray, mn: np.ndarray | None, fmt: str
 
 def quantize(w: np.ndarray, mode: str) -> QuantWeight:
     """Quantization of a float matrix [n, k] in blocks of 32: "int8" symmetric (Q8_0's rule),
-    "int4" from each block's min to its max (Q4_1's rule; benchmarks/perplexity.py measured it
-    against the symmetric Q4_0 rule). Codes are rounded against the f16 scales and mins stored.
+    "int4" asymmetric per 32 inputs (a scale and a min, as Q4_1; benchmarks/perplexity.py measured
+    it against the symmetric Q4_0 rule), "int4_g128" per 128 (the last group of a row whose k is
+    not a multiple of 128 takes what is left): each group's scale and min fitted (`_fit_int4`),
+    codes rounded against the f16 values stored.
     "int8_channel": symmetric per output row, laid out as rows (`ROWS`)."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {MODES}, got {mode!r}")
@@ -230,24 +272,84 @@ def quantize(w: np.ndarray, mode: str) -> QuantWeight:
         return QuantWeight(jnp.concatenate([q.codes for q in parts]), jnp.concatenate([q.scales for q in parts]),
                            mins, n, k, mode)
     w = np.asarray(w, np.float32)
-    nb = -(-k // BLOCK)
-    blocks = np.zeros((n, nb * BLOCK), np.float32)
-    blocks[:, :k] = w
-    blocks = blocks.reshape(n, nb, BLOCK)
     if mode == "int8":
+        nb = -(-k // BLOCK)
+        blocks = np.zeros((n, nb * BLOCK), np.float32)
+        blocks[:, :k] = w
+        blocks = blocks.reshape(n, nb, BLOCK)
         d = np.abs(blocks).max(axis=-1) / 127.0
         inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
         codes = np.clip(np.rint(blocks * inv[..., None]), -127, 127) + 128
         d16 = d.astype(np.float16).astype(np.float32)  # the scales are stored as f16
         return from_codes(codes.reshape(n, nb * BLOCK)[:, :k].astype(np.uint8), d16, None, mode)
-    real = np.arange(nb * BLOCK).reshape(nb, BLOCK) < k  # padding inputs do not stretch a block's range
-    lo = np.where(real, blocks, np.inf).min(axis=-1)
-    hi = np.where(real, blocks, -np.inf).max(axis=-1)
-    mn16 = lo.astype(np.float16).astype(np.float32)
-    d16 = ((hi - mn16) / 15.0).astype(np.float16).astype(np.float32)
-    inv = np.divide(1.0, d16, out=np.zeros_like(d16), where=d16 > 0)
-    codes = np.clip(np.rint((blocks - mn16[..., None]) * inv[..., None]), 0, 15)
-    return from_codes(codes.reshape(n, nb * BLOCK)[:, :k].astype(np.uint8), d16, mn16, mode)
+    per = BLOCK * group(mode)  # inputs per scale and min: 32, or 128
+    ng = -(-k // per)
+    groups = np.zeros((n, ng * per), np.float32)
+    groups[:, :k] = w
+    groups = groups.reshape(n, ng, per)
+    real = np.arange(ng * per).reshape(ng, per) < k  # padding inputs do not count in a group's fit
+    d16, mn16 = _fit_int4(groups, real, _INT4_LEVELS)
+    codes = _round_int4(groups, d16, mn16)
+    return from_codes(codes.reshape(n, ng * per)[:, :k].astype(np.uint8), d16, mn16, mode)
+
+
+def _to_f16(v: np.ndarray) -> np.ndarray:
+    """f32 values rounded to the f16 they are stored as."""
+    return v.astype(np.float16).astype(np.float32)
+
+
+def _round_int4(w: np.ndarray, d: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Codes of groups w [..., per] against (f16) scales and mins [...]: round((w - mn) / d) in 0..15."""
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+    return np.clip(np.rint((w - mn[..., None]) * inv[..., None]), 0, 15)
+
+
+# Candidate steps of the int4 fit: the min-to-max step's 15 levels widened or narrowed by up to
+# 1.5 (benchmarks/results/quant_2026-12-01.md has what the fit does to perplexity).
+_INT4_LEVELS = (15.0 + np.linspace(-1.5, 1.5, 7)).astype(np.float32)
+
+
+def _fit_int4(w: np.ndarray, real: np.ndarray, levels=()) -> tuple[np.ndarray, np.ndarray]:
+    """The f16 scale d and min mn [...] of each group w [..., per] (`real` marks the inputs that
+    count) that leave the least squared error of w ~ d c + mn: Q4_1's min-to-max rule, or better,
+    a least-squares (d, mn) for the codes of one of the candidate steps `levels` (numbers of steps
+    from the group's min to its max; none: the rule as it is). Each candidate's error for its codes comes from the group's sums in closed form;
+    rounding the codes again against the chosen (d, mn) can only lower it, so no group ends worse
+    than under the min-to-max rule."""
+    mask = None if real.all() else real.astype(np.float32)
+    count = real.sum(axis=-1).astype(np.float64)
+    lo = np.where(real, w, np.inf).min(axis=-1)
+    hi = np.where(real, w, -np.inf).max(axis=-1)
+    lo, hi = np.where(count > 0, lo, 0.0).astype(np.float32), np.where(count > 0, hi, 0.0).astype(np.float32)
+    wm = w if mask is None else mask * w
+    ones = np.ones(w.shape[-1], np.float32)
+    dot = lambda a, b: np.einsum("...i,...i->...", a, b).astype(np.float64)  # noqa: E731  (per group)
+    sw, sww = (wm @ ones).astype(np.float64), dot(wm, wm)
+
+    def sums(c):  # the codes' sums the error of any (d, mn) for them takes
+        c = c if mask is None else mask * c
+        return (c @ ones).astype(np.float64), dot(c, c), dot(c, wm)
+
+    def error(d, mn, sc, scc, scw):  # sum of (w - d c - mn)^2
+        d, mn = d.astype(np.float64), mn.astype(np.float64)
+        return sww - 2 * d * scw - 2 * mn * sw + d * d * scc + 2 * d * mn * sc + mn * mn * count
+
+    best_mn = _to_f16(lo)
+    best_d = _to_f16((hi - best_mn) / 15.0)
+    best = error(best_d, best_mn, *sums(_round_int4(w, best_d, best_mn)))
+    span = hi - lo
+    for steps in levels:
+        inv = np.divide(steps, span, out=np.zeros_like(span), where=span > 0)
+        sc, scc, scw = sums(np.clip(np.rint((w - lo[..., None]) * inv[..., None]), 0, 15))
+        det = count * scc - sc * sc
+        ok = det > 0
+        safe = np.where(ok, det, 1.0)
+        d = _to_f16(np.where(ok, (count * scw - sc * sw) / safe, 0.0))
+        mn = _to_f16(np.where(ok, (scc * sw - sc * scw) / safe, 0.0))
+        err = error(d, mn, sc, scc, scw)
+        better = ok & (d > 0) & (err < best)
+        best, best_d, best_mn = np.where(better, err, best), np.where(better, d, best_d), np.where(better, mn, best_mn)
+    return best_d, best_mn
 
 
 def _quantize_rows(w: np.ndarray, mode: str) -> QuantWeight:
@@ -277,7 +379,7 @@ def leaf_mode(kind: str | None, quantization: str | None) -> str | None:
     wider too), None is never quantized."""
     if kind is None or quantization not in MODES:
         return None
-    return "int8" if kind == "head" and quantization == "int4" else quantization
+    return "int8" if kind == "head" and FORMATS[quantization][0] < 8 else quantization
 
 
 class Blocks:
@@ -462,11 +564,12 @@ def to_blocks(w: QuantWeight) -> Blocks:
     codes = np.asarray(unpack_codes(w.codes, w.bits))  # [P, nb, 16, 32]
     codes = codes.transpose(0, 2, 1, 3).reshape(p * PANEL, nb * BLOCK)[:w.n, :w.k]
 
-    def rows(v):  # [P, nb, sub * 16] -> [n, nb * sub]
+    def rows(v):  # [P, ng, sub * 16] -> [n, ng * sub]
         if v is None:
             return None
-        v = np.asarray(v).astype(np.float32).reshape(p, nb, w.sub, PANEL)
-        return v.transpose(0, 3, 1, 2).reshape(p * PANEL, nb * w.sub)[:w.n]
+        ng = v.shape[1]
+        v = np.asarray(v).astype(np.float32).reshape(p, ng, w.sub, PANEL)
+        return v.transpose(0, 3, 1, 2).reshape(p * PANEL, ng * w.sub)[:w.n]
 
     return Blocks(codes, rows(w.scales), rows(w.mins), w.fmt)
 
