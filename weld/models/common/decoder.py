@@ -31,6 +31,8 @@ class Rows:
     indices: tuple[jax.Array | None, ...]  # int32 [b, n] per group: which tokens get logits (None: all)
     grouped: bool
     num_page_groups: int = 1  # the tables hold this many page groups' tables side by side
+    # rope -> its angles at every token's position: computed once per forward, used by every layer
+    _angles: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, tokens, positions, batch: AttentionBatch, logits_indices=None,
@@ -55,6 +57,13 @@ class Rows:
     def flat_positions(self) -> jax.Array:
         """int32 [N]: every token's position, groups one after another."""
         return jnp.concatenate([p.reshape(-1) for p in self.positions])
+
+    def rope_angles(self, rope) -> tuple[jax.Array, jax.Array]:
+        """`rope.angles` of every token's position ([1, N] -> cos, sin [1, N, 1, dim]), computed
+        the first time a layer asks (a forward's layers share one rope, or a few)."""
+        if rope not in self._angles:
+            self._angles[rope] = rope.angles(self.flat_positions[None])
+        return self._angles[rope]
 
     def attend(self, fn: Callable, state: Any, *per_token: jax.Array, page_group: int = 0) -> tuple[jax.Array, Any]:
         """Runs attention row group by row group: per_token arrays [N, ...] are split and reshaped

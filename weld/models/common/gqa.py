@@ -85,8 +85,8 @@ def self_attention(g: GQA, lw: dict, y: jax.Array, rows: Rows, pages: KVPages, *
         q = rms_norm(q, lw["q_norm"], g.norm_eps, plus_one=g.norm_plus_one)
         k = rms_norm(k, lw["k_norm"], g.norm_eps, plus_one=g.norm_plus_one)
     if rope is not None:
-        positions = rows.flat_positions[None]  # [1, N]
-        q, k = rope(q, positions), rope(k, positions)
+        angles = rows.rope_angles(rope)
+        q, k = rope.rotate(q, angles), rope.rotate(k, angles)
     attn, pages = rows.attend(functools.partial(_attend, window=window, scale=g.scale, sinks=lw.get("sinks")),
                               pages, q[0], k[0], v, page_group=page_group)
     return linear(attn.reshape(-1, h * e), lw["wo"], lw.get("bo")), pages

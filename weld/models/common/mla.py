@@ -115,8 +115,8 @@ def mla_attention(mla: MLA, lw: dict, x: jax.Array, rows: Rows, pages: LatentPag
     c_kv = rms_norm(kv[:, :r], lw["kv_a_norm"], LATENT_NORM_EPS)  # [N, r]
     q_pe, k_pe = q[:, :, dn:], kv[:, None, r:]  # [N, nh, dr], [N, 1, dr]
     if mla.rope is not None:
-        positions = rows.flat_positions[None]
-        q_pe, k_pe = mla.rope(q_pe[None], positions)[0], mla.rope(k_pe[None], positions)[0]
+        angles = rows.rope_angles(mla.rope)
+        q_pe, k_pe = mla.rope.rotate(q_pe[None], angles)[0], mla.rope.rotate(k_pe[None], angles)[0]
     q_abs = jnp.einsum("nhe,her->nhr", q[:, :, :dn], lw["w_uk"].astype(q.dtype))
     query = jnp.concatenate([q_abs, q_pe.astype(q_abs.dtype)], axis=-1)  # [N, nh, r + dr]
     latent = jnp.concatenate([c_kv[:, None, :], k_pe.astype(c_kv.dtype)], axis=-1)  # [N, 1, r + dr]
