@@ -9,7 +9,8 @@ the window before it as context only through the window itself (every window sta
 both engines see exactly the same tokens and context. weld scores through its public API
 (`SamplingParams(prompt_logprobs=0)`: the log probability of every prompt token); llama.cpp
 through llama-cpp-python with logits for every position. Modes: kept (a GGUF's Q8_0/Q4_0/Q4_1
-blocks as stored, the default), none (dequantized to f32), int8 / int4 (`--quantization`).
+blocks as stored, the default), none (dequantized to f32), or any `--quantization` mode (int8, int4,
+int4_g128, int8_channel).
 
 Result: perplexity per engine and mode, and the ratios the issue's targets are stated in
 (int8 vs f32, kept vs llama.cpp).

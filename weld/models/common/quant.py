@@ -17,8 +17,8 @@ the activations per block of 32 to int8 and takes integer dot products (AVX-512 
 Elsewhere (no kernels, another backend) `linear` dequantizes and multiplies in XLA.
 
 `quantize(w, "int8" | "int4" | "int4_g128")` makes one from a float matrix (int8 symmetric,
-d = max|w| / 127 as llama.cpp's Q8_0; int4 asymmetric, mn = min w and d = (max w - mn) / 15 as Q4_1,
-over 32 or 128 inputs); `from_codes` from
+d = max|w| / 127 as llama.cpp's Q8_0; int4 asymmetric, w = d c + mn as Q4_1, over 32 or 128 inputs,
+with d and mn fitted by least squares); `from_codes` from
 codes and scales already in blocks (a GGUF's tensors: `gguf_blocks`).
 """
 
