@@ -25,7 +25,7 @@ def subs(fmt: str) -> int:
 
 def num_scales(fmt: str, k: int) -> int:
     """Scales (and mins) per output of a matrix with k inputs."""
-    return -(-(-(-k // quant.BLOCK)) // quant.group(fmt)) * subs(fmt)
+    return quant.scales_shape(fmt, 1, k)[1] * subs(fmt)
 
 
 def block_scales(v: np.ndarray, fmt: str, k: int) -> np.ndarray:
