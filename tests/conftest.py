@@ -59,6 +59,28 @@ TINY_VARIANTS = {
                         final_logit_softcapping=30.0, tie_word_embeddings=True,
                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
+    # Qwen3-Next: Gated DeltaNet layers (2 key heads serving 4 value heads, conv width 4) between gated
+    # full-attention layers with partial RoPE, MoE with a gated shared expert on every layer
+    "qwen3_next": dict(num_hidden_layers=4, head_dim=16, full_attention_interval=2, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       tie_word_embeddings=False),
+    # Qwen3.5: flat linear projections, three linear layers to one full one, dense MLPs ...
+    "qwen3_5_text": dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=8, linear_value_head_dim=12, tie_word_embeddings=True),
+    # ... and its MoE, with one key head per value head
+    "qwen3_5_moe_text": dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+                             linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,  # ignored: always renormalised
+                             tie_word_embeddings=False),
+    # Kimi Linear: KDA layers (per-channel decay, q/k/v convs) and NoPE MLA layers, a dense first
+    # layer then DeepSeek-V3 routing (sigmoid, correction bias, 2 groups) with a shared expert
+    "kimi_linear": dict(num_hidden_layers=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=None, num_local_experts=4,
+                        num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+                        n_shared_experts=1, linear_head_dim=8, linear_num_heads=4, first_k_dense_replace=1,
+                        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                        tie_word_embeddings=False),
     # gpt-oss: sinks, biases, alternating sliding / full layers, YaRN without truncation, clamped SwiGLU experts
     "gpt_oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
                     layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,

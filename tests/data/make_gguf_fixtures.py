@@ -31,7 +31,7 @@ import tempfile
 
 LLAMA_CPP_VERSION = "llama-cpp-python 0.3.36 (vendored llama.cpp)"
 DEFAULT_LLAMA_CPP = "/tmp/llcpp/llama_cpp_python-0.3.36/vendor/llama.cpp"
-VARIANTS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "gpt_oss")
+VARIANTS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen3_next")
 SEED = 20
 OUT_DIR = pathlib.Path(__file__).resolve().parent / "gguf"
 
@@ -71,6 +71,11 @@ VARIANT_OVERRIDES = {
 }
 
 
+# Converter flags per variant: Qwen3-Next's converter expects multi-token-prediction layers
+# (which tiny models have none of) unless told there are none.
+CONVERTER_FLAGS = {"qwen3_next": ["--no-mtp"]}
+
+
 def fixture_overrides(variant: str, vocab_size: int) -> dict:
     """The make_tiny_hf_model overrides `variant`'s fixture is built with (beyond the variant's own)."""
     return {"vocab_size": vocab_size, "bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0,
@@ -88,10 +93,10 @@ def build_hf(variant: str, directory: pathlib.Path):
     return make_tiny_hf_model(variant, directory, seed=SEED, **fixture_overrides(variant, vocab))
 
 
-def convert(llama_cpp: pathlib.Path, hf_dir: pathlib.Path, out: pathlib.Path) -> None:
+def convert(llama_cpp: pathlib.Path, hf_dir: pathlib.Path, out: pathlib.Path, flags: list[str] = ()) -> None:
     env = {**os.environ, "NO_LOCAL_GGUF": "1"}  # the script itself must not add gguf-py after ours
     subprocess.run([sys.executable, "-c", _CONVERT, str(llama_cpp), str(hf_dir), "--outfile", str(out),
-                    "--outtype", "f32"], check=True, cwd=llama_cpp, env=env)
+                    "--outtype", "f32", *flags], check=True, cwd=llama_cpp, env=env)
 
 
 def main() -> None:
@@ -112,7 +117,7 @@ def main() -> None:
             hf_dir.mkdir()
             build_hf(variant, hf_dir)
             out = OUT_DIR / f"{variant}.gguf"
-            convert(args.llama_cpp.resolve(), hf_dir, out)
+            convert(args.llama_cpp.resolve(), hf_dir, out, CONVERTER_FLAGS.get(variant, []))
             print(f"{out}: {out.stat().st_size} bytes", flush=True)
     total = sum(p.stat().st_size for p in OUT_DIR.glob("*.gguf"))
     print(f"total {total} bytes in {OUT_DIR} (converter: {LLAMA_CPP_VERSION})")

@@ -79,14 +79,19 @@ def test_preemption_by_recompute_keeps_outputs(case):
     needs = [-(-(len(llm.tokenizer.encode(p)) + NEW_TOKENS) // roomy.page_size) for p in PROMPTS]
     assert sum(needs) > max(needs) + 1
     sizes = [max(needs) + 1 if window is None else (max(needs) + 1 if None in windows else 5) for window in windows]
-    scheduler.block_manager = BlockManager(sizes, roomy.page_size, False, windows=windows)
+    scheduler.block_manager = BlockManager(sizes, roomy.page_size, False, windows=windows, num_slots=roomy.num_slots,
+                                           num_snapshot_slots=roomy.num_snapshot_slots)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
         assert scheduler.num_preemptions > 0
         assert [list(o.outputs[0].token_ids) for o in outs] == batched
         assert scheduler.block_manager.num_free_pages == scheduler.block_manager.num_pages
-    finally:
-        scheduler.block_manager = roomy
+        assert scheduler.block_manager.num_free_slots == scheduler.block_manager.num_slots
+    finally:  # a fresh manager like the first: the small one wrote over pages the first one has cached
+        scheduler.block_manager = BlockManager([p.num_pages for p in roomy.pools], roomy.page_size,
+                                               roomy.enable_prefix_caching, windows=windows, num_slots=roomy.num_slots,
+                                               num_snapshot_slots=roomy.num_snapshot_slots,
+                                               snapshot_interval=roomy.snapshot_interval)
 
 
 def test_n_samples_and_structured_outputs(case):
@@ -141,7 +146,7 @@ def drafter_dir(case, tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("case", ["deepseek_v3", "gemma3_text", "gpt_oss", "qwen3_moe"], indirect=True)
+@pytest.mark.parametrize("case", ["deepseek_v3", "gemma3_text", "gpt_oss", "qwen3_moe", "qwen3_next"], indirect=True)
 def test_dspark_speculation_equals_plain(case, drafter_dir):
     """The drafter reads the family's own captured residual streams (MLA's latent cache, page
     groups, MoE layers alike) and verification keeps the plain greedy output. (The dense llama

@@ -84,8 +84,11 @@ def test_every_family_quantizes(variant, mode, tiny_family_dir):
     assert bool(stacks) == bool(q.cfg.moe) and all(quant.is_quantized(x) and x.ndim == 3 for x in stacks)
     text = "Once upon a time there was a small model. def add(a, b): return a + b"
     ours, ref = text_logprobs(q, text), text_logprobs(f32, text)
-    scale = {"int8": 0.05, "int8_channel": 0.1, "int4": 0.3, "int4_g128": 0.4}[mode]  # per channel: a coarser step than per 32
-    assert np.abs(ours - ref).max() < scale * np.abs(ref).max(), (variant, mode)
+    # The mean deviation relative to the mean score: a matrix read in the wrong layout moves it by
+    # ~100%, rounding by a few % (per channel: a coarser step than per 32; the hybrids' recurrent
+    # state carries rounding from token to token: int4 ~9% on the tiny Qwen3-Next, ~3% on Qwen3-MoE).
+    scale = {"int8": 0.03, "int8_channel": 0.06, "int4": 0.15, "int4_g128": 0.2}[mode]
+    assert np.abs(ours - ref).mean() < scale * np.abs(ref).mean(), (variant, mode)
     assert np.abs(ours - ref).max() > 0  # really quantized
 
 

@@ -280,3 +280,319 @@ def test_random_requests_with_aborts_leak_no_pages():
     assert all(s.is_finished for s, _ in live) and len(live) == 500
     assert bm.num_free_pages == bm.num_pages
     assert bm.prefix_hits > 0
+
+
+# ----- recurrent-state slots and snapshots (models with linear-attention layers) -----
+
+
+def hybrid(num_pages: int = 64, num_slots: int = 4, num_snapshot_slots: int = 4, interval: int = 2,
+           prefix: bool = True) -> BlockManager:
+    return BlockManager(num_pages, page_size=4, enable_prefix_caching=prefix, num_slots=num_slots,
+                        num_snapshot_slots=num_snapshot_slots, snapshot_interval=interval)
+
+
+class FakeDevice:
+    """Runs plans the way the runner does, with state slots that hold the tokens their state sums
+    up: it makes each plan's slot copies wave by wave, checks that every row continuing from its
+    slot (start > 0) finds the state of exactly its tokens before `start`, and leaves there the
+    state after the tokens it feeds. Rows produce random tokens; 5% of rows stop on the host (a
+    stop string) part-way through what the device produced, leaving their state past them."""
+
+    def __init__(self, sched: Scheduler, rng, vocab: int = 50):
+        self.sched, self.rng, self.vocab = sched, rng, vocab
+        self.slots: dict[int, tuple[int, ...]] = {}
+        self.continued = 0  # rows that read their slot's state
+
+    def run(self, plan) -> None:
+        for wave in plan.slot_copies:
+            values = [self.slots.get(src) for src, _ in wave]  # every source read before any write
+            for (_, dst), value in zip(wave, values):
+                self.slots[dst] = value
+        used = [e.seq.state_slot for e in plan.entries]
+        assert min(used) >= 0 and len(set(used)) == len(used), used
+        appended = []
+        for e in plan.entries:
+            seq, tokens = e.seq, e.seq.token_ids()
+            if e.start > 0:
+                assert self.slots.get(seq.state_slot) == tuple(tokens[:e.start]), (seq, e.start)
+                self.continued += 1
+            fed = tokens[:e.start + e.num_tokens]
+            if not e.sample:
+                self.slots[seq.state_slot] = tuple(fed)
+                appended.append(0)
+                continue
+            new = [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(1, e.max_steps))]
+            self.slots[seq.state_slot] = tuple(fed + new[:-1])  # each new token but the last is fed back
+            taken = 0
+            for token in new:
+                seq.output_token_ids.append(token)
+                taken += 1
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    seq.stop("length")
+                elif self.rng.random() < 0.05:
+                    seq.stop("stop")
+                if seq.stopping:
+                    break
+            appended.append(taken)
+        self.sched.update_from_output(plan, appended)
+
+
+def assert_slots_consistent(sched: Scheduler) -> None:
+    """Running sequences hold distinct live slots; a waiting one holds one only with pages."""
+    bm = sched.block_manager
+    held = [s.state_slot for s in sched.running]
+    assert min(held, default=0) >= 0 and len(set(held)) == len(held)
+    held += [s.state_slot for s in sched.waiting if s.state_slot >= 0]
+    assert all(s.state_slot < 0 for s in sched.waiting if not any(s.block_tables))
+    assert len(set(held)) == len(held) and all(0 <= h < bm.num_slots for h in held)
+    assert len(held) + bm.num_free_slots == bm.num_slots and not set(held) & set(bm.free_slots)
+
+
+def drive(sched: Scheduler, device: FakeDevice, max_steps: int = 1000) -> list:
+    plans = []
+    for _ in range(max_steps):
+        plan = sched.schedule()
+        if plan is None:
+            return plans
+        plans.append(plan)
+        device.run(plan)
+        assert_slots_consistent(sched)
+    raise AssertionError("did not finish")
+
+
+def test_state_slots_come_with_the_first_pages_and_go_with_preemption_and_finish():
+    import random
+
+    bm = hybrid(num_pages=5, prefix=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = [Sequence(str(i), list(range(7)), SamplingParams(max_tokens=6)) for i in range(2)]
+    for s in seqs:
+        sched.add(s)
+    plan = sched.schedule()
+    assert [e.seq.state_slot for e in plan.entries] == [0, 1] and bm.num_free_slots == 2
+    device = FakeDevice(sched, random.Random(0))
+    device.run(plan)
+    drive(sched, device)
+    assert sched.num_preemptions >= 1  # the preempted one gave its slot back and took one again
+    assert all(s.is_finished and s.state_slot == -1 for s in seqs)
+    assert bm.num_free_slots == 4 and bm.num_free_pages == 5
+
+
+def test_a_sequence_without_a_free_slot_waits():
+    import random
+
+    bm = hybrid(num_slots=1, prefix=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, steps_per_call=4)
+    a, b = seq(5, "a"), seq(5, "b")
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert [e.seq for e in plan.entries] == [a] and a.state_slot == 0
+    assert b.state_slot == -1 and b.block_table == [] and list(sched.waiting) == [b]
+    device = FakeDevice(sched, random.Random(1))
+    device.run(plan)
+    plans = drive(sched, device)
+    assert all(len(p.entries) == 1 for p in plans)  # one slot: one sequence at a time, never a crash
+    assert a.is_finished and b.is_finished and bm.num_free_slots == 1 and bm.num_free_pages == 64
+
+
+def test_abort_part_way_through_a_chunked_prefill_frees_the_slot():
+    bm = hybrid(num_slots=2, prefix=False)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=4)
+    s = seq(10)
+    sched.add(s)
+    sched.schedule()  # first chunk: s holds a page and a slot but is still waiting
+    assert s.status is SequenceStatus.WAITING and s.block_table and s.state_slot >= 0
+    sched.finish(s, "abort")
+    assert bm.num_free_pages == 64 and bm.num_free_slots == 2 and s.state_slot == -1
+
+
+def test_calls_end_at_snapshot_points():
+    """Every `interval` pages and at the prompt's last page boundary before its last token, a prompt
+    chunk ends and a decode row stops; the state there is snapshotted, copied before the next call."""
+    bm = hybrid(num_slots=2, num_snapshot_slots=2, interval=2)  # points every 8 tokens
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64, steps_per_call=8)
+    s = seq(14)  # the prompt's point: 12, its 13 first tokens are what an equal prompt can reuse
+    sched.add(s)
+    chunks = []
+    for _ in range(3):
+        plan = sched.schedule()
+        e = plan.entries[0]
+        chunks.append((e.start, e.num_tokens, e.sample, plan.slot_copies))
+        if e.sample:
+            s.output_token_ids.append(7)
+        sched.update_from_output(plan, [int(e.sample)])
+    slot = s.state_slot
+    first, second = range(2, 4)  # snapshot slots are numbered after the live ones
+    assert chunks == [(0, 8, False, []), (8, 4, False, [[(slot, first)]]), (12, 2, True, [[(slot, second)]])]
+    assert bm.num_snapshots == 2
+    plan = sched.schedule()  # 15 tokens, 14 computed: two steps reach the point at 16
+    assert plan.kind == "decode" and plan.entries[0].max_steps == 2 and plan.slot_copies == []
+    s.output_token_ids += [7, 7]
+    sched.update_from_output(plan, [2])
+    plan = sched.schedule()
+    assert plan.entries[0].max_steps == 8 and plan.slot_copies == [[(slot, first)]]  # the oldest snapshot goes
+    sched.finish(s, "abort")
+
+
+def test_prompts_cut_at_snapshot_points_still_start_together():
+    """A prompt that stops at a snapshot point holds its whole prompt's pages and lets the next
+    one start in the same step; the budget still cuts only the last."""
+    bm = hybrid(num_slots=8, num_snapshot_slots=8, interval=2)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=20)
+    a, b, c = (Sequence(name, [base + i for i in range(14)], SamplingParams(max_tokens=4))
+               for name, base in (("a", 0), ("b", 100), ("c", 200)))
+    for s in (a, b, c):
+        sched.add(s)
+    steps = []
+    while sched.waiting:
+        plan = sched.schedule()
+        steps.append([(e.seq.request_id, e.start, e.num_tokens, len(e.seq.block_table))
+                      for e in plan.entries[:plan.num_prefill]])
+        for e in plan.entries:
+            if e.sample:
+                e.seq.output_token_ids.append(7)
+        sched.update_from_output(plan, [int(e.sample) for e in plan.entries])
+    # a and b stop at 8 with pages for all 14 tokens, c at the budget with pages for 4
+    assert steps[0] == [("a", 0, 8, 4), ("b", 0, 8, 4), ("c", 0, 4, 1)]
+    steps = [[entry[:3] for entry in step] for step in steps]
+    assert steps[1] == [("a", 8, 4), ("b", 8, 4), ("c", 4, 4)]
+    assert steps[2] == [("a", 12, 2), ("b", 12, 2), ("c", 8, 4)]
+    assert steps[3] == [("c", 12, 2)] and len(steps) == 4
+    assert bm.num_snapshots == 6  # each prompt's state at 8 and at 12
+
+
+def test_without_snapshots_calls_are_not_cut():
+    for bm in (hybrid(prefix=False), BlockManager(64, 4)):
+        sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64, steps_per_call=8)
+        s = seq(14)
+        sched.add(s)
+        plan = sched.schedule()
+        assert (plan.entries[0].num_tokens, plan.slot_copies) == (14, [])
+        s.output_token_ids.append(7)
+        sched.update_from_output(plan, [1])
+        assert sched.schedule().entries[0].max_steps == 8
+
+
+def computed(bm: BlockManager, s: Sequence, n: int) -> None:
+    """As if a call computed s's first n tokens (and the runner made the queued copies)."""
+    bm.allocate(s, max(n, s.num_tokens))
+    s.num_computed_tokens = n
+    bm.cache_full_pages(s)
+    bm.snapshot(s)
+
+
+def test_a_prefix_hit_needs_a_snapshot_of_the_state_where_it_ends():
+    bm = hybrid(num_pages=32, num_slots=3, num_snapshot_slots=2, interval=100)
+    a = seq(11, "a")
+    computed(bm, a, 8)  # the prompt's point: 8 (its last token is 10)
+    assert bm.take_copies() == [[(a.state_slot, 3)]]
+    computed(bm, a, 11)
+    bm.free(a)
+    b = seq(11, "b")
+    assert bm.match_prefix(b) == 8 and b.state_slot >= 0 and bm.prefix_hits == 8
+    assert bm.take_copies() == [[(3, b.state_slot)]]  # the snapshot into b's own slot
+    longer = seq(13, "longer")  # pages 0..2 are usable, but the state is known after 2 only
+    assert bm.match_prefix(longer) == 8
+    bm.take_copies()
+    first_page_only = Sequence("c", [0, 1, 2, 3, 9, 9, 9, 9, 9], SamplingParams())
+    free_pages = bm.num_free_pages
+    assert bm.match_prefix(first_page_only) == 0  # its page is cached, the state after it is not
+    assert first_page_only.state_slot == -1 and first_page_only.block_table == []
+    assert bm.num_free_pages == free_pages and bm.take_copies() == []
+    no_slot = seq(11, "d")  # b and longer hold two of the three slots; c takes the last
+    bm.allocate(first_page_only, 9)
+    assert bm.match_prefix(no_slot) == 0 and no_slot.state_slot == -1  # no slot: no hit, it waits
+    for s in (b, longer, first_page_only):
+        bm.free(s)
+    assert bm.num_free_slots == 3 and bm.num_free_pages == 32
+    dense = BlockManager(32, 4)  # without recurrent state the same pages hit without a snapshot
+    x = seq(11, "x")
+    dense.allocate(x, 11)
+    x.num_computed_tokens = 11
+    dense.free(x)
+    assert dense.match_prefix(Sequence("y", [0, 1, 2, 3, 9, 9, 9, 9, 9], SamplingParams())) == 4
+
+
+def test_snapshots_are_evicted_least_recently_used_first():
+    bm = hybrid(num_pages=64, num_slots=1, num_snapshot_slots=2, interval=100)
+    prompts = {name: [base + i for i in range(9)] for name, base in (("a", 0), ("b", 100), ("c", 200))}
+
+    def run(name: str) -> int:
+        s = Sequence(name, prompts[name], SamplingParams())
+        hit = bm.match_prefix(s)
+        computed(bm, s, 8)
+        bm.take_copies()
+        bm.free(s)
+        return hit
+
+    assert [run("a"), run("b"), run("a")] == [0, 0, 8]  # the hit makes a's snapshot the most recent
+    assert run("c") == 0  # evicts b's, the least recently used
+    assert [run("a"), run("b")] == [8, 0]
+    assert bm.num_snapshots == 2
+
+
+def test_slot_copies_run_in_waves_that_keep_their_order():
+    """A snapshot taken after a call and a hit on it before the next call: the hit reads what the
+    snapshot writes, so it runs in a later wave. Overwriting a slot another copy reads shares a wave."""
+    bm = hybrid(num_pages=64, num_slots=2, num_snapshot_slots=1, interval=100)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64)
+    a = seq(9, "a")
+    sched.add(a)
+    plan = sched.schedule()
+    assert plan.entries[0].num_tokens == 8  # up to the prompt's point
+    sched.update_from_output(plan, [0])  # queues a.slot -> 2
+    sched.finish(a, "abort")  # a's slot goes back; the queued snapshot still reads it first
+    b = seq(9, "b")
+    sched.add(b)
+    plan = sched.schedule()
+    assert b.num_computed_tokens == 8 and plan.entries[0].start == 8
+    assert plan.slot_copies == [[(0, 2)], [(2, b.state_slot)]]
+    other = Sequence("c", [50 + i for i in range(9)], SamplingParams())
+    sched.add(other)
+    plan = sched.schedule()  # c's first chunk ends at its prompt's point
+    sched.update_from_output(plan, [0] * len(plan.entries))
+    d = seq(9, "d")  # a hit on b's prefix would read slot 2, which c's snapshot overwrote: gone
+    assert bm.match_prefix(d) == 0
+    bm._copies = [(2, 0), (1, 2), (0, 1)]  # read 2, overwrite 2 (same wave); read 0, written before: next
+    assert bm.take_copies() == [[(2, 0), (1, 2)], [(0, 1)]]
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_random_requests_keep_every_state_slot_right(prefix):
+    """300 requests (shared prefixes, n = 2 siblings, aborts, host-side stops, preemption) on a fake
+    device whose slots hold the tokens their state sums up: every row that continues from its slot
+    finds exactly its own prefix there, and no slot or page leaks."""
+    import random
+
+    rng = random.Random(3)
+    bm = hybrid(num_pages=20, num_slots=6, num_snapshot_slots=5, interval=2, prefix=prefix)
+    sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64, steps_per_call=3)
+    device = FakeDevice(sched, rng)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 20))] for _ in range(5)]
+    pending = []
+    for i in range(300):
+        prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
+        params = SamplingParams(max_tokens=rng.randrange(1, 14))
+        for index in range(2 if rng.random() < 0.2 else 1):
+            pending.append((Sequence(str(i), prompt, params, index=index), rng.random() < 0.2))
+    pending.reverse()
+    live = []
+    for _ in range(20000):
+        while pending and rng.random() < 0.3:
+            s, abort = pending.pop()
+            sched.add(s)
+            live.append((s, abort))
+        plan = sched.schedule()
+        if plan is None and not pending:
+            break
+        if plan is not None:
+            device.run(plan)
+        for s, abort in live:
+            if abort and not s.is_finished and rng.random() < 0.1:
+                sched.finish(s, "abort")
+        assert_slots_consistent(sched)
+    assert not pending and not sched.has_unfinished() and all(s.is_finished for s, _ in live)
+    assert bm.num_free_pages == bm.num_pages and bm.num_free_slots == bm.num_slots
+    assert device.continued > 0 and sched.num_preemptions > 0
+    assert (bm.prefix_hits > 0 and bm.num_snapshots == 5) if prefix else (bm.prefix_hits == 0)

@@ -52,7 +52,7 @@ def test_prefill_then_paged_decode_match_hf(family_case):
     full = prompt + rng.integers(0, loaded.cfg.vocab_size, steps).tolist()
     ref = hf_logits(hf_model, full)
 
-    cache = loaded.family.cache_spec(loaded.cfg).create(num_pages=32, page_size=PAGE, dtype=jnp.float32)
+    cache = loaded.family.cache_spec(loaded.cfg).create(num_pages=32, page_size=PAGE, dtype=jnp.float32, num_slots=4)
     table = [[17, 3, 29, 8, 21, 0]]  # deliberately scattered, unordered pages
     logits, cache = run(loaded, cache, [prompt], [list(range(len(prompt)))], table)
     np.testing.assert_allclose(logits[0], ref[:len(prompt)], atol=1e-4, rtol=0)
@@ -73,7 +73,7 @@ def test_batched_prefill_and_decode_equal_single(family_case):
     t = max(lengths)
     tokens = [p + [0] * (t - len(p)) for p in prompts]
     positions = [list(range(len(p))) + [-1] * (t - len(p)) for p in prompts]
-    cache = loaded.family.cache_spec(loaded.cfg).create(num_pages=32, page_size=PAGE, dtype=jnp.float32)
+    cache = loaded.family.cache_spec(loaded.cfg).create(num_pages=32, page_size=PAGE, dtype=jnp.float32, num_slots=4)
     logits, cache = run(loaded, cache, tokens, positions, tables)
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(logits[i, :len(p)], hf_logits(hf_model, p), atol=1e-4, rtol=0)
@@ -87,7 +87,7 @@ def test_batched_prefill_and_decode_equal_single(family_case):
 def test_padding_rows_write_nothing(family_case):
     """A padded token (position -1) must leave every page untouched."""
     _, loaded, _ = family_case
-    cache = loaded.family.cache_spec(loaded.cfg).create(num_pages=8, page_size=PAGE, dtype=jnp.float32)
+    cache = loaded.family.cache_spec(loaded.cfg).create(num_pages=8, page_size=PAGE, dtype=jnp.float32, num_slots=4)
     _, cache = run(loaded, cache, [[1, 2, 3]], [[-1, -1, -1]], [[0, 1]])
     assert all(float(jnp.abs(k).max()) == 0.0 for k in jax.tree.leaves(cache))
 

@@ -124,7 +124,8 @@ def test_unsupported_variants_are_refused_at_load_naming_the_field(tmp_path, con
 def test_mixed_row_groups_equal_separate_calls(module, tiny_model_dir):
     """A prefill chunk and decode rows in one call (every matmul over both groups) give what two
     calls give: the engine's mixed steps rely on it."""
-    variant = {"llama": "qwen3", "deepseek": "deepseek_v3", "gemma3": "gemma3_text", "gpt_oss": "gpt_oss"}[module.NAME]
+    variant = {"llama": "qwen3", "deepseek": "deepseek_v3", "gemma3": "gemma3_text", "gpt_oss": "gpt_oss",
+               "qwen3_next": "qwen3_next", "kimi_linear": "kimi_linear"}[module.NAME]
     directory, _ = tiny_model_dir(variant)
     loaded = load_model(ModelSource("hf", directory, variant))
     from weld.models.common.cache import AttentionBatch
@@ -135,16 +136,19 @@ def test_mixed_row_groups_equal_separate_calls(module, tiny_model_dir):
     decode_prefix = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
     tables = spec.tables(jnp.asarray([[0, 1, 2], [3, 4, 5], [6, 7, 8]], jnp.int32))
     fwd = jax.jit(module.forward, static_argnames=("cfg",))
-    cache = spec.create(9, 4, jnp.float32)
+    cache = spec.create(9, 4, jnp.float32, num_slots=3)
+    slots = jnp.asarray([0, 1, 2], jnp.int32)  # each row's recurrent state (hybrid models)
     _, _, cache = fwd(loaded.weights, cfg, decode_prefix, jnp.broadcast_to(jnp.arange(5), (2, 5)), cache,
-                      AttentionBatch(tables[1:]))  # the decode rows' history
+                      AttentionBatch(tables[1:], slots[1:]))  # the decode rows' history
     nxt = jnp.asarray([[3], [7]], jnp.int32)
     pos = jnp.asarray([[5], [5]], jnp.int32)
     mixed, _, _ = fwd(loaded.weights, cfg, (prompt, nxt), (jnp.arange(9)[None], pos), cache,
-                      AttentionBatch((tables[:1], tables[1:])), (jnp.asarray([[8]]), jnp.zeros((2, 1), jnp.int32)))
-    alone_p, _, cache2 = fwd(loaded.weights, cfg, prompt, jnp.arange(9)[None], cache, AttentionBatch(tables[:1]),
-                             jnp.asarray([[8]]))
-    alone_d, _, _ = fwd(loaded.weights, cfg, nxt, pos, cache2, AttentionBatch(tables[1:]), jnp.zeros((2, 1), jnp.int32))
+                      AttentionBatch((tables[:1], tables[1:]), (slots[:1], slots[1:])),
+                      (jnp.asarray([[8]]), jnp.zeros((2, 1), jnp.int32)))
+    alone_p, _, cache2 = fwd(loaded.weights, cfg, prompt, jnp.arange(9)[None], cache,
+                             AttentionBatch(tables[:1], slots[:1]), jnp.asarray([[8]]))
+    alone_d, _, _ = fwd(loaded.weights, cfg, nxt, pos, cache2, AttentionBatch(tables[1:], slots[1:]),
+                        jnp.zeros((2, 1), jnp.int32))
     np.testing.assert_allclose(np.asarray(mixed[0]), np.asarray(alone_p), atol=2e-5)
     np.testing.assert_allclose(np.asarray(mixed[1]), np.asarray(alone_d), atol=2e-5)
 

@@ -8,7 +8,8 @@ are registered as pytrees by `weld.engine.sampler`.
 
 Row layout: a "decode" or "verify" plan puts entry i in row i of a bucket of rows; a "prefill"
 or "mixed" plan puts prompt chunks in rows [0, bp) and the decode rows riding along in
-[bp, bp + bd), each group bucketed on its own.
+[bp, bp + bd), each group bucketed on its own. Every row also names its sequence's
+recurrent-state slot (`Sequence.state_slot`; -1 for padding rows and models without such state).
 """
 
 from __future__ import annotations
@@ -71,11 +72,12 @@ class HostBatch:
     stop: StopArrays
     penalties: PenaltyArrays | None  # None: no row uses any (the programs skip them)
     bitmask: np.ndarray | None  # i32 [b, ceil(v / 32)]; None: no row is constrained
+    state_slots: np.ndarray  # i32 [b]: each row's recurrent-state slot, -1: none
     # decode and verify: each row's last token (not yet in the cache) and its position [b]
     tokens: np.ndarray | None = None  # verify: [b, k + 1], the last token then host drafts
     positions: np.ndarray | None = None
     num_drafts: np.ndarray | None = None  # verify: i32 [b]
-    # prefill / mixed: (tokens, positions, block tables, last index) per row group
+    # prefill / mixed: (tokens, positions, block tables, last index, state slots) per row group
     groups: tuple[tuple[np.ndarray, ...], ...] = ()
     prompt_targets: np.ndarray | None = None  # i32 [bp, tp]: the token after each fed token
 
@@ -106,9 +108,11 @@ def build(plan: SchedulerOutput, *, max_pages_per_seq: int, vocab_size: int, eos
     for r, e in zip(rows, entries):
         for g, table in enumerate(e.seq.block_tables[:num_page_groups]):
             block_tables[r, g * max_pages_per_seq:g * max_pages_per_seq + len(table)] = np.maximum(table, 0)
+    state_slots = np.full((b,), -1, np.int32)
+    state_slots[np.asarray(rows)] = [e.seq.state_slot for e in entries]
     host = HostBatch(plan.kind, rows, block_tables, sampling_arrays(entries, rows, b),
                      stop_arrays(entries, rows, b, eos_ids), penalty_arrays(entries, rows, b, vocab_size),
-                     bitmask_rows(token_bitmask, rows, b, vocab_size))
+                     bitmask_rows(token_bitmask, rows, b, vocab_size), state_slots)
     if plan.kind == "decode":
         host.tokens, host.positions = last_tokens(entries, b)
     elif plan.kind == "verify":
@@ -122,7 +126,7 @@ def build(plan: SchedulerOutput, *, max_pages_per_seq: int, vocab_size: int, eos
             if drafts is not None:
                 host.tokens[i, 1:1 + sent] = drafts[i, :sent]
     else:
-        host.groups, host.prompt_targets = prefill_groups(plan, bp, block_tables, want_prompt_logprobs)
+        host.groups, host.prompt_targets = prefill_groups(plan, bp, block_tables, state_slots, want_prompt_logprobs)
     return host
 
 
@@ -136,9 +140,10 @@ def last_tokens(entries: list[ScheduledSeq], b: int) -> tuple[np.ndarray, np.nda
     return tokens, positions
 
 
-def prefill_groups(plan: SchedulerOutput, bp: int, block_tables: np.ndarray, want_prompt_logprobs: bool):
-    """Row groups (tokens, positions, tables, last index) of a prefill or mixed plan: prompt chunks
-    [bp, tp], then any decode rows [bd, 1]; and the prompt-logprob targets [bp, tp]."""
+def prefill_groups(plan: SchedulerOutput, bp: int, block_tables: np.ndarray, state_slots: np.ndarray,
+                   want_prompt_logprobs: bool):
+    """Row groups (tokens, positions, tables, last index, state slots) of a prefill or mixed plan:
+    prompt chunks [bp, tp], then any decode rows [bd, 1]; and the prompt-logprob targets [bp, tp]."""
     chunks, decodes = plan.entries[:plan.num_prefill], plan.entries[plan.num_prefill:]
     t = bucket(max(e.num_tokens for e in chunks), MIN_TOKEN_BUCKET)
     tokens = np.zeros((bp, t), np.int32)
@@ -154,12 +159,13 @@ def prefill_groups(plan: SchedulerOutput, bp: int, block_tables: np.ndarray, wan
             # The target of fed token j is the token after it, where that is known.
             targets[i, :e.num_tokens] = [seq.token_at(pos + 1) if pos + 1 < seq.num_tokens else 0
                                          for pos in range(e.start, e.start + e.num_tokens)]
-    groups = [(tokens, positions, block_tables[:bp], last_index)]
+    groups = [(tokens, positions, block_tables[:bp], last_index, state_slots[:bp])]
     bd = block_tables.shape[0] - bp
     if bd:  # decode rows of a mixed step: one token each, at the end of the batch
         d_tokens, d_positions = last_tokens(decodes, bd)
         d_positions[len(decodes):] = -1
-        groups.append((d_tokens[:, None], d_positions[:, None], block_tables[bp:], np.zeros((bd,), np.int32)))
+        groups.append((d_tokens[:, None], d_positions[:, None], block_tables[bp:], np.zeros((bd,), np.int32),
+                       state_slots[bp:]))
     return tuple(groups), targets
 
 
@@ -240,10 +246,12 @@ def sampling_arrays(entries: list[ScheduledSeq], rows: list[int], b: int) -> Sam
 
 
 def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
-                 speculative: bool = False, num_page_groups: int = 1) -> list[SchedulerOutput]:
+                 speculative: bool = False, num_page_groups: int = 1, num_slots: int = 0) -> list[SchedulerOutput]:
     """One dummy plan per bucketed shape the scheduler can produce: fused decodes (or, with
     `speculative`, verification steps) of bd rows,
-    and prefills of bp rows x tp tokens with bd decode rows riding along (bd = 0: none).
+    and prefills of bp rows x tp tokens with bd decode rows riding along (bd = 0: none). The
+    dummies of a plan use recurrent-state slots 0, 1, ... (modulo num_slots; none if it is 0), as
+    they use pages 0, 1, ...: run them while no sequence holds any.
 
     A shape is feasible when its smallest content fits the limits (a bucket of n > 1 holds at
     least n/2 + 1 items, a token bucket tp > 16 a chunk of at least tp/2 + 1 tokens) and, with
@@ -265,8 +273,13 @@ def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
             return ScheduledSeq(seq, num_tokens - 1, 1, sample=True, max_steps=1)
         return ScheduledSeq(seq, 0, chunk, sample=True)
 
+    def plan(kind: str, entries: list[ScheduledSeq], num_prefill: int = 0) -> SchedulerOutput:
+        for i, e in enumerate(entries):
+            e.seq.state_slot = i % num_slots if num_slots else -1
+        return SchedulerOutput(kind, entries, num_prefill)
+
     kind = "verify" if speculative else "decode"
-    plans = [SchedulerOutput(kind, [dummy(2, 1, True) for _ in range(least_rows(bd))]) for bd in row_buckets]
+    plans = [plan(kind, [dummy(2, 1, True) for _ in range(least_rows(bd))]) for bd in row_buckets]
     for tp in token_buckets:
         for bp in row_buckets:
             for bd in [0] + row_buckets:
@@ -277,5 +290,5 @@ def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
                     continue
                 chunks = [dummy(chunk, chunk, False)] + [dummy(1, 1, False) for _ in range(rows_p - 1)]
                 decodes = [dummy(2, 1, True) for _ in range(rows_d)]
-                plans.append(SchedulerOutput("mixed" if decodes else "prefill", chunks + decodes, len(chunks)))
+                plans.append(plan("mixed" if decodes else "prefill", chunks + decodes, len(chunks)))
     return plans

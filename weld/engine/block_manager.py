@@ -16,11 +16,24 @@ tokens, never by hash alone) for which every group has what the rest of the prom
 sliding group: the pages of the window before the hit), and starts computing after them. Free
 pages keep their contents and hash until they are handed out again, least recently freed first
 (LRU), so a finished request's prefix stays reusable for as long as the pool allows.
+
+A model with linear-attention layers also keeps a recurrent state per sequence, in one of
+`num_slots` live slots (`Sequence.state_slot`): taken with the sequence's first pages, given back
+with them (finish, abort, preemption). A sequence that finds no free slot waits, as for pages.
+Such a state sums up the whole prefix, so a cached page only helps a hybrid model together with
+a snapshot of the state at its end: `num_snapshot_slots` more slots of the same pools hold
+snapshots, keyed by the chained hash of the page they end at, handed out least recently used
+first and never shared (a hit copies the snapshot into the sequence's own slot). A snapshot is
+taken when a call leaves a sequence's computed tokens at a snapshot point (`is_snapshot_point`:
+every `snapshot_interval` pages, and the last page boundary before the prompt's last token); the
+scheduler ends calls there (`next_snapshot_point`). The block manager only queues the slot copies
+(snapshot and hit alike); the runner makes them, in order, before the next model call
+(`take_copies`), so a copy always reads its source before any later call overwrites it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from weld.engine.sequence import Sequence
 
@@ -71,22 +84,62 @@ class _Pool:
             self.page_tokens[page] = tokens
 
 
+# The fewest pages between the recurrent-state snapshots taken along a sequence (256 tokens at
+# the default page size of 16; `LLM` uses a full prefill chunk when that is more). A hit then
+# recomputes at most this many pages that are cached already, a long prompt's prefill is cut
+# into calls of at least this many pages (still hundreds of tokens each: the matmuls stay
+# compute-bound), and a long prefix costs few snapshot slots, which are big (a sequence's whole
+# recurrent state each). The prompt's own last page boundary always gets one (a repeated prompt,
+# n > 1 siblings and the next turn of a chat reuse it).
+SNAPSHOT_INTERVAL = 16
+
+
 class BlockManager:
     """num_pages: one pool size, or one per page group (`windows`: each group's sliding window,
-    None for the group of full-context layers)."""
+    None for the group of full-context layers). num_slots: live recurrent-state slots (slot ids
+    0 .. num_slots - 1; 0: the model has no linear-attention layers); num_snapshot_slots: the
+    snapshot slots after them (ids num_slots ..), used while prefix caching is on;
+    snapshot_interval: pages between the snapshots along a sequence."""
 
     def __init__(self, num_pages: int | list[int] | tuple[int, ...], page_size: int,
-                 enable_prefix_caching: bool = True, windows: tuple[int | None, ...] = (None,)):
+                 enable_prefix_caching: bool = True, windows: tuple[int | None, ...] = (None,),
+                 num_slots: int = 0, num_snapshot_slots: int = 0, snapshot_interval: int = SNAPSHOT_INTERVAL):
         sizes = [num_pages] if isinstance(num_pages, int) else list(num_pages)
         if len(sizes) != len(windows):
             raise ValueError(f"{len(sizes)} pool sizes for {len(windows)} page groups")
         if min(sizes) < 1 or page_size < 1:
             raise ValueError(f"need at least one page of one token per group, got {sizes} pages of {page_size}")
+        if num_slots < 0 or num_snapshot_slots < 0 or snapshot_interval < 1:
+            raise ValueError(f"need num_slots >= 0, num_snapshot_slots >= 0 and snapshot_interval >= 1, got "
+                             f"{num_slots}, {num_snapshot_slots} and {snapshot_interval}")
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pools = [_Pool(n, w) for n, w in zip(sizes, windows)]
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
+        self.num_slots = num_slots
+        self.free_slots: deque[int] = deque(range(num_slots))
+        self.num_snapshot_slots = num_snapshot_slots
+        self.snapshot_interval = snapshot_interval
+        # snapshot slot -> hash of the page its state ends at (None: empty), least recently used first
+        self._snapshots: OrderedDict[int, int | None] = OrderedDict(
+            (slot, None) for slot in range(num_slots, num_slots + num_snapshot_slots))
+        self._snapshot_of: dict[int, int] = {}  # page hash -> the snapshot slot holding the state there
+        self._copies: list[tuple[int, int]] = []  # (source slot, destination slot), in the order they must run
+
+    @property
+    def num_state_slots(self) -> int:
+        """Every recurrent-state slot the cache must have: the live ones, then the snapshots."""
+        return self.num_slots + self.num_snapshot_slots
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.free_slots)
+
+    @property
+    def num_snapshots(self) -> int:
+        """Snapshot slots holding a snapshot."""
+        return len(self._snapshot_of)
 
     @property
     def num_pages(self) -> int:
@@ -120,12 +173,21 @@ class BlockManager:
         """How many more pages of group 0 `seq` needs for its first `num_tokens` tokens to have a slot."""
         return max(0, self.pages_for(num_tokens) - len(self._tables(seq)[0]))
 
+    def has_slot_for(self, seq: Sequence) -> bool:
+        """Whether `seq` holds a recurrent-state slot or can get one (always, without such layers)."""
+        return not self.num_slots or seq.state_slot >= 0 or bool(self.free_slots)
+
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `allocate(seq, num_tokens)` would succeed: pages, and a state slot if it needs one."""
         want = self.pages_for(num_tokens)
-        return all(max(0, want - len(table)) <= len(pool.free) for pool, table in zip(self.pools, self._tables(seq)))
+        return self.has_slot_for(seq) and all(max(0, want - len(table)) <= len(pool.free)
+                                              for pool, table in zip(self.pools, self._tables(seq)))
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grows `seq`'s block tables with fresh pages to hold `num_tokens` tokens."""
+        """Grows `seq`'s block tables with fresh pages to hold `num_tokens` tokens, and gives it a
+        recurrent-state slot if the model has such state and it holds none yet."""
+        if not self.has_slot_for(seq):
+            raise RuntimeError(f"out of recurrent-state slots: all {self.num_slots} are in use")
         if not self.can_allocate(seq, num_tokens):
             raise RuntimeError(f"out of KV pages: need {self.pages_needed(seq, num_tokens)}, have "
                                f"{[len(p.free) for p in self.pools]}")
@@ -133,6 +195,8 @@ class BlockManager:
         for pool, table in zip(self.pools, self._tables(seq)):
             while len(table) < want:
                 table.append(pool.take())
+        if self.num_slots and seq.state_slot < 0:
+            seq.state_slot = self.free_slots.popleft()
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Gives back the pages `seq` holds beyond those its first `num_tokens` tokens need (the
@@ -158,11 +222,17 @@ class BlockManager:
                     table[i] = -1
 
     def free(self, seq: Sequence) -> None:
+        """Gives back `seq`'s pages and its state slot (finish, abort, preemption); it would start
+        again from position 0. A state snapshot already queued from its slot still reads it
+        first: the runner makes queued copies before the next call."""
         self.cache_full_pages(seq)  # what it computed stays reusable after it finishes
         for pool, table in zip(self.pools, self._tables(seq)):
             for page in reversed(table):  # the prefix's first pages are reused last
                 if page >= 0:
                     pool.release(page)
+        if seq.state_slot >= 0:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = -1
         seq.block_tables = [[] for _ in self.pools]
         seq.num_computed_tokens = 0
         seq.num_hashed_pages = 0
@@ -185,6 +255,8 @@ class BlockManager:
 
         At least the last token is left to compute (its logits are needed), so a page holding
         it is never shared. A request for prompt logprobs computes its whole prompt (as in vLLM).
+        With recurrent state, a hit of h pages needs a snapshot of the state after them and a
+        free slot: `seq` takes the slot, and the copy snapshot -> slot is queued.
         """
         tables = self._tables(seq)
         if (not self.enable_prefix_caching or any(tables) or seq.num_computed_tokens
@@ -208,8 +280,17 @@ class BlockManager:
         hit = 0
         while hit < usable and self.pools[0].cached(hashes[hit], chunks[hit]) is not None:
             hit += 1
-        while hit and any(pages(pool, hit) is None for pool in self.pools[1:]):
-            hit -= 1  # a sliding group lacks the window before this point: try a shorter prefix
+        while hit and (any(pages(pool, hit) is None for pool in self.pools[1:])
+                       or (self.num_slots and hashes[hit - 1] not in self._snapshot_of)):
+            hit -= 1  # a sliding group lacks the window, or the state its snapshot: try a shorter prefix
+        if hit and not self.has_slot_for(seq):
+            hit = 0  # it waits for a slot anyway, and looks again then
+        if hit and self.num_slots:
+            snapshot = self._snapshot_of[hashes[hit - 1]]
+            self._snapshots.move_to_end(snapshot)
+            if seq.state_slot < 0:
+                seq.state_slot = self.free_slots.popleft()
+            self._copies.append((snapshot, seq.state_slot))
         for pool, table in zip(self.pools, tables):
             for page in pages(pool, hit) if hit else []:
                 if page >= 0:
@@ -237,3 +318,68 @@ class BlockManager:
                     pool.register(table[i], h, chunk)
             seq.last_page_hash = h
         seq.num_hashed_pages = full
+
+    # ----- recurrent-state snapshots -----
+
+    @property
+    def takes_snapshots(self) -> bool:
+        return self.enable_prefix_caching and self.num_slots > 0 and self.num_snapshot_slots > 0
+
+    def _prompt_point(self, seq: Sequence) -> int:
+        """The last page boundary before the prompt's last token: the longest hit a request with
+        the same prompt can take (`match_prefix` leaves the last token to compute)."""
+        return (seq.num_prompt_tokens - 1) // self.page_size * self.page_size
+
+    def is_snapshot_point(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq`'s state after its first `num_tokens` tokens is worth a snapshot: at every
+        `snapshot_interval` pages, and at the prompt's last page boundary before its last token."""
+        if not self.takes_snapshots or num_tokens <= 0 or num_tokens % self.page_size:
+            return False
+        return (num_tokens // self.page_size) % self.snapshot_interval == 0 or num_tokens == self._prompt_point(seq)
+
+    def next_snapshot_point(self, seq: Sequence, start: int) -> int | None:
+        """The first snapshot point after `start` tokens (None: snapshots are off): a call that
+        feeds `seq`'s tokens from position `start` on ends there at the latest."""
+        if not self.takes_snapshots:
+            return None
+        step = self.snapshot_interval * self.page_size
+        point = (start // step + 1) * step
+        prompt = self._prompt_point(seq)
+        return prompt if start < prompt < point else point
+
+    def snapshot(self, seq: Sequence) -> None:
+        """After a call: queues a copy of `seq`'s state into a snapshot slot (evicting the least
+        recently used snapshot) when its computed tokens end at a snapshot point that has none.
+        The slot must hold the state after exactly `seq.num_computed_tokens` tokens."""
+        n = seq.num_computed_tokens
+        if seq.state_slot < 0 or not self.is_snapshot_point(seq, n):
+            return
+        self.cache_full_pages(seq)
+        if seq.num_hashed_pages != n // self.page_size:
+            return
+        h = seq.last_page_hash
+        if h in self._snapshot_of:
+            self._snapshots.move_to_end(self._snapshot_of[h])
+            return
+        slot, evicted = self._snapshots.popitem(last=False)
+        if evicted is not None:
+            del self._snapshot_of[evicted]
+        self._snapshots[slot] = h
+        self._snapshot_of[h] = slot
+        self._copies.append((seq.state_slot, slot))
+
+    def take_copies(self) -> list[list[tuple[int, int]]]:
+        """The queued slot copies (source, destination), emptying the queue, in waves to run one
+        after another before the next model call. A wave reads all its sources before writing
+        (`Cache.copy_slots`), so a copy that reads or writes a slot an earlier copy of the wave
+        writes starts a new wave; one that overwrites a slot an earlier copy reads may share it."""
+        waves: list[list[tuple[int, int]]] = []
+        written: set[int] = set()
+        for src, dst in self._copies:
+            if not waves or src in written or dst in written:
+                waves.append([])
+                written = set()
+            waves[-1].append((src, dst))
+            written.add(dst)
+        self._copies = []
+        return waves

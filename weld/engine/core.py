@@ -100,7 +100,7 @@ class EngineCore:
                 self.scheduler.add(c.seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stops a request wherever it is and frees its pages."""
+        """Stops a request wherever it is and frees its pages and state slots."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -190,6 +190,8 @@ class EngineCore:
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager
         return {"num_pages": bm.num_pages, "num_free_pages": bm.num_free_pages,
+                "num_state_slots": bm.num_slots, "num_free_state_slots": bm.num_free_slots,
+                "num_state_snapshots": bm.num_snapshots,
                 "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions, "num_compiles": self.runner.num_compiles,

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from weld.config import DEFAULT_KV_CACHE_GB, EngineConfig, SpeculativeConfig
-from weld.engine.block_manager import BlockManager
+from weld.engine.block_manager import SNAPSHOT_INTERVAL, BlockManager
 from weld.engine.core import EngineCore
 from weld.engine.outputs import RequestOutput
 from weld.engine.runner import ModelRunner
@@ -31,6 +31,11 @@ from weld.utils.progress import Progress, status
 from weld.weights import LoadedModel, load_model, resolve_model
 
 PromptType = str | dict[str, Any]
+
+# A model with linear-attention layers keeps prefix-cache snapshots of its recurrent state in
+# slots of their own (`BlockManager`): this share of the KV memory, and at least this many.
+SNAPSHOT_SHARE = 0.1
+MIN_SNAPSHOT_SLOTS = 4
 
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
@@ -123,17 +128,24 @@ class LLM:
         drafter, draft_params, spec = self._load_drafter(config.speculative, target, progress)
         self.model.weights = family.prepare_weights(self.model.weights, self.cfg, target)
         groups = family.cache_spec(self.cfg).page_groups()
-        num_pages = self._pages_per_group(family, drafter, config)
+        num_pages, num_slots, num_snapshot_slots = self._cache_sizes(family, drafter, config)
+        # A device drafter keeps per-token state on group 0's pages for the whole context: then
+        # no group frees its pages as a window moves.
+        windows = tuple(None if drafter is not None else g.window for g in groups)
+        # Snapshots of a hybrid model's state at least a full prefill chunk apart: the scheduler
+        # ends calls at them, so closer ones would cut a long prompt's prefill into smaller calls.
+        interval = max(SNAPSHOT_INTERVAL, sched.max_num_batched_tokens // cache.page_size)
+        block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, windows=windows,
+                                     num_slots=num_slots, num_snapshot_slots=num_snapshot_slots,
+                                     snapshot_interval=interval)
         runner = ModelRunner(family, self.cfg, self.model.weights, num_pages=num_pages,
                              page_size=cache.page_size, kv_dtype=self.kv_dtype, max_model_len=self.max_model_len,
                              steps_per_call=sched.steps_per_call, eos_token_ids=eos, backend=config.backend,
                              drafter=drafter, draft_params=draft_params, num_spec_tokens=spec.k,
-                             spec_rounds=spec.rounds(sched.steps_per_call))
-        # A device drafter keeps per-token state on group 0's pages for the whole context: then
-        # no group frees its pages as a window moves.
-        windows = tuple(None if drafter is not None else g.window for g in groups)
-        scheduler = Scheduler(BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, windows=windows),
-                              sched.max_num_seqs, sched.max_num_batched_tokens, max_model_len=self.max_model_len,
+                             spec_rounds=spec.rounds(sched.steps_per_call),
+                             num_state_slots=block_manager.num_state_slots)
+        scheduler = Scheduler(block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
+                              max_model_len=self.max_model_len,
                               steps_per_call=sched.steps_per_call, num_spec_tokens=spec.k,
                               spec_rounds=spec.rounds(sched.steps_per_call))
         self.engine = EngineCore(runner, self.tokenizer, scheduler, max_model_len=self.max_model_len,
@@ -142,29 +154,63 @@ class LLM:
         self._progress = progress
         release_free_memory()  # the loader's temporaries
 
-    def _pages_per_group(self, family, drafter, config: EngineConfig) -> tuple[int, ...]:
-        """Pages of each page group (`CacheSpec.page_groups`). With cache.num_pages, that many in
-        every group. Else kv_cache_memory_gb (default: what max_num_seqs sequences take, at most
-        DEFAULT_KV_CACHE_GB) is shared so that every group holds the same number of sequences: a full-context group needs max_model_len tokens of pages per sequence, a
-        sliding group its window plus a prefill chunk and a call's decode steps (its older pages
-        are freed as it moves on). A drafter's state lives on group 0's pages and counts there.
-        At least one sequence of max_model_len always fits."""
+    def _cache_sizes(self, family, drafter, config: EngineConfig) -> tuple[tuple[int, ...], int, int]:
+        """(pages of each page group (`CacheSpec.page_groups`), live recurrent-state slots,
+        snapshot slots).
+
+        Pages: with cache.num_pages, that many in every group. Else kv_cache_memory_gb (default:
+        what max_num_seqs sequences take, at most DEFAULT_KV_CACHE_GB) is shared so that every
+        group holds the same number of sequences: a full-context group needs max_model_len tokens
+        of pages per sequence, a sliding group its window plus a prefill chunk and a call's decode
+        steps (its older pages are freed as it moves on). A drafter's state lives on group 0's
+        pages and counts there. At least one sequence of max_model_len always fits.
+
+        Slots: a model with linear-attention layers keeps a recurrent state per sequence
+        (`CacheSpec.bytes_per_sequence`, f32): one live slot for each of max_num_seqs sequences,
+        and, with prefix caching, snapshot slots for SNAPSHOT_SHARE of the memory (at least
+        MIN_SNAPSHOT_SLOTS). They come out of the budget before the pages (the default one grows
+        past DEFAULT_KV_CACHE_GB if it must to hold them and one sequence); a kv_cache_memory_gb
+        too small for them and one sequence's pages is an error. Without such layers both are 0.
+        """
         cache, sched = config.cache, config.scheduler
         spec = family.cache_spec(self.cfg)
         groups = spec.page_groups()
-        if cache.num_pages:
-            return (cache.num_pages,) * len(groups)
+        slot_bytes = spec.bytes_per_sequence()
+        live = sched.max_num_seqs if spec.has_recurrent else 0
+        share = SNAPSHOT_SHARE if spec.has_recurrent and cache.enable_prefix_caching else 0.0
+
+        def snapshots(memory: float) -> int:  # the snapshot slots of KV memory of `memory` bytes in all
+            return max(MIN_SNAPSHOT_SLOTS, int(share * memory / slot_bytes)) if share else 0
+
         span = sched.max_num_batched_tokens + sched.steps_per_call * ((config.speculative.k or 0) + 1)
         per_seq = [-(-(self.max_model_len if g.window is None or drafter is not None
                        else min(self.max_model_len, g.window + span)) // cache.page_size) + 1 for g in groups]
         page_bytes = [cache.page_size * spec.bytes_per_token(self.kv_dtype, i) for i in range(len(groups))]
         if drafter is not None:
             page_bytes[0] += cache.page_size * drafter.cache_spec().bytes_per_token(self.kv_dtype)
-        budget = DEFAULT_KV_CACHE_GB if cache.kv_cache_memory_gb is None else cache.kv_cache_memory_gb
-        sequences = int(budget * (1 << 30)) / sum(n * b for n, b in zip(per_seq, page_bytes))
+        if cache.num_pages:
+            memory = cache.num_pages * sum(page_bytes) + live * slot_bytes
+            return (cache.num_pages,) * len(groups), live, snapshots(memory / (1 - share))
+        seq_bytes = sum(n * b for n, b in zip(per_seq, page_bytes))
         if cache.kv_cache_memory_gb is None:
-            sequences = min(sequences, sched.max_num_seqs)
-        return tuple(max(int(sequences * n), n) for n in per_seq)
+            default = int(DEFAULT_KV_CACHE_GB * (1 << 30))
+            num_snapshots = snapshots(min(default, sched.max_num_seqs * (seq_bytes + slot_bytes) / (1 - share)))
+            rest = min(sched.max_num_seqs * seq_bytes, default - (live + num_snapshots) * slot_bytes)
+        else:
+            budget = int(cache.kv_cache_memory_gb * (1 << 30))
+            num_snapshots = snapshots(budget)
+            rest = budget - (live + num_snapshots) * slot_bytes
+        if spec.has_recurrent and rest < seq_bytes:
+            if cache.kv_cache_memory_gb is not None:
+                kept = f" and {num_snapshots} prefix-cache snapshots" if num_snapshots else ""
+                raise InvalidInputError(
+                    f"kv_cache_memory_gb={cache.kv_cache_memory_gb:g} cannot hold this model's recurrent state for "
+                    f"max_num_seqs={sched.max_num_seqs} sequences{kept} ({slot_bytes / (1 << 20):.2f} MiB each) "
+                    f"and the pages of one sequence of max_model_len tokens ({seq_bytes / (1 << 20):.2f} MiB): "
+                    "raise kv_cache_memory_gb or lower max_num_seqs")
+            rest = seq_bytes
+        sequences = rest / seq_bytes
+        return tuple(max(int(sequences * n), n) for n in per_seq), live, num_snapshots
 
     def _load_drafter(self, spec: SpeculativeConfig, target: WeightTarget, progress: bool | None):
         """(device drafter, its weights, the config with k settled) for the method, or Nones."""
@@ -197,6 +243,10 @@ class LLM:
             raise InvalidInputError(
                 f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) differs from the target's "
                 f"({self.cfg.vocab_size}): a draft model must share the target's tokenizer")
+        if draft.family.cache_spec(draft.cfg).has_recurrent:
+            raise InvalidInputError("the draft model has linear-attention layers, whose recurrent state a draft model "
+                                    "cannot roll back to the accepted drafts in weld yet: pick a draft model with "
+                                    "attention layers only (the target may be hybrid)")
         if len(draft.family.cache_spec(draft.cfg).page_groups()) > 1:
             raise InvalidInputError("the draft model mixes sliding-window and full layers, which a draft model "
                                     "cannot have in weld yet: pick a draft model without sliding-window layers")

@@ -8,6 +8,8 @@ ignore_eos, or a stop id, once min_tokens are out), and they report per row whet
 token ended it (`stopped`), so the host never re-derives it.
 
 Conventions: b rows; v the vocabulary; ids -1 mark "no token" (padding, or after a row ended).
+state_slots: each row's recurrent-state slot ([b], -1: none; in a prefill, a tuple with one
+entry per row group), or None for a model without linear-attention layers.
 """
 
 from __future__ import annotations
@@ -57,14 +59,20 @@ def _allowed(bitmask: jax.Array | None, vocab_size: int) -> jax.Array | None:
     return None if bitmask is None else unpack_bitmask(bitmask, vocab_size)
 
 
+def copy_slots(cache, src, dst):
+    """The cache with the recurrent state of slots src [n] copied into slots dst [n] (pairs with
+    a negative id copy nothing; every source is read before any destination is written)."""
+    return cache.copy_slots(src, dst)
+
+
 def prefill(forward: Callable, drafter: Any, weights, cache, draft_params, draft_state, tokens, positions,
-            block_tables, last_index, sampling: SamplingArrays, stop: StopArrays, penalties, prompt_targets,
-            token_bitmask, *, cfg, num_top: int, with_prompt_logprobs: bool):
+            block_tables, last_index, state_slots, sampling: SamplingArrays, stop: StopArrays, penalties,
+            prompt_targets, token_bitmask, *, cfg, num_top: int, with_prompt_logprobs: bool):
     """forward + sample for one padded batch of row groups.
 
-    tokens, positions, block_tables, last_index: tuples with one entry per group; group 0 holds
-    prompt chunks [bp, tp], an optional group 1 holds decode rows [bd, 1]. The per-row arrays
-    cover the groups' rows in order ([bp + bd]). Prompt logprobs (of prompt_targets [bp, tp])
+    tokens, positions, block_tables, last_index, state_slots (or None): tuples with one entry per
+    group; group 0 holds prompt chunks [bp, tp], an optional group 1 holds decode rows [bd, 1].
+    The per-row arrays cover the groups' rows in order ([bp + bd]). Prompt logprobs (of prompt_targets [bp, tp])
     are computed for group 0. A drafter observes the same tokens, so its state (same pages,
     same block tables) covers every computed position too.
     Returns (cache, draft_state, ids [b, 1], logprobs of them or None, prompt logprobs or None,
@@ -73,7 +81,8 @@ def prefill(forward: Callable, drafter: Any, weights, cache, draft_params, draft
     full = tuple(with_prompt_logprobs and g == 0 for g in range(len(tokens)))
     indices = tuple(None if f else li[:, None] for f, li in zip(full, last_index))
     capture = drafter.capture_layers if drafter is not None else ()
-    logits, features, cache = forward(weights, cfg, tokens, positions, cache, AttentionBatch(block_tables=block_tables),
+    logits, features, cache = forward(weights, cfg, tokens, positions, cache,
+                                      AttentionBatch(block_tables=block_tables, state_slots=state_slots),
                                       indices, capture_layers=capture)
     if drafter is not None:
         draft_state = drafter.observe(draft_params, draft_state, tokens, positions, block_tables, last_index, features)
@@ -90,7 +99,7 @@ def prefill(forward: Callable, drafter: Any, weights, cache, draft_params, draft
     return cache, draft_state, ids[:, None], chosen, prompt, stopped
 
 
-def decode(forward: Callable, weights, cache, tokens, positions, block_tables, sampling: SamplingArrays,
+def decode(forward: Callable, weights, cache, tokens, positions, block_tables, state_slots, sampling: SamplingArrays,
            stop: StopArrays, penalties, token_bitmask, *, cfg, steps: int, num_top: int):
     """Up to `steps` decode steps in one device call.
 
@@ -100,10 +109,11 @@ def decode(forward: Callable, weights, cache, tokens, positions, block_tables, s
     row on `stop_hit` or its step budget; a finished row feeds padding (writes nothing) for the
     rest of the call, and the loop ends early when every row has finished. token_bitmask masks
     the first step only: a constrained row has a step budget of 1 (its next mask is computed on
-    the host). Returns (cache, ids [b, steps] (-1 after a row ended), logprobs or None, stopped [b]).
+    the host). A finished row's padding leaves its recurrent state too as it was.
+    Returns (cache, ids [b, steps] (-1 after a row ended), logprobs or None, stopped [b]).
     """
     b = tokens.shape[0]
-    batch = AttentionBatch(block_tables=block_tables)
+    batch = AttentionBatch(block_tables=block_tables, state_slots=state_slots)
     first_allowed = _allowed(token_bitmask, cfg.vocab_size)  # [b, v]
     out_ids = jnp.full((b, steps), -1, jnp.int32)
     out_lp = (jnp.zeros((b, steps), jnp.float32), jnp.zeros((b, steps), jnp.int32),
@@ -140,8 +150,8 @@ def decode(forward: Callable, weights, cache, tokens, positions, block_tables, s
 
 
 def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_state, tokens, positions, num_drafts,
-           block_tables, sampling: SamplingArrays, stop: StopArrays, penalties, token_bitmask, *, cfg, num_top: int,
-           rounds: int):
+           block_tables, state_slots, sampling: SamplingArrays, stop: StopArrays, penalties, token_bitmask, *, cfg,
+           num_top: int, rounds: int):
     """Up to `rounds` speculative rounds (propose -> verify -> accept) in one device call.
 
     tokens [b, k+1]: each row's last token (not yet in the cache), then its host drafts (n-gram;
@@ -154,8 +164,12 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
     (`acceptance.rejection_accept`: greedy rows keep the prefix equal to the target's argmax,
     sampled rows use exact rejection sampling, so outputs are distributed as without
     speculation). Rejected slots leave K/V past the row's new length, overwritten before read.
-    Penalties and grammar masks apply to slot 0 (rows using them send no drafts; a grammar row
-    has a budget of 1); min_tokens applies to every slot.
+    A recurrent state cannot be cut back like that: the forward advances it over every fed
+    token, so when any row rejected a draft, each row's state is restored from before the
+    forward and recomputed over the `count` tokens the row keeps (a second forward, with the
+    rest masked; its attention layers rewrite the same K/V). Penalties and grammar masks apply
+    to slot 0 (rows using them send no drafts; a grammar row has a budget of 1); min_tokens
+    applies to every slot.
     Returns (cache, draft_state, ids [b, rounds * (k+1)] (the row's tokens, then -1), logprobs
     or None, (drafts sent, accepted) [b, rounds] each (-1: not in that round), stopped [b]).
     """
@@ -163,7 +177,7 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
 
     b, s = tokens.shape
     width = rounds * s
-    batch = AttentionBatch(block_tables=block_tables)
+    batch = AttentionBatch(block_tables=block_tables, state_slots=state_slots)
     first_allowed = _allowed(token_bitmask, cfg.vocab_size)
     slot = jnp.arange(s, dtype=jnp.int32)[None, :]
     rows = jnp.arange(b)[:, None]
@@ -192,6 +206,7 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
             feed = tokens.at[:, 0].set(last)
         sent = jnp.where(live, jnp.clip(jnp.minimum(sent, budget - 1), 0, s - 1), 0)
         fed_positions = jnp.where(live[:, None] & (slot <= sent[:, None]), pos[:, None] + slot, -1)
+        saved = cache.take_slots(state_slots) if state_slots is not None else None  # the states before the forward
         logits, features, cache = forward(weights, cfg, feed, fed_positions, cache, batch, capture_layers=capture)
         if capture:
             draft_state = drafter.observe(draft_params, draft_state, (feed,), (fed_positions,), (block_tables,),
@@ -209,6 +224,14 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
         first_stop = jnp.min(jnp.where(is_stop, slot, s), axis=1)
         count = jnp.where(live, jnp.minimum(count, first_stop + 1), 0)
         keep = slot < count[:, None]
+        if state_slots is not None:  # fed sent + 1 tokens, keeps count: recompute the state over those
+            def replay(cache):
+                _, _, cache = forward(weights, cfg, feed, jnp.where(keep, fed_positions, -1),
+                                      cache.put_slots(saved, state_slots), batch, jnp.zeros((b, 1), jnp.int32))
+                return cache
+
+            rejected = jnp.any(live & (count < sent + 1))
+            cache = jax.lax.cond(rejected, replay, lambda cache: cache, cache)
         target = jnp.where(keep, made[:, None] + slot, width)  # out of bounds: dropped
         out_ids = out_ids.at[rows, target].set(emitted, mode="drop")
         if num_top:

@@ -1,10 +1,12 @@
 """The model runner: owns the weights, the cache and the jitted programs, and runs one plan.
 
-`execute` = host arrays of bucketed shapes (`weld.engine.batch`), one jitted program
-(`weld.engine.programs`: prefill, fused decode or verification), host copies of what it
-produced (`StepResult`). The cache is created from the family's `cache_spec` and donated to
-every call. `num_compiles` counts the distinct programs asked for, keyed by what jit keys its
-compiled programs by (the static arguments and the shapes and dtypes of the others).
+`execute` = the plan's recurrent-state slot copies (prefix-cache snapshots and hits), host
+arrays of bucketed shapes (`weld.engine.batch`), one jitted program (`weld.engine.programs`:
+prefill, fused decode or verification), host copies of what it produced (`StepResult`). The
+cache is created from the family's `cache_spec` (with `num_state_slots` recurrent-state slots
+for a model with linear-attention layers) and donated to every call. `num_compiles` counts the
+distinct programs asked for, keyed by what jit keys its compiled programs by (the static
+arguments and the shapes and dtypes of the others).
 """
 
 from __future__ import annotations
@@ -56,12 +58,14 @@ def decode_forward(family: ModuleType, cfg: Any, backend: str):
 
 class ModelRunner:
     """drafter: a device drafter (`weld.engine.spec.drafters`) with its weights draft_params, or
-    None; its state gets pools of its own over the same pages, so block tables serve both."""
+    None; its state gets pools of its own over the same pages, so block tables serve both.
+    num_state_slots: the recurrent-state slots of a model with linear-attention layers (the
+    block manager's live and snapshot slots together; ignored for a model without them)."""
 
     def __init__(self, family: ModuleType, cfg: Any, weights: Any, *, num_pages: int | tuple[int, ...], page_size: int,
                  kv_dtype: Any, max_model_len: int, steps_per_call: int = 8, eos_token_ids: tuple[int, ...] = (),
                  backend: str = "xla", drafter: Any = None, draft_params: Any = None, num_spec_tokens: int = 0,
-                 spec_rounds: int = 1):
+                 spec_rounds: int = 1, num_state_slots: int = 0):
         self.family = family
         self.cfg = cfg
         self.weights = weights
@@ -69,7 +73,8 @@ class ModelRunner:
         self.max_pages_per_seq = bucket(-(-max_model_len // page_size), 8)
         spec = family.cache_spec(cfg)
         self.num_page_groups = len(spec.page_groups())
-        self.cache = spec.create(num_pages, page_size, kv_dtype)
+        self.recurrent = spec.has_recurrent  # rows name their state slots (else the programs get None)
+        self.cache = spec.create(num_pages, page_size, kv_dtype, num_slots=num_state_slots if self.recurrent else 0)
         self.drafter = drafter
         self.draft_params = draft_params
         group0 = num_pages if isinstance(num_pages, int) else num_pages[0]  # a drafter's state: on group 0's pages
@@ -88,6 +93,7 @@ class ModelRunner:
                                static_argnames=("cfg", "num_top", "rounds"), donate_argnames=("cache", "draft_state"))
         self._decode = jax.jit(functools.partial(programs.decode, decode_fwd),
                                static_argnames=("cfg", "steps", "num_top"), donate_argnames=("cache",))
+        self._copy = jax.jit(programs.copy_slots, donate_argnames=("cache",))
 
     @property
     def num_compiles(self) -> int:
@@ -110,30 +116,36 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput, want_logprobs: bool = False,
                 want_prompt_logprobs: bool = False, token_bitmask: np.ndarray | None = None,
                 drafts: np.ndarray | None = None, num_drafts: np.ndarray | None = None) -> StepResult:
-        """Runs `plan` (see `batch.build` for the bitmask and draft arguments)."""
+        """Runs `plan` (see `batch.build` for the bitmask and draft arguments), after its slot copies."""
+        for wave in plan.slot_copies:
+            self.copy_slots(wave)
         num_top = MAX_LOGPROBS if want_logprobs or want_prompt_logprobs else 0
         host = host_batch.build(plan, max_pages_per_seq=self.max_pages_per_seq, num_page_groups=self.num_page_groups,
                                 vocab_size=self.cfg.vocab_size,
                                 eos_ids=self.eos_token_ids, num_spec_tokens=self.num_spec_tokens,
                                 want_prompt_logprobs=want_prompt_logprobs, token_bitmask=token_bitmask,
                                 drafts=drafts if self.drafter is None else None, num_drafts=num_drafts)
+        if self.recurrent and min(e.seq.state_slot for e in plan.entries) < 0:
+            raise RuntimeError("a sequence runs without a recurrent-state slot: a model with linear-attention "
+                               "layers needs a BlockManager with num_slots > 0")
         common = (host.sampling, host.stop, host.penalties)
+        slots = host.state_slots if self.recurrent else None
         prompt = history = None
         if plan.kind == "decode":
             self.cache, ids, chosen, stopped = self._call(
                 "decode", self._decode, self.weights, self.cache, host.tokens, host.positions, host.block_tables,
-                *common, host.bitmask, cfg=self.cfg, steps=self.steps_per_call, num_top=num_top)
+                slots, *common, host.bitmask, cfg=self.cfg, steps=self.steps_per_call, num_top=num_top)
         elif plan.kind == "verify":
             self.cache, self.draft_state, ids, chosen, history, stopped = self._call(
                 "verify", self._verify, self.weights, self.cache, self.draft_params, self.draft_state, host.tokens,
-                host.positions, host.num_drafts, host.block_tables, *common, host.bitmask, cfg=self.cfg,
+                host.positions, host.num_drafts, host.block_tables, slots, *common, host.bitmask, cfg=self.cfg,
                 num_top=num_top, rounds=self.spec_rounds)
         else:
-            tokens, positions, tables, last = zip(*host.groups)
+            tokens, positions, tables, last, group_slots = zip(*host.groups)
             self.cache, self.draft_state, ids, chosen, prompt, stopped = self._call(
                 "prefill", self._prefill, self.weights, self.cache, self.draft_params, self.draft_state, tokens,
-                positions, tables, last, *common, host.prompt_targets, host.bitmask, cfg=self.cfg, num_top=num_top,
-                with_prompt_logprobs=want_prompt_logprobs)
+                positions, tables, last, group_slots if self.recurrent else None, *common, host.prompt_targets,
+                host.bitmask, cfg=self.cfg, num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
         ids, stopped, chosen, prompt, history = jax.device_get((ids, stopped, chosen, prompt, history))
         rows = np.asarray(host.rows)
         result = StepResult(token_ids=ids[rows], stopped=stopped[rows])
@@ -146,17 +158,33 @@ class ModelRunner:
              result.prompt_top_logprobs) = (x[:plan.num_prefill] for x in prompt)
         return result
 
+    def copy_slots(self, copies: list[tuple[int, int]]) -> None:
+        """Copies recurrent-state slots (source, destination) in one call, every source read
+        before any destination is written; padded to a power of two with pairs that copy nothing."""
+        n = bucket(len(copies))
+        src, dst = np.full((n,), -1, np.int32), np.full((n,), -1, np.int32)
+        if copies:
+            src[:len(copies)], dst[:len(copies)] = zip(*copies)
+        self.cache = self._call("copy", self._copy, self.cache, src, dst)
+
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, progress: bool | None = None) -> int:
         """Compiles every program shape the scheduler can ask for under these limits (with default
-        sampling: no logprobs, penalties or extra stop ids, which add variants of their own).
+        sampling: no logprobs, penalties or extra stop ids, which add variants of their own), and
+        the slot copies of up to 2 * max_num_seqs pairs (a step's prefix hits and snapshots).
         Runs each once on dummy sequences; call it before any request is running, since the
-        dummies write into free pages. Returns the number of programs compiled.
+        dummies write into free pages and the first live state slots. Returns the number of
+        programs compiled.
         """
+        num_slots = self.cache.num_slots
         plans = host_batch.warmup_plans(max_num_seqs, max_num_batched_tokens, self.page_size,
-                                        self.num_spec_tokens > 0, self.num_page_groups)
+                                        self.num_spec_tokens > 0, self.num_page_groups, num_slots)
+        copies = [1 << i for i in range(bucket(2 * max_num_seqs).bit_length())] if num_slots else []
         before = self.num_compiles
-        with Progress(len(plans), "Compiling", unit="program", enabled=progress) as bar:
+        with Progress(len(plans) + len(copies), "Compiling", unit="program", enabled=progress) as bar:
             for plan in plans:
                 self.execute(plan)
+                bar.update(1)
+            for n in copies:
+                self.copy_slots([(-1, -1)] * n)
                 bar.update(1)
         return self.num_compiles - before

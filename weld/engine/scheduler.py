@@ -15,6 +15,12 @@ Policy (vLLM v1 style, with weld's fused decode):
 - When pages run out for even one decode step, the newest running sequence is preempted by
   recompute: its pages are freed and it goes back to the waiting queue, keeping its tokens.
   A step that preempted admits no new prompt.
+- A model with linear-attention layers snapshots a sequence's recurrent state for the prefix
+  cache only between calls, so while snapshots are on every call ends a sequence's tokens at its
+  next snapshot point at the latest (`BlockManager.next_snapshot_point`): a prompt chunk stops
+  there (and the next prompt may still start in the same step), a decode row takes no more
+  steps. Each plan carries the slot copies queued since the last one
+  (`SchedulerOutput.slot_copies`), which the runner makes before the call.
 """
 
 from __future__ import annotations
@@ -54,6 +60,9 @@ class SchedulerOutput:
     kind: str  # "prefill" | "mixed" | "decode" | "verify"
     entries: list[ScheduledSeq]
     num_prefill: int = 0
+    # recurrent-state slot copies (source, destination) to make before the call, wave after wave
+    # (`BlockManager.take_copies`)
+    slot_copies: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +95,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput | None:
+        """The next call, carrying the slot copies queued since the last one (they stay queued
+        while there is no call to make)."""
+        plan = self._plan()
+        if plan is not None:
+            plan.slot_copies = self.block_manager.take_copies()
+        return plan
+
+    def _plan(self) -> SchedulerOutput | None:
         if self.waiting:
             preemptions = self.num_preemptions
             decode = self._schedule_decode(max_steps=1)
@@ -106,21 +123,31 @@ class Scheduler:
         return SchedulerOutput("prefill", prefill, len(prefill)) if prefill else None
 
     def _schedule_prefill(self, budget: int) -> list[ScheduledSeq]:
-        """Prompt chunks for this step, within `budget` tokens. The runner pads the chunks to
-        [bucket(rows), bucket(longest chunk)]; unless every chunk is short (one minimal token
-        bucket), that padded size is kept within bucket(max_num_batched_tokens), so a long chunk
-        never drags many short rows along."""
+        """Prompt chunks for this step, within `budget` tokens, in queue order. The runner pads
+        the chunks to [bucket(rows), bucket(longest chunk)]; unless every chunk is short (one
+        minimal token bucket), that padded size is kept within bucket(max_num_batched_tokens), so
+        a long chunk never drags many short rows along.
+
+        A prompt whose chunk the budget cuts short is the last one this step. One cut at a
+        snapshot point takes the pages of its whole prompt now and lets the next prompt start:
+        it continues in a later step without needing a page more, so the prompts part-way
+        through their prefill (the front of the queue) can always finish."""
         entries: list[ScheduledSeq] = []
         slots = bucket(self.max_num_batched_tokens, MIN_TOKEN_BUCKET)
         longest = 0
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) + len(entries) < self.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0  # the waiting sequence to look at next: those before it have a chunk this step
+        while i < len(self.waiting) and budget > 0 and len(self.running) + len(entries) < self.max_num_seqs:
+            seq = self.waiting[i]
             if seq.index > 0 and any(e.seq.request_id == seq.request_id for e in entries):
                 break  # next step, n > 1 siblings reuse the prompt pages this step computes
             bm.match_prefix(seq)  # a fresh (or recomputed) sequence skips its cached prefix
             remaining = seq.num_tokens - seq.num_computed_tokens
             chunk = min(remaining, budget)
+            point = bm.next_snapshot_point(seq, seq.num_computed_tokens)
+            at_point = point is not None and point - seq.num_computed_tokens < chunk
+            if at_point:
+                chunk = point - seq.num_computed_tokens
             width = bucket(max(longest, chunk), MIN_TOKEN_BUCKET)
             if entries and width > MIN_TOKEN_BUCKET and bucket(len(entries) + 1) * width > slots:
                 break
@@ -130,14 +157,18 @@ class Scheduler:
                         f"a sequence of {seq.num_tokens} tokens needs {bm.pages_for(seq.num_tokens)} pages "
                         f"but the KV cache has only {bm.num_pages}")
                 break
-            bm.allocate(seq, seq.num_computed_tokens + chunk)
+            holds_prompt = at_point and bm.can_allocate(seq, seq.num_tokens)
+            bm.allocate(seq, seq.num_tokens if holds_prompt else seq.num_computed_tokens + chunk)
             finishes_prompt = chunk == remaining
             entries.append(ScheduledSeq(seq, seq.num_computed_tokens, chunk, sample=finishes_prompt))
             budget -= chunk
             longest = max(longest, chunk)
+            if holds_prompt:
+                i += 1  # the rest of this prompt goes in a later step, the next prompt may start now
+                continue
             if not finishes_prompt:
                 break  # the rest of this prompt goes in the next step
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         return entries
@@ -153,6 +184,9 @@ class Scheduler:
             # A constrained sequence decodes one token per call: its mask changes after each one.
             limit = 1 if seq.params.structured_outputs is not None else max_steps
             steps = max(1, min(limit, seq.token_limit(self.max_model_len) - seq.num_tokens))
+            point = bm.next_snapshot_point(seq, seq.num_tokens - 1)
+            if point is not None:  # the call computes positions num_tokens - 1 .. num_tokens + steps - 2
+                steps = min(steps, point - seq.num_tokens + 1)
             if not bm.can_allocate(seq, seq.num_tokens + steps - 1):
                 steps = 1
             while not bm.can_allocate(seq, seq.num_tokens):
@@ -169,21 +203,23 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        # Only the head of the queue may hold pages while waiting (a prompt part-way through
-        # its chunked prefill). Queueing the victim behind it keeps that true, so the head can
-        # always get the pages it needs once running sequences finish: no deadlock.
-        head = self.waiting[0] if self.waiting else None
-        if head is not None and any(head.block_tables):
-            self.waiting.insert(1, seq)
-        else:
-            self.waiting.appendleft(seq)
+        # Only the front of the queue may hold pages while waiting: prompts part-way through
+        # their chunked prefill, all but the last holding every page their prompt needs
+        # (`_schedule_prefill`). Queueing the victim behind them keeps that true, so they can
+        # always get the pages they need once running sequences finish: no deadlock.
+        ahead = 0
+        while ahead < len(self.waiting) and any(self.waiting[ahead].block_tables):
+            ahead += 1
+        self.waiting.insert(ahead, seq)
         self.num_preemptions += 1
 
     def update_from_output(self, plan: SchedulerOutput, num_new_tokens: list[int]) -> None:
         """Page bookkeeping after a call. Entry i fed its tokens and produced num_new_tokens[i]
         (each one after the first was fed back, so its K/V is written too). A sequence that
         stopped is finished (its pages freed); the others give back the slots of rejected
-        drafts (verify) and register their pages that became full in the prefix cache."""
+        drafts (verify), register their pages that became full in the prefix cache and snapshot
+        their recurrent state at a snapshot point. (Not a stopped one: a stop string found on the
+        host may leave its state past the tokens it keeps.)"""
         for entry, new in zip(plan.entries, num_new_tokens):
             seq = entry.seq
             seq.num_computed_tokens = entry.start + entry.num_tokens + max(new - 1, 0)
@@ -193,10 +229,11 @@ class Scheduler:
             if plan.kind == "verify":
                 self.block_manager.trim(seq, seq.num_tokens)
             self.block_manager.cache_full_pages(seq)
+            self.block_manager.snapshot(seq)
             self.block_manager.release_outside_window(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """Marks `seq` finished (or aborted) and frees its pages, wherever it is."""
+        """Marks `seq` finished (or aborted) and frees its pages and state slot, wherever it is."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

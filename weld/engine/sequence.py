@@ -23,7 +23,9 @@ class Sequence:
     `num_computed_tokens` tokens already have K/V in the pages of `block_tables` (one table per
     page group, `BlockManager`; `block_table` is group 0's); the rest are to be fed to the model.
     A preempted sequence drops its pages and starts again from 0 (recompute), keeping the tokens
-    it had generated.
+    it had generated. A model with linear-attention layers also keeps a recurrent state per
+    sequence, in slot `state_slot` of the cache's slot pools (-1: none), held from the sequence's
+    first scheduled chunk until its pages are freed.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -39,6 +41,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_hashed_pages = 0  # leading pages registered in the prefix cache
         self.last_page_hash: int | None = None  # hash of the last of them (the chain continues from it)
+        self.state_slot = -1  # its recurrent-state slot (`BlockManager`), -1: none
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from weld.models import deepseek, gemma3, gpt_oss, llama
+from weld.models import deepseek, gemma3, gpt_oss, kimi_linear, llama, qwen3_next
 
-FAMILIES: tuple[ModuleType, ...] = (llama, deepseek, gemma3, gpt_oss)
+FAMILIES: tuple[ModuleType, ...] = (llama, deepseek, gemma3, gpt_oss, qwen3_next, kimi_linear)
 
 
 def _index(attribute: str) -> dict[str, ModuleType]:

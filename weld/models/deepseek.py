@@ -27,9 +27,9 @@ from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, LatentPag
 from weld.models.common.checkpoint import Convert, KeyMap
 from weld.models.common import decoder
 from weld.models.common.decoder import Rows, finish, run_layers
-from weld.models.common.layers import fuse_gate_up, gated_mlp, gated_mlp_specs, prepare_head, prepare_matrices, rms_norm
-from weld.models.common.metadata import gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
-from weld.models.common.mla import MLA, mla_attention, mla_scale, mla_specs, split_kv_b
+from weld.models.common.layers import fuse_gate_up, gated_mlp, gated_mlp_specs, rms_norm
+from weld.models.common.metadata import config_check, gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
+from weld.models.common.mla import MLA, mla_attention, mla_hf_keys, mla_scale, mla_specs, split_kv_b
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
 from weld.models.common.spec import WeightSpec, iter_specs
 
@@ -64,11 +64,7 @@ class Config:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value > 0):
-                raise ValueError(f"invalid {self.architecture} config: {name} must be a positive integer, "
-                                 f"got {value!r}")
+        config_check(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "max_position_embeddings"))
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             raise ValueError(f"invalid {self.architecture} config: first_k_dense_replace "
                              f"({self.first_k_dense_replace}) must lie in [0, {self.num_layers}]")
@@ -215,11 +211,7 @@ def hf_keymap(cfg: Config) -> KeyMap:
         "model.embed_tokens.weight": ("embed",), "model.norm.weight": ("final_norm",), "lm_head.weight": ("lm_head",),
         layer + "input_layernorm.weight": path + ("attn_norm",),
         layer + "post_attention_layernorm.weight": path + ("mlp_norm",),
-        attn + "q_proj.weight": path + ("wq",), attn + "q_a_proj.weight": path + ("wq_a",),
-        attn + "q_a_layernorm.weight": path + ("q_a_norm",), attn + "q_b_proj.weight": path + ("wq_b",),
-        attn + "kv_a_proj_with_mqa.weight": path + ("wkv_a",), attn + "kv_a_layernorm.weight": path + ("kv_a_norm",),
-        attn + "kv_b_proj.weight": Convert(split_kv_b(cfg.mla), path + ("w_uk",), path + ("w_uv",)),
-        attn + "o_proj.weight": path + ("wo",),
+        **mla_hf_keys(attn, path, cfg.mla),
         layer + "mlp.gate_proj.weight": path + ("w_gate",), layer + "mlp.up_proj.weight": path + ("w_up",),
         layer + "mlp.down_proj.weight": path + ("w_down",),
         **moe_lib.hf_moe_keys(layer + "mlp.", path + ("moe",)),
@@ -263,16 +255,7 @@ def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     CPU with the native kernels, f32 projections and the LM head packed in panels."""
     if target.backend != "xla":
         return weights
-    for lw in weights["layers"]:
-        fuse_gate_up(lw)
-        if "moe" in lw:
-            moe_lib.fuse_experts(lw["moe"])
-        prepare_matrices(lw, PROJECTIONS, target)
-        if "moe" in lw:
-            moe_lib.prepare_experts(lw["moe"], target)
-        jax.block_until_ready(lw)
-    prepare_head(weights, target)
-    return weights
+    return decoder.prepare_layers(weights, target, PROJECTIONS, fuse_gate_up)
 
 
 # ----- forward -----

@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, PagedKV
-from weld.models.common.checkpoint import Convert, KeyMap
+from weld.models.common.checkpoint import Convert, KeyMap, minus_one
 from weld.models.common import decoder
 from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
 from weld.models.common.layers import fuse_gate_up, gated_mlp, gated_mlp_specs, gelu_tanh, linear, prepare_head, prepare_matrices, rms_norm
-from weld.models.common.metadata import gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
+from weld.models.common.metadata import config_check, gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
 from weld.models.common.spec import WeightSpec, iter_specs
 
@@ -65,14 +65,8 @@ class Config:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        def check(cond: bool, msg: str):
-            if not cond:
-                raise ValueError(f"invalid {self.architecture} config: {msg}")
-
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "sliding_window", "max_position_embeddings"):
-            value = getattr(self, name)
-            check(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        check = config_check(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                                    "head_dim", "sliding_window", "max_position_embeddings"))
         check(self.num_heads % self.num_kv_heads == 0,
               f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         check(len(self.layer_types) == self.num_layers,
@@ -202,15 +196,11 @@ def hf_keymap(cfg: Config) -> KeyMap:
     return KeyMap(keys, ("lm_head.weight",))  # tied: some checkpoints store a copy
 
 
-def _minus_one(w: np.ndarray, _cfg: Any) -> np.ndarray:
-    return w - 1  # llama.cpp's converter stores Gemma's (1 + w) norm weights as 1 + w
-
-
 def gguf_keymap(cfg: Config) -> KeyMap:
-    keys: dict = {"token_embd.weight": ("embed",), "output_norm.weight": Convert(_minus_one, ("final_norm",))}
+    keys: dict = {"token_embd.weight": ("embed",), "output_norm.weight": Convert(minus_one, ("final_norm",))}
     for name, ours in _GGUF_LAYER.items():
         path = ("layers", "{i}", ours)
-        keys[f"blk.{{i}}.{name}.weight"] = Convert(_minus_one, path) if ours.endswith("norm") else path
+        keys[f"blk.{{i}}.{name}.weight"] = Convert(minus_one, path) if ours.endswith("norm") else path
     return KeyMap(keys, ("output.weight",))
 
 

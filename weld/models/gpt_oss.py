@@ -30,7 +30,7 @@ from weld.models.common import decoder
 from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
 from weld.models.common.layers import prepare_head, prepare_matrices, rms_norm
-from weld.models.common.metadata import gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
+from weld.models.common.metadata import config_check, gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
 from weld.models.common.spec import WeightSpec, iter_specs
 
@@ -62,11 +62,8 @@ class Config:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "sliding_window", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value > 0):
-                raise ValueError(f"invalid gpt_oss config: {name} must be a positive integer, got {value!r}")
+        config_check(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                            "sliding_window", "max_position_embeddings"))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"invalid gpt_oss config: num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")

@@ -26,7 +26,7 @@ from weld.models.common import decoder
 from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
 from weld.models.common.layers import fuse_gate_up, gated_mlp, gated_mlp_specs, prepare_head, prepare_matrices, rms_norm
-from weld.models.common.metadata import (gguf_eos_ids, gguf_reader, gguf_vocab_size, hf_bos_id, hf_eos_ids,
+from weld.models.common.metadata import (config_check, gguf_eos_ids, gguf_reader, gguf_vocab_size, hf_bos_id, hf_eos_ids,
                                           hf_field, single)
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
 from weld.models.common.spec import WeightSpec, iter_specs
@@ -77,14 +77,8 @@ class Config:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        def check(cond: bool, msg: str):
-            if not cond:
-                raise ValueError(f"invalid {self.architecture} config: {msg}")
-
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            check(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        check = config_check(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                    "num_kv_heads", "head_dim", "max_position_embeddings"))
         check(self.num_heads % self.num_kv_heads == 0,
               f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         check(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")

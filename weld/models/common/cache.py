@@ -6,9 +6,11 @@ Three kinds of per-layer state:
    latent_dim + rope_dim] holding, per token, the normed compressed KV c_kv then the rotated
    shared key k_pe; attention reads it as one key head whose first latent_dim values are also
    the value (absorbed attention), so nothing is expanded per head;
-3. per-sequence recurrent state (`Recurrent`, linear attention: a causal-conv window and an f32
-   state matrix per sequence). Declared here so that families can state it; the engine does not
-   allocate it yet (the hybrid linear-attention issue adds the slot pool).
+3. per-sequence recurrent state (`Recurrent` -> `RecurrentState`, linear attention): a slot pool
+   per layer, conv [num_slots, channels, conv_width - 1] (the last inputs of the causal conv) and
+   state [num_slots, *state_shape], both f32. A sequence owns one slot (the block manager hands
+   it out, `AttentionBatch.state_slots` says which row uses which); prefix-cache snapshots and
+   speculative roll-back copy whole slots (`Cache.copy_slots`, `take_slots` / `put_slots`).
 
 Paged layers form page groups (`CacheSpec.page_groups`): group 0 holds the layers that see the
 whole context (and MLA's latent layers), then one group per sliding window, whose pages are
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +79,10 @@ class Recurrent:
 
     def bytes_per_sequence(self) -> int:
         return 4 * (self.conv_channels * (self.conv_width - 1) + math.prod(self.state_shape))
+
+    def create(self, num_slots: int) -> "RecurrentState":
+        return RecurrentState(conv=jnp.zeros((num_slots, self.conv_channels, self.conv_width - 1), jnp.float32),
+                              state=jnp.zeros((num_slots,) + tuple(self.state_shape), jnp.float32))
 
 
 LayerCache = PagedKV | PagedLatent | Recurrent
@@ -134,19 +141,20 @@ class CacheSpec:
     def has_recurrent(self) -> bool:
         return any(isinstance(layer, Recurrent) for layer in self.layers)
 
-    def create(self, num_pages: int | tuple[int, ...], page_size: int, dtype) -> "Cache":
-        """Zeroed page pools for every layer: num_pages pages each, or num_pages[g] for the layers
-        of page group g. Raises ValueError for recurrent layers, whose slot pool the engine does
-        not have yet."""
-        if self.has_recurrent:
-            raise ValueError("this model has linear-attention layers (a per-sequence recurrent state), "
-                             "which weld's engine does not support yet")
+    def create(self, num_pages: int | tuple[int, ...], page_size: int, dtype, num_slots: int = 0) -> "Cache":
+        """Zeroed page pools for every paged layer: num_pages pages each, or num_pages[g] for the
+        layers of page group g; and num_slots recurrent-state slots for every linear-attention
+        layer (a model with such layers needs at least one)."""
+        if self.has_recurrent and num_slots < 1:
+            raise ValueError("this model has linear-attention layers: its cache needs recurrent-state slots "
+                             f"(num_slots >= 1, got {num_slots})")
         groups = self.page_groups()
         sizes = (num_pages,) * len(groups) if isinstance(num_pages, int) else tuple(num_pages)
         if len(sizes) != len(groups):
             raise ValueError(f"{len(sizes)} pool sizes for {len(groups)} page groups")
         pages_of = {i: n for group, n in zip(groups, sizes) for i in group.layers}
-        return Cache(layers=[layer.create(pages_of[i], page_size, dtype) for i, layer in enumerate(self.layers)])
+        return Cache(layers=[layer.create(num_slots) if isinstance(layer, Recurrent)
+                             else layer.create(pages_of[i], page_size, dtype) for i, layer in enumerate(self.layers)])
 
 
 @jax.tree_util.register_dataclass
@@ -168,6 +176,20 @@ class LatentPages:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class RecurrentState:
+    """The state slots of one linear-attention layer: conv [slots, channels, conv_width - 1] (the
+    causal conv's last inputs, oldest first) and state [slots, *state_shape], both f32."""
+
+    conv: jax.Array
+    state: jax.Array
+
+
+def _paged(layer) -> bool:
+    return not isinstance(layer, RecurrentState)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class Cache:
     """Every layer's state, in layer order (what `forward` takes and returns, donated)."""
 
@@ -175,11 +197,43 @@ class Cache:
 
     @property
     def num_pages(self) -> int:
-        return jax.tree_util.tree_leaves(self.layers[0])[0].shape[0]
+        return jax.tree_util.tree_leaves(next(x for x in self.layers if _paged(x)))[0].shape[0]
 
     @property
     def page_size(self) -> int:
-        return jax.tree_util.tree_leaves(self.layers[0])[0].shape[1]
+        return jax.tree_util.tree_leaves(next(x for x in self.layers if _paged(x)))[0].shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        """Recurrent-state slots per linear-attention layer (0: the model has none)."""
+        return next((x.conv.shape[0] for x in self.layers if not _paged(x)), 0)
+
+    def take_slots(self, slots: jax.Array) -> list:
+        """The recurrent states of slots [n] (every linear-attention layer's, in layer order; a
+        slot < 0 reads zeros): what `put_slots` writes back."""
+        return [jax.tree_util.tree_map(lambda a: gather_slots(a, slots), x) for x in self.layers if not _paged(x)]
+
+    def put_slots(self, saved: list, slots: jax.Array) -> "Cache":
+        """Writes `take_slots`' states back into slots [n] (a slot < 0 writes nothing)."""
+        it = iter(saved)
+        return Cache(layers=[x if _paged(x) else jax.tree_util.tree_map(lambda a, v: scatter_slots(a, slots, v), x, next(it))
+                             for x in self.layers])
+
+    def copy_slots(self, src: jax.Array, dst: jax.Array) -> "Cache":
+        """Copies the recurrent state of slot src[i] into slot dst[i] (pairs with a negative id
+        copy nothing); every source is read before any destination is written."""
+        return self.put_slots(self.take_slots(src), jnp.where(src < 0, -1, dst))
+
+
+def gather_slots(a: jax.Array, slots: jax.Array) -> jax.Array:
+    """Rows slots [n] of a slot pool a [num_slots, ...]; zeros where a slot is < 0."""
+    rows = jnp.take(a, jnp.maximum(slots, 0), axis=0)
+    return jnp.where((slots >= 0).reshape((-1,) + (1,) * (a.ndim - 1)), rows, 0)
+
+
+def scatter_slots(a: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
+    """a with values[i] written to slot slots[i] (nothing where it is < 0)."""
+    return a.at[jnp.where(slots < 0, a.shape[0], slots)].set(values.astype(a.dtype), mode="drop")
 
 
 @jax.tree_util.register_dataclass
@@ -190,6 +244,11 @@ class AttentionBatch:
     block_tables: int32 [b, max_pages_per_seq], page ids of each row (unused slots: any id).
     Query token (i, j) at position p >= 0 writes its K/V to its page and attends to positions
     0..p of its own row; a position of -1 marks padding, which writes nothing.
+    state_slots: int32 [b], the recurrent-state slot of each row (-1: none; the row's recurrent
+    state is neither read nor written). None: row i uses slot i. A row whose first position is 0
+    starts from a zero state; any other row continues its slot's state.
+    In a grouped (mixed) forward both are tuples with one entry per row group.
     """
 
-    block_tables: jax.Array
+    block_tables: Any
+    state_slots: Any = None

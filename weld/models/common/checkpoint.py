@@ -125,6 +125,11 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def minus_one(w: np.ndarray, _cfg: Any) -> np.ndarray:
+    """llama.cpp's converter stores (1 + w) norm weights (Gemma, Qwen3-Next) as 1 + w: back to w."""
+    return w - 1
+
+
 def split_rows(*fractions: int) -> Callable[[np.ndarray, Any], tuple[np.ndarray, ...]]:
     """A conversion splitting a tensor's axis -2 ([..., rows, in]) or its only axis into parts
     in the ratio `fractions` (e.g. a fused gate/up [E, 2 I, H] -> gate [E, I, H], up [E, I, H])."""

@@ -29,6 +29,7 @@ class Rows:
     positions: tuple[jax.Array, ...]  # int32 [b, t] per group, -1 = padding
     tables: tuple[jax.Array, ...]  # int32 [b, max_pages] per group
     indices: tuple[jax.Array | None, ...]  # int32 [b, n] per group: which tokens get logits (None: all)
+    slots: tuple[jax.Array, ...]  # int32 [b] per group: each row's recurrent-state slot (-1: none)
     grouped: bool
     num_page_groups: int = 1  # the tables hold this many page groups' tables side by side
     # rope -> its angles at every token's position: computed once per forward, used by every layer
@@ -46,7 +47,12 @@ class Rows:
             indices = (None,) * len(groups)
         else:
             indices = tuple(logits_indices) if grouped else (logits_indices,)
-        rows = cls(tuple(g.shape for g in groups), pos, tables, indices, grouped, num_page_groups)
+        if batch.state_slots is None:  # row i of all groups together uses slot i
+            starts = itertools.accumulate((g.shape[0] for g in groups), initial=0)
+            slots = tuple(jnp.arange(g.shape[0], dtype=jnp.int32) + s for g, s in zip(groups, starts))
+        else:
+            slots = tuple(batch.state_slots) if grouped else (batch.state_slots,)
+        rows = cls(tuple(g.shape for g in groups), pos, tables, indices, slots, grouped, num_page_groups)
         return rows, jnp.concatenate([g.reshape(-1) for g in groups])
 
     @property
@@ -69,13 +75,23 @@ class Rows:
         """Runs attention row group by row group: per_token arrays [N, ...] are split and reshaped
         to [b, t, ...]; fn(state, positions [b, t], tables of `page_group`, *arrays) -> (out [b, t, ...],
         state). Returns the outputs flattened back to [N, ...] and the final state."""
+        def tables(g: int) -> jax.Array:
+            width = self.tables[g].shape[1] // self.num_page_groups
+            return self.tables[g][:, page_group * width:(page_group + 1) * width]
+
+        return self._per_group(fn, state, per_token, tables)
+
+    def recur(self, fn: Callable, state: Any, *per_token: jax.Array) -> tuple[jax.Array, Any]:
+        """Runs a recurrent (linear-attention) layer row group by row group, as `attend` does:
+        fn(state, positions [b, t], state slots [b], *arrays [b, t, ...]) -> (out [b, t, ...], state)."""
+        return self._per_group(fn, state, per_token, lambda g: self.slots[g])
+
+    def _per_group(self, fn: Callable, state: Any, per_token, per_group: Callable) -> tuple[jax.Array, Any]:
         outs = []
         parts = [jnp.split(x, self.splits) for x in per_token]
-        for g, ((b, t), pos, tables) in enumerate(zip(self.shapes, self.positions, self.tables)):
-            width = tables.shape[1] // self.num_page_groups
-            tables = tables[:, page_group * width:(page_group + 1) * width]
+        for g, ((b, t), pos) in enumerate(zip(self.shapes, self.positions)):
             arrays = [p[g].reshape((b, t) + p[g].shape[1:]) for p in parts]
-            out, state = fn(state, pos, tables, *arrays)
+            out, state = fn(state, pos, per_group(g), *arrays)
             outs.append(out.reshape((b * t,) + out.shape[2:]))
         return (outs[0] if len(outs) == 1 else jnp.concatenate(outs)), state
 
@@ -112,6 +128,26 @@ def embed_tokens(weights: dict, cfg: Any, tokens: jax.Array) -> jax.Array:
 def lm_head(weights: dict, cfg: Any, hidden: jax.Array) -> jax.Array:
     """Logits [..., v] of final-normed hidden states: the lm_head, or the tied embedding."""
     return linear(hidden, weights.get("lm_head", weights["embed"]))
+
+
+def prepare_layers(weights: dict, target: Any, projections: tuple[str, ...],
+                   fuse: Callable[[dict], None] = lambda lw: None) -> dict:
+    """The XLA weight forms of a family's tree, in place, layer by layer (memory peaks one layer
+    above the model): fuse(layer) (its own fused matrices), an MoE layer's experts fused, the
+    `projections` and the shared expert in `layers.prepared_matrix`'s form for target (packed
+    for the CPU kernels, or quantized at load); then the LM head."""
+    from weld.models.common import moe as moe_lib
+    from weld.models.common.layers import prepare_head, prepare_matrices
+
+    for lw in weights["layers"]:
+        fuse(lw)
+        prepare_matrices(lw, projections, target)
+        if "moe" in lw:
+            moe_lib.fuse_experts(lw["moe"])
+            moe_lib.prepare_experts(lw["moe"], target)
+        jax.block_until_ready(lw)
+    prepare_head(weights, target)
+    return weights
 
 
 def run_layers(x: jax.Array, layers: list, cache: Cache, block: Callable) -> tuple[jax.Array, Cache, list]:

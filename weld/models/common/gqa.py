@@ -2,9 +2,11 @@
 families, written once.
 
     q, k, v = y W_qᵀ (+ b_q), y W_kᵀ (+ b_k), y W_vᵀ (+ b_v)   (fused `wqkv` at load on XLA)
-    q, k    = RMSNorm per head (Qwen3, Gemma: before RoPE), then RoPE
+    q, k    = RMSNorm per head (Qwen3, Gemma: before RoPE), then RoPE (over the first rope.dim
+              dims of each head when that is less than head_dim: Qwen3-Next's partial RoPE)
     o       = softmax(q kᵀ · scale [+ sliding window mask]) v    (+ gpt-oss's sink per head)
-    out     = o W_oᵀ (+ b_o)
+    out     = o W_oᵀ (+ b_o), or (o ∘ sigmoid(gate)) W_oᵀ with an output gate (Qwen3-Next: W_q's
+              rows per head are [q | gate])
 
 Einsum letters: n tokens, h query heads, k kv heads, e head dim.
 """
@@ -40,19 +42,25 @@ class GQA:
     norm_plus_one: bool = False  # Gemma's (1 + w) norms
     sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's denominator
     scale: float | None = None  # None: head_dim ** -0.5
+    output_gate: bool = False  # Qwen3-Next: a sigmoid gate per head and channel on the output
+
+    @property
+    def q_width(self) -> int:
+        """Rows of W_q: the queries (and, with an output gate, the gates) of every head."""
+        return self.num_heads * self.head_dim * (2 if self.output_gate else 1)
 
 
 def gqa_specs(g: GQA, d: int) -> dict:
     """One attention layer's weights, matrices [out, in]."""
     q_dim, kv_dim, e = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, g.head_dim
     spec = {
-        "wq": WeightSpec((q_dim, d), ("q_heads", "embed"), quantize="linear"),
+        "wq": WeightSpec((g.q_width, d), ("q_heads", "embed"), quantize="linear"),
         "wk": WeightSpec((kv_dim, d), ("kv_heads", "embed"), quantize="linear"),
         "wv": WeightSpec((kv_dim, d), ("kv_heads", "embed"), quantize="linear"),
         "wo": WeightSpec((d, q_dim), ("embed", "q_heads"), quantize="linear"),
     }
     if g.qkv_bias:
-        spec.update(bq=WeightSpec((q_dim,), ("q_heads",), init="zeros"),
+        spec.update(bq=WeightSpec((g.q_width,), ("q_heads",), init="zeros"),
                     bk=WeightSpec((kv_dim,), ("kv_heads",), init="zeros"),
                     bv=WeightSpec((kv_dim,), ("kv_heads",), init="zeros"))
     if g.o_bias:
@@ -69,7 +77,7 @@ def qkv_projections(g: GQA, lw: dict, y: jax.Array) -> tuple[jax.Array, jax.Arra
     """q [..., h * e], k and v [..., kv * e] of the normed input y, from fused or separate weights."""
     if "wqkv" in lw:
         qkv = linear(y, lw["wqkv"], lw.get("bqkv"))
-        qd, kd = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+        qd, kd = g.q_width, g.num_kv_heads * g.head_dim
         return qkv[..., :qd], qkv[..., qd:qd + kd], qkv[..., qd + kd:]
     return linear(y, lw["wq"], lw.get("bq")), linear(y, lw["wk"], lw.get("bk")), linear(y, lw["wv"], lw.get("bv"))
 
@@ -80,16 +88,28 @@ def self_attention(g: GQA, lw: dict, y: jax.Array, rows: Rows, pages: KVPages, *
     page_group: whose block tables the layer's pages are in (`CacheSpec.page_groups`)."""
     h, kvh, e = g.num_heads, g.num_kv_heads, g.head_dim
     q, k, v = qkv_projections(g, lw, y)
+    gate = None
+    if g.output_gate:
+        q, gate = jnp.split(q.reshape(-1, h, 2 * e), 2, axis=-1)
     q, k, v = q.reshape(1, -1, h, e), k.reshape(1, -1, kvh, e), v.reshape(-1, kvh, e)
     if g.qk_norm:
         q = rms_norm(q, lw["q_norm"], g.norm_eps, plus_one=g.norm_plus_one)
         k = rms_norm(k, lw["k_norm"], g.norm_eps, plus_one=g.norm_plus_one)
     if rope is not None:
         angles = rows.rope_angles(rope)
-        q, k = rope.rotate(q, angles), rope.rotate(k, angles)
+        q, k = _rotate(rope, q, angles), _rotate(rope, k, angles)
     attn, pages = rows.attend(functools.partial(_attend, window=window, scale=g.scale, sinks=lw.get("sinks")),
                               pages, q[0], k[0], v, page_group=page_group)
+    if gate is not None:
+        attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
     return linear(attn.reshape(-1, h * e), lw["wo"], lw.get("bo")), pages
+
+
+def _rotate(rope: Rope, x: jax.Array, angles) -> jax.Array:
+    """x [..., e] rotated over its first rope.dim dims (all of them, usually)."""
+    if rope.dim == x.shape[-1]:
+        return rope.rotate(x, angles)
+    return jnp.concatenate([rope.rotate(x[..., :rope.dim], angles), x[..., rope.dim:]], axis=-1)
 
 
 def _attend(pages: KVPages, positions, tables, q, k, v, *, window, scale, sinks):

@@ -71,3 +71,17 @@ def single(value: Any, what: str) -> int:
             raise ValueError(f"per-layer {what} is not supported")
         value = value[0]
     return int(value)
+
+
+def config_check(cfg: Any, positive: tuple[str, ...] = ()) -> Callable[[bool, str], None]:
+    """The validation helper of a family Config's __post_init__: check(cond, msg) raises
+    ValueError("invalid <architecture> config: msg") when cond is false. The fields named in
+    `positive` are checked first to be positive integers."""
+    def check(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ValueError(f"invalid {cfg.architecture} config: {msg}")
+
+    for name in positive:
+        value = getattr(cfg, name)
+        check(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+    return check

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from weld.models.common.attention import paged_attention
 from weld.models.common.cache import LatentPages
+from weld.models.common.checkpoint import Convert
 from weld.models.common.decoder import Rows
 from weld.models.common.layers import linear, rms_norm
 from weld.models.common.rope import Rope, RopeScaling, yarn_mscale
@@ -100,6 +101,17 @@ def split_kv_b(mla: MLA):
         return w[:, :mla.nope_dim], w[:, mla.nope_dim:]
 
     return fn
+
+
+def mla_hf_keys(attn: str, path: tuple, mla: MLA) -> dict:
+    """transformers' names of an MLA block under `attn` (e.g. "model.layers.{i}.self_attn.") -> the tree."""
+    return {
+        attn + "q_proj.weight": path + ("wq",), attn + "q_a_proj.weight": path + ("wq_a",),
+        attn + "q_a_layernorm.weight": path + ("q_a_norm",), attn + "q_b_proj.weight": path + ("wq_b",),
+        attn + "kv_a_proj_with_mqa.weight": path + ("wkv_a",), attn + "kv_a_layernorm.weight": path + ("kv_a_norm",),
+        attn + "kv_b_proj.weight": Convert(split_kv_b(mla), path + ("w_uk",), path + ("w_uv",)),
+        attn + "o_proj.weight": path + ("wo",),
+    }
 
 
 def mla_attention(mla: MLA, lw: dict, x: jax.Array, rows: Rows, pages: LatentPages) -> tuple[jax.Array, LatentPages]:

@@ -60,6 +60,7 @@ class MoE:
     n_group: int = 1
     topk_group: int = 1
     shared_intermediate_size: int = 0  # 0: no shared expert (DeepSeek: moe_intermediate_size x n_shared_experts)
+    shared_gate: bool = False  # Qwen3-Next: the shared expert's output scaled by sigmoid(x w_gateᵀ), w_gate [1, d]
     activation: str = "swiglu"
     expert_bias: bool = False  # gpt-oss: biases on the experts' projections
     router_bias: bool = False  # gpt-oss: a bias on the router's logits
@@ -235,7 +236,10 @@ def moe_block(moe: MoE, lw: dict, x: jax.Array) -> jax.Array:
     weights, idx = route(moe, logits, lw.get("router_bias", lw.get("score_bias")))
     y = experts(moe, x, weights, idx, lw)
     if moe.shared_intermediate_size:
-        y = y + gated_mlp(lw["shared"], x)
+        shared = gated_mlp(lw["shared"], x)
+        if moe.shared_gate:
+            shared = shared * jax.nn.sigmoid(linear(x, lw["shared_gate"]).astype(jnp.float32)).astype(shared.dtype)
+        y = y + shared
     return y
 
 
@@ -260,6 +264,8 @@ def moe_specs(moe: MoE, d: int) -> dict:
                     b_down=WeightSpec((n, d), ("experts", "embed"), init="zeros"))
     if moe.shared_intermediate_size:
         spec["shared"] = gated_mlp_specs(d, moe.shared_intermediate_size)
+    if moe.shared_gate:
+        spec["shared_gate"] = WeightSpec((1, d), (None, "embed"))
     return spec
 
 
@@ -267,9 +273,11 @@ def hf_moe_keys(prefix: str, path: tuple) -> dict:
     """transformers' names of an MoE block under `prefix` (e.g. "model.layers.{i}.mlp."): the
     router `gate`, experts one by one (`experts.{e}.gate_proj` ...) or stacked as transformers 5
     holds them in memory (`experts.gate_up_proj` [E, 2 i, d], gate rows then up rows;
-    `experts.down_proj` [E, d, i]), and DeepSeek's `shared_experts` and score correction bias."""
+    `experts.down_proj` [E, d, i]), DeepSeek's `shared_experts` and score correction bias, and
+    Qwen3-Next's `shared_expert` with its `shared_expert_gate`."""
     keys = {
         prefix + "gate.weight": path + ("router",),
+        prefix + "shared_expert_gate.weight": path + ("shared_gate",),
         prefix + "gate.e_score_correction_bias": path + ("score_bias",),
         prefix + "experts.gate_up_proj": Convert(split_rows(1, 1), path + ("w_gate",), path + ("w_up",)),
         prefix + "experts.down_proj": path + ("w_down",),
@@ -277,13 +285,15 @@ def hf_moe_keys(prefix: str, path: tuple) -> dict:
     for hf, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
         keys[prefix + f"experts.{{e}}.{hf}.weight"] = path + (ours,)
         keys[prefix + f"shared_experts.{hf}.weight"] = path + ("shared", ours)
+        keys[prefix + f"shared_expert.{hf}.weight"] = path + ("shared", ours)
     return keys
 
 
 def gguf_moe_keys(blk: str, path: tuple) -> dict:
     """llama.cpp's names of an MoE block (`blk` e.g. "blk.{i}."): router, stacked experts,
     shared experts and DeepSeek-V3's score correction bias."""
-    keys = {blk + "ffn_gate_inp.weight": path + ("router",), blk + "exp_probs_b.bias": path + ("score_bias",)}
+    keys = {blk + "ffn_gate_inp.weight": path + ("router",), blk + "exp_probs_b.bias": path + ("score_bias",),
+            blk + "ffn_gate_inp_shexp.weight": path + ("shared_gate",)}
     for name, ours in (("gate", "w_gate"), ("up", "w_up"), ("down", "w_down")):
         keys[blk + f"ffn_{name}_exps.weight"] = path + (ours,)
         keys[blk + f"ffn_{name}_shexp.weight"] = path + ("shared", ours)
