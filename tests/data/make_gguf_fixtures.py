@@ -31,7 +31,8 @@ import tempfile
 
 LLAMA_CPP_VERSION = "llama-cpp-python 0.3.36 (vendored llama.cpp)"
 DEFAULT_LLAMA_CPP = "/tmp/llcpp/llama_cpp_python-0.3.36/vendor/llama.cpp"
-VARIANTS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen3_next")
+VARIANTS = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen3_next", "qwen3_5_text",
+            "qwen3_5_moe_text", "kimi_linear")
 SEED = 20
 OUT_DIR = pathlib.Path(__file__).resolve().parent / "gguf"
 
@@ -58,6 +59,11 @@ convert_hf_to_gguf.main()
 # the converter writes expert_gating_func; transformers' tiny configs do not (its models hard-code
 # the scoring), and without the key llama.cpp falls back to softmax, so the fixtures set it as
 # the real config.json files do (transformers ignores it).
+# Kimi Linear: llama.cpp's converter reads the layer kinds and KDA sizes from the checkpoint's
+# `linear_attn_config` (1-indexed layer lists; transformers' tiny configs spell them as
+# layer_types / linear_* fields instead), and maps no dense MLP under `block_sparse_moe.` (where
+# transformers saves a dense layer's), so the fixture is all-sparse; its kimi-linear metadata has
+# no expert group count (the model has one group), so the fixture routes over one group.
 # gpt-oss: YaRN betas off their defaults (32, 1), far enough to move the tiny model's ramp, so a
 # loader ignoring the converter's rope.scaling.yarn_beta_fast / _slow fails the config check and
 # the logits.
@@ -65,15 +71,18 @@ VARIANT_OVERRIDES = {
     "qwen3_moe": {"mlp_only_layers": [], "norm_topk_prob": True},
     "deepseek_v3": {"scoring_func": "sigmoid"},
     "deepseek_v2": {"scoring_func": "softmax"},
+    "kimi_linear": {"first_k_dense_replace": 0, "mlp_layer_types": ["sparse"] * 4, "n_group": 1,
+                    "linear_attn_config": {"full_attn_layers": [2, 4], "kda_layers": [1, 3], "head_dim": 8,
+                                           "num_heads": 4, "short_conv_kernel_size": 4}},
     "gpt_oss": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 32.0,
                                     "original_max_position_embeddings": 16, "beta_fast": 2.0, "beta_slow": 0.25,
                                     "truncate": False}},
 }
 
 
-# Converter flags per variant: Qwen3-Next's converter expects multi-token-prediction layers
-# (which tiny models have none of) unless told there are none.
-CONVERTER_FLAGS = {"qwen3_next": ["--no-mtp"]}
+# Converter flags per variant: the Qwen3-Next / Qwen3.5 converters expect multi-token-prediction
+# layers (which tiny models have none of) unless told there are none.
+CONVERTER_FLAGS = {"qwen3_next": ["--no-mtp"], "qwen3_5_text": ["--no-mtp"], "qwen3_5_moe_text": ["--no-mtp"]}
 
 
 def fixture_overrides(variant: str, vocab_size: int) -> dict:

@@ -31,13 +31,14 @@ from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, PagedLate
 from weld.models.common.checkpoint import Convert, KeyMap
 from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.layers import fuse_gate_up, gated_mlp, gated_mlp_specs, rms_norm
-from weld.models.common.metadata import config_check, hf_bos_id, hf_eos_ids, hf_field
+from weld.models.common.metadata import (config_check, gguf_eos_ids, gguf_reader, gguf_vocab_size, hf_bos_id, hf_eos_ids,
+                                          hf_field)
 from weld.models.common.mla import MLA, mla_attention, mla_hf_keys, mla_specs
 from weld.models.common.spec import WeightSpec, iter_specs
 
 NAME = "kimi_linear"
 HF_ARCHITECTURES = {"KimiLinearForCausalLM": "kimi_linear", "kimi_linear": "kimi_linear"}
-GGUF_ARCHITECTURES: dict[str, str] = {}
+GGUF_ARCHITECTURES = {"kimi-linear": "kimi_linear"}
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
@@ -127,7 +128,46 @@ class Config:
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
                   read: Callable[[str], np.ndarray] | None = None) -> "Config":
-        raise ValueError("weld reads Kimi Linear from HF checkpoints only (safetensors) for now")
+        """llama.cpp's `kimi-linear` metadata: a layer is MLA where attention.head_count_kv is > 0
+        and KDA where it is 0; the KDA heads' size is kda.head_dim (their count follows from the
+        q projection's rows); MLA's sizes as for deepseek2 (key_length_mla = nope + rope dims)."""
+        arch = metadata.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"unsupported GGUF architecture {arch!r} for the kimi_linear family")
+        key = gguf_reader(metadata, arch)
+        layers = int(key("block_count"))
+        kv_heads = key("attention.head_count_kv")
+        kv_heads = list(kv_heads) if isinstance(kv_heads, (list, tuple)) else [kv_heads] * layers
+        layer_types = tuple(FULL if int(n) > 0 else LINEAR for n in kv_heads)
+        head_dim = int(key("kda.head_dim"))
+        first = layer_types.index(LINEAR) if LINEAR in layer_types else None
+        heads = shapes[f"blk.{first}.attn_q.weight"][0] // head_dim if first is not None else 1
+        eps = float(key("attention.layer_norm_rms_epsilon", 1e-5))
+        net = la.DeltaNet(num_k_heads=heads, num_v_heads=heads, k_dim=head_dim, v_dim=head_dim,
+                          conv_width=int(key("ssm.conv_kernel")), norm_eps=eps, kind="kda")
+        rope_dim = int(key("rope.dimension_count"))
+        nope = int(key("attention.key_length_mla")) - rope_dim
+        mla = MLA(num_heads=int(key("attention.head_count")), q_lora_rank=key("attention.q_lora_rank", None),
+                  kv_lora_rank=int(key("attention.kv_lora_rank")), nope_dim=nope, rope_dim=rope_dim,
+                  v_dim=int(key("attention.value_length_mla")), rope=None, scale=(nope + rope_dim) ** -0.5)
+        moe, sparse = None, ()
+        if key("expert_count", 0):
+            inter = int(key("expert_feed_forward_length"))
+            moe = moe_lib.MoE(num_experts=int(key("expert_count")), top_k=int(key("expert_used_count")),
+                              intermediate_size=inter, router="sigmoid_group",
+                              norm_topk_prob=bool(key("expert_weights_norm", True)),
+                              routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
+                              n_group=int(key("expert_group_count", 1) or 1),
+                              topk_group=int(key("expert_group_used_count", 1) or 1),
+                              shared_intermediate_size=inter * int(key("expert_shared_count", 0)),
+                              score_bias=True)
+            sparse = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes)
+        return cls(architecture="kimi_linear", vocab_size=gguf_vocab_size(metadata, key),
+                   hidden_size=int(key("embedding_length")), intermediate_size=int(key("feed_forward_length", 0)),
+                   num_layers=layers, layer_types=layer_types, linear=net, mla=mla, moe=moe, sparse_layers=sparse,
+                   rms_norm_eps=eps, max_position_embeddings=int(key("context_length", 4096)),
+                   tie_word_embeddings="output.weight" not in shapes,
+                   bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"), eos_token_ids=gguf_eos_ids(metadata))
 
     def num_params(self) -> int:
         return sum(math.prod(s.shape) for _, s in iter_specs(weight_specs(self)))
@@ -162,7 +202,7 @@ def _flat(w: np.ndarray, _cfg: Config) -> np.ndarray:
 
 
 def _conv(w: np.ndarray, _cfg: Config) -> np.ndarray:
-    return w.reshape(w.shape[0], -1)
+    return w.reshape(-1, w.shape[-1])  # HF [C, 1, K], GGUF [1, C, 1, K] -> [C, K]
 
 
 def hf_keymap(cfg: Config) -> KeyMap:
@@ -199,8 +239,39 @@ def hf_keymap(cfg: Config) -> KeyMap:
     return KeyMap(keys, ignore)
 
 
+def _neg_log(w: np.ndarray, _cfg: Config) -> np.ndarray:
+    return np.log(-w).reshape(-1)  # llama.cpp stores A = -exp(A_log)
+
+
 def gguf_keymap(cfg: Config) -> KeyMap:
-    raise ValueError("weld reads Kimi Linear from HF checkpoints only for now")
+    """llama.cpp's kimi-linear names. Its converter stores A as -exp(A_log) [1, 1, H, 1], the convs
+    as [1, C, 1, K], kv_b split into k_b [nh, r, dn] (transposed) and v_b [nh, dv, r]; KDA's q and
+    output projections share MLA's names (attn_q, attn_output), told apart by the layer's type."""
+    blk, path = "blk.{i}.", ("layers", "{i}")
+    keys: dict = {
+        "token_embd.weight": ("embed",), "output_norm.weight": ("final_norm",), "output.weight": ("lm_head",),
+        blk + "attn_norm.weight": path + ("attn_norm",), blk + "ffn_norm.weight": path + ("mlp_norm",),
+        blk + "attn_kv_a_mqa.weight": path + ("wkv_a",), blk + "attn_kv_a_norm.weight": path + ("kv_a_norm",),
+        blk + "attn_q_a.weight": path + ("wq_a",), blk + "attn_q_a_norm.weight": path + ("q_a_norm",),
+        blk + "attn_q_b.weight": path + ("wq_b",),
+        blk + "attn_k_b.weight": Convert(lambda w, _: np.swapaxes(w, 1, 2), path + ("w_uk",)),
+        blk + "attn_v_b.weight": path + ("w_uv",),
+        blk + "attn_k.weight": path + ("w_k",), blk + "attn_v.weight": path + ("w_v",),
+        blk + "ssm_beta.weight": path + ("w_b",), blk + "ssm_f_a.weight": path + ("w_fa",),
+        blk + "ssm_f_b.weight": path + ("w_fb",), blk + "ssm_g_a.weight": path + ("w_ga",),
+        blk + "ssm_g_b.weight": path + ("w_gb",), blk + "ssm_a": Convert(_neg_log, path + ("A_log",)),
+        blk + "ssm_dt.bias": path + ("dt_bias",), blk + "ssm_norm.weight": path + ("norm",),
+        blk + "ffn_gate.weight": path + ("w_gate",), blk + "ffn_up.weight": path + ("w_up",),
+        blk + "ffn_down.weight": path + ("w_down",),
+        **moe_lib.gguf_moe_keys(blk, path + ("moe",)),
+    }
+    for stream in "qkv":
+        keys[blk + f"ssm_conv1d_{stream}.weight"] = Convert(_conv, path + (f"conv_{stream}",))
+    for i, kind in enumerate(cfg.layer_types):
+        linear = kind == LINEAR
+        keys[f"blk.{i}.attn_q.weight"] = ("layers", i, "w_q" if linear else "wq")
+        keys[f"blk.{i}.attn_output.weight"] = ("layers", i, "w_out" if linear else "wo")
+    return KeyMap(dict(sorted(keys.items(), key=lambda item: "{i}" in item[0])))
 
 
 def cache_spec(cfg: Config) -> CacheSpec:

@@ -44,7 +44,7 @@ HF_ARCHITECTURES = {
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "qwen3_5_moe_text": "qwen3_5_moe_text",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text", "qwen3_5_moe": "qwen3_5_moe_text",
 }
-GGUF_ARCHITECTURES = {"qwen3next": "qwen3_next"}
+GGUF_ARCHITECTURES = {"qwen3next": "qwen3_next", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
@@ -158,9 +158,11 @@ class Config:
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
                   read: Callable[[str], np.ndarray] | None = None) -> "Config":
-        """llama.cpp's `qwen3next` metadata: the linear layers' sizes under ssm.* (state_size = key
-        head dim, group_count = key heads, time_step_rank = value heads, inner_size = value
-        heads x dim), which layers are linear in attention.recurrent_layers."""
+        """llama.cpp's `qwen3next` / `qwen35` / `qwen35moe` metadata: the linear layers' sizes under
+        ssm.* (state_size = key head dim, group_count = key heads, time_step_rank = value heads,
+        inner_size = value heads x dim), which layers are linear in attention.recurrent_layers.
+        The Qwen3.5 converter stores the value heads tiled over the key heads (when they differ
+        in number), which the model then keeps (`DeltaNet.tiled_v_heads`)."""
         arch = metadata.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"unsupported GGUF architecture {arch!r} for the qwen3_next family")
@@ -170,11 +172,12 @@ class Config:
         if recurrent is None:
             interval = int(key("full_attention_interval", 4))
             recurrent = [(i + 1) % interval != 0 for i in range(layers)]
-        v_heads = int(key("ssm.time_step_rank"))
+        v_heads, k_heads = int(key("ssm.time_step_rank")), int(key("ssm.group_count"))
         eps = float(key("attention.layer_norm_rms_epsilon", 1e-6))
-        net = la.DeltaNet(num_k_heads=int(key("ssm.group_count")), num_v_heads=v_heads,
+        net = la.DeltaNet(num_k_heads=k_heads, num_v_heads=v_heads,
                           k_dim=int(key("ssm.state_size")), v_dim=int(key("ssm.inner_size")) // v_heads,
-                          conv_width=int(key("ssm.conv_kernel")), norm_eps=eps)
+                          conv_width=int(key("ssm.conv_kernel")), norm_eps=eps,
+                          tiled_v_heads=arch != "qwen3next" and v_heads != k_heads)
         moe, sparse = None, ()
         if key("expert_count", 0):
             shared = int(key("expert_shared_feed_forward_length", 0))
@@ -184,7 +187,7 @@ class Config:
                               shared_intermediate_size=shared, shared_gate=bool(shared))
             sparse = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes)
         return cls(
-            architecture="qwen3_next", vocab_size=gguf_vocab_size(metadata, key),
+            architecture=GGUF_ARCHITECTURES[arch], vocab_size=gguf_vocab_size(metadata, key),
             hidden_size=int(key("embedding_length")), intermediate_size=int(key("feed_forward_length", 0)),
             num_layers=layers, num_heads=int(key("attention.head_count")),
             num_kv_heads=single(key("attention.head_count_kv"), "head_count_kv"),
@@ -293,9 +296,10 @@ def _a_log(w: np.ndarray, _cfg: Config) -> np.ndarray:
 
 
 def gguf_keymap(cfg: Config) -> KeyMap:
-    """llama.cpp's qwen3next names. Its converter stores the (1 + w) norms as 1 + w (the linear
-    layers' output norm excepted), A as -exp(A_log), the conv squeezed to [C, K], and splits
-    in_proj_qkvz into the flat attn_qkv and attn_gate (z); ssm_ba keeps HF's grouped rows."""
+    """llama.cpp's qwen3next / qwen35 / qwen35moe names. Its converter stores the (1 + w) norms as
+    1 + w (the linear layers' output norm excepted), A as -exp(A_log), the conv squeezed to
+    [C, K], Qwen3-Next's in_proj_qkvz split into the flat attn_qkv and attn_gate (z) while
+    ssm_ba keeps HF's grouped rows; Qwen3.5's b and a as ssm_beta and ssm_alpha."""
     blk, at = "blk.{i}.", lambda *leaf: ("layers", "{i}") + leaf
     keys: dict = {
         "token_embd.weight": ("embed",), "output.weight": ("lm_head",),
@@ -308,6 +312,7 @@ def gguf_keymap(cfg: Config) -> KeyMap:
         blk + "attn_output.weight": at("wo"),
         blk + "attn_qkv.weight": at("w_qkv"), blk + "attn_gate.weight": at("w_z"),
         blk + "ssm_ba.weight": Convert(_ungroup_ba, at("w_b"), at("w_a"), rows_only=True),
+        blk + "ssm_beta.weight": at("w_b"), blk + "ssm_alpha.weight": at("w_a"),
         blk + "ssm_conv1d.weight": at("conv"), blk + "ssm_a": Convert(_a_log, at("A_log")),
         blk + "ssm_dt.bias": at("dt_bias"), blk + "ssm_norm.weight": at("norm"), blk + "ssm_out.weight": at("w_out"),
         blk + "ffn_gate.weight": at("w_gate"), blk + "ffn_up.weight": at("w_up"), blk + "ffn_down.weight": at("w_down"),

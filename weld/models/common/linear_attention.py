@@ -61,6 +61,9 @@ class DeltaNet:
     norm_eps: float = 1e-6  # of the gated output norm
     kind: str = "gdn"
     gate_lower_bound: float | None = None  # KDA only: a floor (< 0) on the log-decay
+    # The value heads' order: grouped by key head (HF: key head j serves value heads j r .. j r + r - 1)
+    # or tiled (llama.cpp's Qwen3.5 GGUFs: value head p is served by key head p mod Hk).
+    tiled_v_heads: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -205,8 +208,9 @@ def delta_net_core(net: DeltaNet, qkv: jax.Array, beta: jax.Array, g: jax.Array,
     q = l2norm(mixed[..., :kd].reshape(bsz, t, net.num_k_heads, net.k_dim)) * net.k_dim ** -0.5
     k = l2norm(mixed[..., kd:2 * kd].reshape(bsz, t, net.num_k_heads, net.k_dim))
     v = mixed[..., 2 * kd:].reshape(bsz, t, net.num_v_heads, net.v_dim)
-    if r > 1:  # key head j serves value heads j r .. j r + r - 1
-        q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)
+    if r > 1:  # each key head serves r value heads (`DeltaNet.tiled_v_heads`: which ones)
+        share = (lambda x: jnp.tile(x, (1, 1, r, 1))) if net.tiled_v_heads else (lambda x: jnp.repeat(x, r, axis=2))
+        q, k = share(q), share(k)
     mask = valid.reshape(valid.shape + (1,) * (g.ndim - 2))
     o, s = delta_rule(q, k, v, jnp.where(mask, g, 0.0), jnp.where(valid[..., None], beta, 0.0), state.state)
     return o, RecurrentState(conv=window, state=s)
