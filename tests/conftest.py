@@ -87,6 +87,12 @@ TINY_VARIANTS = {
                     rope_parameters={**YARN, "factor": 32.0, "original_max_position_embeddings": 16, "truncate": False}),
 }
 FAMILY_VARIANTS = sorted(TINY_VARIANTS)
+# The variants engine-level tests run (each builds engines and compiles their programs). The
+# Qwen3.5 ones are Qwen3-Next's layers in another layout and routing, checked against
+# transformers and llama.cpp's GGUFs at the model level; through the engine only with -m slow.
+SLOW_ENGINE_VARIANTS = {"qwen3_5_text", "qwen3_5_moe_text"}
+ENGINE_VARIANTS = [pytest.param(v, marks=pytest.mark.slow) if v in SLOW_ENGINE_VARIANTS else v
+                   for v in FAMILY_VARIANTS]
 
 
 def make_tiny_hf_model(variant: str, directory: pathlib.Path, seed: int = 0, **overrides):

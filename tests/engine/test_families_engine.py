@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import FAMILY_VARIANTS
+from tests.conftest import ENGINE_VARIANTS
 from weld import LLM, SamplingParams
 from weld.engine.block_manager import BlockManager
 from weld.engine.sampling_params import StructuredOutputsParams
@@ -28,7 +28,7 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.fixture(scope="module", params=FAMILY_VARIANTS)
+@pytest.fixture(scope="module", params=ENGINE_VARIANTS)
 def case(request, tiny_family_dir):
     directory, hf = tiny_family_dir(request.param)
     llm = LLM(str(directory), **ENGINE)

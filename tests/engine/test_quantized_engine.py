@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.conftest import FAMILY_VARIANTS
+from tests.conftest import ENGINE_VARIANTS
 from weld import LLM, SamplingParams
 from weld.models.common import quant
 from weld.utils.errors import InvalidInputError
@@ -69,7 +69,7 @@ def test_quantization_of_a_gguf(smollm2_f32, mode, tolerance):
     assert abs(ours.mean() / ref.mean() - 1) < tolerance
 
 
-@pytest.mark.parametrize("variant", FAMILY_VARIANTS)
+@pytest.mark.parametrize("variant", ENGINE_VARIANTS)
 @pytest.mark.parametrize("mode", ["int8", "int4", "int4_g128", "int8_channel"])
 def test_every_family_quantizes(variant, mode, tiny_family_dir):
     """An HF checkpoint of every family with quantization int8 / int4: its projections (and

@@ -239,6 +239,28 @@ def test_evicted_pages_do_not_hit():
     assert bm.match_prefix(again) == 0 and again.block_table == []
 
 
+def random_traffic(sched: Scheduler, pending: list, rng, run, check=lambda: None, steps: int = 20000) -> list:
+    """Random traffic: requests from `pending` ((sequence, abort?) popped from the end) arrive at
+    random steps, each plan goes to run(plan), and the ones marked for abort are aborted at random
+    moments; check() after every step. Returns every (sequence, abort?) that arrived."""
+    live: list[tuple[Sequence, bool]] = []
+    for _ in range(steps):
+        while pending and rng.random() < 0.3:
+            s, abort = pending.pop()
+            sched.add(s)
+            live.append((s, abort))
+        plan = sched.schedule()
+        if plan is None and not pending:
+            break
+        if plan is not None:
+            run(plan)
+        for s, abort in live:
+            if abort and not s.is_finished and rng.random() < 0.1:
+                sched.finish(s, "abort")
+        check()
+    return live
+
+
 def test_random_requests_with_aborts_leak_no_pages():
     """500 requests with shared prefixes, random lengths, 20% aborted at random moments."""
     import random
@@ -252,16 +274,8 @@ def test_random_requests_with_aborts_leak_no_pages():
         prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
         s = Sequence(str(i), prompt, SamplingParams(max_tokens=rng.randrange(1, 12)))
         pending.append((s, rng.random() < 0.2))
-    live: list[tuple[Sequence, bool]] = []
-    for _ in range(20000):
-        while pending and rng.random() < 0.3:
-            s, abort = pending.pop()
-            sched.add(s)
-            live.append((s, abort))
-        plan = sched.schedule()
-        if plan is None and not pending:
-            break
-        for e in (plan.entries if plan else []):
+    def run(plan):
+        for e in plan.entries:
             e.seq.num_computed_tokens = e.start + e.num_tokens
             if e.sample:
                 for k in range(e.max_steps):
@@ -273,9 +287,8 @@ def test_random_requests_with_aborts_leak_no_pages():
                         break
                 if not e.seq.is_finished:
                     bm.cache_full_pages(e.seq)
-        for s, abort in live:
-            if abort and not s.is_finished and rng.random() < 0.1:
-                sched.finish(s, "abort")
+
+    live = random_traffic(sched, pending, rng, run)
     assert not pending and not sched.has_unfinished()
     assert all(s.is_finished for s, _ in live) and len(live) == 500
     assert bm.num_free_pages == bm.num_pages
@@ -577,21 +590,7 @@ def test_random_requests_keep_every_state_slot_right(prefix):
         for index in range(2 if rng.random() < 0.2 else 1):
             pending.append((Sequence(str(i), prompt, params, index=index), rng.random() < 0.2))
     pending.reverse()
-    live = []
-    for _ in range(20000):
-        while pending and rng.random() < 0.3:
-            s, abort = pending.pop()
-            sched.add(s)
-            live.append((s, abort))
-        plan = sched.schedule()
-        if plan is None and not pending:
-            break
-        if plan is not None:
-            device.run(plan)
-        for s, abort in live:
-            if abort and not s.is_finished and rng.random() < 0.1:
-                sched.finish(s, "abort")
-        assert_slots_consistent(sched)
+    live = random_traffic(sched, pending, rng, device.run, check=lambda: assert_slots_consistent(sched))
     assert not pending and not sched.has_unfinished() and all(s.is_finished for s, _ in live)
     assert bm.num_free_pages == bm.num_pages and bm.num_free_slots == bm.num_slots
     assert device.continued > 0 and sched.num_preemptions > 0

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.conftest import FAMILY_VARIANTS
+from tests.conftest import ENGINE_VARIANTS, FAMILY_VARIANTS
 from tests.weights.test_gguf import check_error as one_line
 from weld import LLM, SamplingParams
 from weld.models.common import quant
@@ -86,7 +86,7 @@ def test_converted_model_serves_the_same_text(kept):
     assert ours.token_ids == ref.token_ids and ours.text == ref.text
 
 
-@pytest.mark.parametrize("variant", FAMILY_VARIANTS)
+@pytest.mark.parametrize("variant", ENGINE_VARIANTS)
 def test_every_family_converts_quantized(variant, tiny_family_dir, tmp_path):
     """A HF checkpoint of every family (experts stored one per tensor, fused, split) converted with
     int4: the converted tree is the one a quantizing load gives, quantized exactly where the

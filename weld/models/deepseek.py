@@ -27,11 +27,11 @@ from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, LatentPag
 from weld.models.common.checkpoint import Convert, KeyMap
 from weld.models.common import decoder
 from weld.models.common.decoder import Rows, finish, run_layers
-from weld.models.common.layers import fuse_gate_up, gated_mlp, gated_mlp_specs, rms_norm
+from weld.models.common.layers import fuse_gate_up, gated_mlp, rms_norm
 from weld.models.common.metadata import config_check, gguf_eos_ids, gguf_reader, hf_bos_id, hf_eos_ids, hf_field
 from weld.models.common.mla import MLA, mla_attention, mla_hf_keys, mla_scale, mla_specs, split_kv_b
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
-from weld.models.common.spec import WeightSpec, iter_specs
+from weld.models.common.spec import iter_specs
 
 NAME = "deepseek"
 HF_ARCHITECTURES = {
@@ -188,20 +188,7 @@ class Config:
 # ----- weights -----
 
 def weight_specs(cfg: Config) -> dict:
-    d, f = cfg.hidden_size, cfg.intermediate_size
-
-    def layer(i: int) -> dict:
-        spec = {"attn_norm": WeightSpec((d,), ("embed",), init="ones"),
-                "mlp_norm": WeightSpec((d,), ("embed",), init="ones"), **mla_specs(cfg.mla, d)}
-        if i in cfg.sparse_layers:
-            spec["moe"] = moe_lib.moe_specs(cfg.moe, d)
-        else:
-            spec.update(gated_mlp_specs(d, f))
-        return spec
-
-    return {**decoder.embedding_specs(cfg.vocab_size, d, cfg.tie_word_embeddings),
-            "layers": [layer(i) for i in range(cfg.num_layers)],
-            "final_norm": WeightSpec((d,), ("embed",), init="ones")}
+    return decoder.decoder_specs(cfg, lambda i: mla_specs(cfg.mla, cfg.hidden_size))
 
 
 def hf_keymap(cfg: Config) -> KeyMap:

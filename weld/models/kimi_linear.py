@@ -30,11 +30,11 @@ from weld.models.common import moe as moe_lib
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, PagedLatent
 from weld.models.common.checkpoint import Convert, KeyMap
 from weld.models.common.decoder import Rows, finish, run_layers
-from weld.models.common.layers import fuse_gate_up, gated_mlp, gated_mlp_specs, rms_norm
+from weld.models.common.layers import fuse_gate_up, gated_mlp, rms_norm
 from weld.models.common.metadata import (config_check, gguf_eos_ids, gguf_reader, gguf_vocab_size, hf_bos_id, hf_eos_ids,
                                           hf_field)
 from weld.models.common.mla import MLA, mla_attention, mla_hf_keys, mla_specs
-from weld.models.common.spec import WeightSpec, iter_specs
+from weld.models.common.spec import iter_specs
 
 NAME = "kimi_linear"
 HF_ARCHITECTURES = {"KimiLinearForCausalLM": "kimi_linear", "kimi_linear": "kimi_linear"}
@@ -180,21 +180,8 @@ def _optional_float(value: Any) -> float | None:
 # ----- weights -----
 
 def weight_specs(cfg: Config) -> dict:
-    d = cfg.hidden_size
-
-    def layer(i: int) -> dict:
-        mixer = la.delta_net_specs(cfg.linear, d) if cfg.layer_types[i] == LINEAR else mla_specs(cfg.mla, d)
-        spec = {"attn_norm": WeightSpec((d,), ("embed",), init="ones"), **mixer,
-                "mlp_norm": WeightSpec((d,), ("embed",), init="ones")}
-        if i in cfg.sparse_layers:
-            spec["moe"] = moe_lib.moe_specs(cfg.moe, d)
-        else:
-            spec.update(gated_mlp_specs(d, cfg.intermediate_size))
-        return spec
-
-    return {**decoder.embedding_specs(cfg.vocab_size, d, cfg.tie_word_embeddings),
-            "layers": [layer(i) for i in range(cfg.num_layers)],
-            "final_norm": WeightSpec((d,), ("embed",), init="ones")}
+    return decoder.decoder_specs(cfg, lambda i: la.delta_net_specs(cfg.linear, cfg.hidden_size)
+                                 if cfg.layer_types[i] == LINEAR else mla_specs(cfg.mla, cfg.hidden_size))
 
 
 def _flat(w: np.ndarray, _cfg: Config) -> np.ndarray:

@@ -25,11 +25,11 @@ from weld.models.common.checkpoint import Convert, KeyMap, unpermute_rows
 from weld.models.common import decoder
 from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
-from weld.models.common.layers import fuse_gate_up, gated_mlp, gated_mlp_specs, prepare_head, prepare_matrices, rms_norm
+from weld.models.common.layers import fuse_gate_up, gated_mlp, prepare_head, prepare_matrices, rms_norm
 from weld.models.common.metadata import (config_check, gguf_eos_ids, gguf_reader, gguf_vocab_size, hf_bos_id, hf_eos_ids,
                                           hf_field, single)
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
-from weld.models.common.spec import WeightSpec, iter_specs
+from weld.models.common.spec import iter_specs
 
 NAME = "llama"
 HF_ARCHITECTURES = {
@@ -267,20 +267,7 @@ def _moe_from_hf(arch: str, text: Mapping[str, Any], layers: int) -> tuple[moe_l
 def weight_specs(cfg: Config) -> dict:
     """The weight tree, declared once. Matrices are [out, in] as in HF and GGUF files; experts
     are stacked [experts, out, in]."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-
-    def layer(i: int) -> dict:
-        spec = {"attn_norm": WeightSpec((d,), ("embed",), init="ones"), **gqa_specs(cfg.attention, d),
-                "mlp_norm": WeightSpec((d,), ("embed",), init="ones")}
-        if i in cfg.sparse_layers:
-            spec["moe"] = moe_lib.moe_specs(cfg.moe, d)
-        else:
-            spec.update(gated_mlp_specs(d, f))
-        return spec
-
-    return {**decoder.embedding_specs(cfg.vocab_size, d, cfg.tie_word_embeddings),
-            "layers": [layer(i) for i in range(cfg.num_layers)],
-            "final_norm": WeightSpec((d,), ("embed",), init="ones")}
+    return decoder.decoder_specs(cfg, lambda i: gqa_specs(cfg.attention, cfg.hidden_size))
 
 
 _ATTENTION_HF = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo"}

@@ -30,11 +30,11 @@ from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, PagedKV
 from weld.models.common.checkpoint import Convert, KeyMap, minus_one
 from weld.models.common.decoder import Rows, finish, run_layers
 from weld.models.common.gqa import GQA, fuse_qkv, gqa_specs, self_attention
-from weld.models.common.layers import fuse_gate_up, gated_mlp, gated_mlp_specs, rms_norm
+from weld.models.common.layers import fuse_gate_up, gated_mlp, rms_norm
 from weld.models.common.metadata import (config_check, gguf_eos_ids, gguf_reader, gguf_vocab_size, hf_bos_id, hf_eos_ids,
                                           hf_field, single)
 from weld.models.common.rope import Rope, RopeScaling, rope_from_hf
-from weld.models.common.spec import WeightSpec, iter_specs
+from weld.models.common.spec import iter_specs
 
 NAME = "qwen3_next"
 HF_ARCHITECTURES = {
@@ -217,21 +217,10 @@ class Config:
 # ----- weights -----
 
 def weight_specs(cfg: Config) -> dict:
-    d = cfg.hidden_size
-
-    def layer(i: int) -> dict:
-        mixer = la.delta_net_specs(cfg.linear, d) if cfg.layer_types[i] == LINEAR else gqa_specs(cfg.attention, d)
-        spec = {"attn_norm": WeightSpec((d,), ("embed",), init="zeros"), **mixer,
-                "mlp_norm": WeightSpec((d,), ("embed",), init="zeros")}
-        if i in cfg.sparse_layers:
-            spec["moe"] = moe_lib.moe_specs(cfg.moe, d)
-        else:
-            spec.update(gated_mlp_specs(d, cfg.intermediate_size))
-        return spec
-
-    return {**decoder.embedding_specs(cfg.vocab_size, d, cfg.tie_word_embeddings),
-            "layers": [layer(i) for i in range(cfg.num_layers)],
-            "final_norm": WeightSpec((d,), ("embed",), init="zeros")}
+    """The weight tree; its norms are (1 + w), stored around 0."""
+    return decoder.decoder_specs(cfg, lambda i: la.delta_net_specs(cfg.linear, cfg.hidden_size)
+                                 if cfg.layer_types[i] == LINEAR else gqa_specs(cfg.attention, cfg.hidden_size),
+                                 norm_init="zeros")
 
 
 def _ungroup_qkvz(w: np.ndarray, cfg: Config) -> tuple[np.ndarray, np.ndarray]:

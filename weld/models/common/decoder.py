@@ -119,6 +119,29 @@ def embedding_specs(vocab_size: int, d: int, tied: bool) -> dict:
             "lm_head": WeightSpec((vocab_size, d), ("vocab", "embed"), quantize="head")}
 
 
+def decoder_specs(cfg: Any, mixer: Callable[[int], dict], norm_init: str = "ones") -> dict:
+    """The weight tree of a pre-norm decoder: the embeddings (`embedding_specs`), then per layer
+    i its `attn_norm`, the token mixer's weights mixer(i) (attention, MLA, linear attention),
+    `mlp_norm` and its MLP (the experts of cfg.moe on cfg.sparse_layers, else a SwiGLU of
+    cfg.intermediate_size), and the `final_norm`. norm_init: "zeros" for (1 + w) norms."""
+    from weld.models.common import moe as moe_lib
+    from weld.models.common.layers import gated_mlp_specs
+
+    d = cfg.hidden_size
+    norm = lambda: WeightSpec((d,), ("embed",), init=norm_init)  # noqa: E731
+
+    def layer(i: int) -> dict:
+        spec = {"attn_norm": norm(), **mixer(i), "mlp_norm": norm()}
+        if i in cfg.sparse_layers:
+            spec["moe"] = moe_lib.moe_specs(cfg.moe, d)
+        else:
+            spec.update(gated_mlp_specs(d, cfg.intermediate_size))
+        return spec
+
+    return {**embedding_specs(cfg.vocab_size, d, cfg.tie_word_embeddings),
+            "layers": [layer(i) for i in range(cfg.num_layers)], "final_norm": norm()}
+
+
 def embed_tokens(weights: dict, cfg: Any, tokens: jax.Array) -> jax.Array:
     """Input embeddings [..., d] of token ids: rows of weights["embed"] (the families that scale
     or otherwise change them write their own)."""
