@@ -141,3 +141,21 @@ def test_prefill_then_paged_decode_match_hf(case):
         pos = len(prompt) + step
         logits, cache = run(loaded, cache, [[full[pos]]], [[pos]], table)
         np.testing.assert_allclose(logits[0, 0], ref[pos], atol=1e-4, rtol=0, err_msg=f"{variant} decode step {step}")
+
+
+@pytest.mark.parametrize("variant,key,value,needle", [
+    ("qwen3_next", "qwen3next.ssm.time_step_rank", 0, "ssm.inner_size"),
+    ("qwen3_next", "qwen3next.ssm.inner_size", 47, "ssm.inner_size"),
+    ("kimi_linear", "kimi-linear.kda.head_dim", 0, "kda.head_dim"),
+    ("kimi_linear", "kimi-linear.kda.head_dim", 5, "kda.head_dim"),
+])
+def test_bad_hybrid_metadata_is_a_clear_error(variant, key, value, needle):
+    """Linear-attention sizes a GGUF states that do not fit its tensors: a ValueError naming the key."""
+    gguf_file = GGUFFile(OUT_DIR / f"{variant}.gguf")
+    from weld.models import family_for_gguf
+
+    metadata = {**gguf_file.metadata, key: value}
+    module = family_for_gguf(metadata["general.architecture"])
+    shapes = {name: tuple(int(x) for x in reversed(t.shape)) for name, t in gguf_file.tensors.items()}
+    with pytest.raises(ValueError, match=needle):
+        module.Config.from_gguf(metadata, shapes)

@@ -141,7 +141,11 @@ class Config:
         layer_types = tuple(FULL if int(n) > 0 else LINEAR for n in kv_heads)
         head_dim = int(key("kda.head_dim"))
         first = layer_types.index(LINEAR) if LINEAR in layer_types else None
-        heads = shapes[f"blk.{first}.attn_q.weight"][0] // head_dim if first is not None else 1
+        q_rows = shapes.get(f"blk.{first}.attn_q.weight", (0,))[0] if first is not None else head_dim
+        if head_dim <= 0 or q_rows <= 0 or q_rows % head_dim:
+            raise ValueError(f"GGUF {arch}: the first KDA layer's attn_q ({q_rows} rows) is not a positive multiple of "
+                             f"kda.head_dim ({head_dim})")
+        heads = q_rows // head_dim
         eps = float(key("attention.layer_norm_rms_epsilon", 1e-5))
         net = la.DeltaNet(num_k_heads=heads, num_v_heads=heads, k_dim=head_dim, v_dim=head_dim,
                           conv_width=int(key("ssm.conv_kernel")), norm_eps=eps, kind="kda")

@@ -173,6 +173,9 @@ class Config:
             interval = int(key("full_attention_interval", 4))
             recurrent = [(i + 1) % interval != 0 for i in range(layers)]
         v_heads, k_heads = int(key("ssm.time_step_rank")), int(key("ssm.group_count"))
+        if v_heads <= 0 or int(key("ssm.inner_size")) % v_heads:
+            raise ValueError(f"GGUF {arch}: ssm.inner_size ({key('ssm.inner_size')}) is not a positive multiple of "
+                             f"ssm.time_step_rank (the value heads, {v_heads})")
         eps = float(key("attention.layer_norm_rms_epsilon", 1e-6))
         net = la.DeltaNet(num_k_heads=k_heads, num_v_heads=v_heads,
                           k_dim=int(key("ssm.state_size")), v_dim=int(key("ssm.inner_size")) // v_heads,
