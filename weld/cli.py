@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     from weld import __version__
     from weld import bench as bench_module  # light at import: numpy and flags only
-    from weld.config import add_engine_arguments
+    from weld.config import add_engine_arguments, add_multihost_arguments
 
     parser.add_argument("--version", action="version", version=f"weld {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /metrics, "
                                        "/health, /version. SIGTERM finishes the requests in flight, then exits.")
     add_engine_arguments(serve)
+    add_multihost_arguments(serve)
     _serve_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -169,6 +170,9 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    help="sequences queued beyond --max-num-seqs before new requests get a 429 (default: 256)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info)")
+    g.add_argument("--headless", action="store_true",
+                   help="a rank > 0 of a multi-host run (--nnodes): no HTTP server, only run the device calls "
+                        "rank 0 sends (docs/distributed.md)")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -257,6 +261,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_waiting < 0:
         raise InvalidInputError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     config = _engine_config(args)
+    parallel = config.parallel
+    if parallel.node_rank > 0 and not args.headless:
+        raise InvalidInputError(f"--node-rank {parallel.node_rank} runs headless (rank 0 serves HTTP): add --headless")
+    if args.headless:
+        if parallel.node_rank == 0:
+            raise InvalidInputError("--headless is for the ranks > 0 of a multi-host run: give --nnodes N and "
+                                    "--node-rank R (1 <= R < N); rank 0 serves HTTP")
+        return _serve_headless(config)
     engine = AsyncLLM(engine_config=config, progress=None)
     warmup(engine)
     source = engine.llm.model.source
@@ -266,6 +278,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           model_root=str(source.path))
     print(f"weld: serving {server.served_model_name} on http://{args.host}:{args.port}", file=sys.stderr)
     serve(engine, server, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _serve_headless(config) -> int:
+    """A rank > 0: builds its share of the model, then runs the device calls rank 0 sends until it stops."""
+    from weld.engine import distributed
+    from weld.engine.llm import LLM
+
+    llm = LLM(engine_config=config, progress=None)
+    print(f"weld: rank {config.parallel.node_rank} of {config.parallel.nnodes} running headless", file=sys.stderr)
+    distributed.run_headless(llm)
     return 0
 
 

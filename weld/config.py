@@ -38,6 +38,7 @@ MAX_BATCHED_TOKENS = 1 << 20
 MAX_PAGE_SIZE = 1024
 MAX_STEPS_PER_CALL = 256
 MAX_NUM_PAGES = 1 << 24
+MAX_DEVICES = 1 << 16
 
 
 def _check(cond: bool, message: str) -> None:
@@ -93,6 +94,56 @@ class SchedulerConfig:
         if self.max_model_len is not None:
             _int_in("max_model_len", self.max_model_len, 1)
         _int_in("steps_per_call", self.steps_per_call, 1, MAX_STEPS_PER_CALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over devices (vLLM's names): tensor_parallel_size devices split
+    every layer (attention heads, MLP columns, the vocabulary), data_parallel_size groups of them
+    split the batch rows; enable_expert_parallel puts the routed experts over all tp x dp
+    devices instead of splitting each expert, and expert_tensor_parallel_size (with it) splits
+    each expert's FFN over that many of the tp devices (the seeds' TP4 x EP8 on 32 devices:
+    tp 32, expert tp 4). `weld.models.common.sharding` holds the rules. nnodes > 1 spreads the
+    devices over hosts (`jax.distributed`): rank 0 (node_rank) schedules and serves, the others
+    run headless, every rank connects to master_addr:master_port (the JAX coordinator; the
+    step plans go over master_port + 1)."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    expert_tensor_parallel_size: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    def __post_init__(self):
+        _int_in("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_DEVICES)
+        _int_in("data_parallel_size", self.data_parallel_size, 1, MAX_DEVICES)
+        _check(self.world_size <= MAX_DEVICES,
+               f"tensor_parallel_size x data_parallel_size must be at most {MAX_DEVICES}, got {self.world_size}")
+        _check(isinstance(self.enable_expert_parallel, bool),
+               f"enable_expert_parallel must be true or false, got {self.enable_expert_parallel!r}")
+        if self.expert_tensor_parallel_size is not None:
+            _check(self.enable_expert_parallel, "expert_tensor_parallel_size needs enable_expert_parallel")
+            _int_in("expert_tensor_parallel_size", self.expert_tensor_parallel_size, 1, self.tensor_parallel_size)
+            _check(self.tensor_parallel_size % self.expert_tensor_parallel_size == 0,
+                   f"expert_tensor_parallel_size ({self.expert_tensor_parallel_size}) must divide "
+                   f"tensor_parallel_size ({self.tensor_parallel_size})")
+        _int_in("nnodes", self.nnodes, 1, MAX_DEVICES)
+        _int_in("node_rank", self.node_rank, 0, self.nnodes - 1)
+        _int_in("master_port", self.master_port, 1, 65534)
+        _check(isinstance(self.master_addr, str) and bool(self.master_addr),
+               f"master_addr must be a host name or address, got {self.master_addr!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Devices the model runs on (over every host)."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size > 1 or self.nnodes > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +227,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self):
         _check(self.dtype in DTYPES or not isinstance(self.dtype, str),
@@ -186,6 +238,12 @@ class EngineConfig:
         _check(self.backend != "megakernel" or self.quantization in (None, "none", "int8_channel"),
                f"the megakernel backend takes float weights or int8 per output channel (quantization "
                f"'int8_channel'), not {self.quantization!r}")
+        if self.parallel.sharded:
+            _check(self.backend == "xla", "the megakernel backend runs on one device: use backend 'xla' with "
+                                          "tensor_parallel_size or data_parallel_size > 1")
+            _check(self.quantization in (None, "none"),
+                   f"quantization {self.quantization!r} runs on one device (the native CPU kernels); over a mesh "
+                   "weights load as float (a GGUF's blocks are dequantized)")
         if self.speculative.method == "dspark" and self.backend == "megakernel":
             raise InvalidInputError("the DSpark drafter needs the target's hidden states, which the megakernel "
                                     "backend does not return: use backend 'xla' or another speculative method")
@@ -193,8 +251,10 @@ class EngineConfig:
     @property
     def load_quantization(self) -> str | None:
         """`weld.weights.load_model`'s quantization: this config's, except that the megakernel takes
-        no GGUF blocks (None: "none")."""
-        return "none" if self.backend == "megakernel" and self.quantization is None else self.quantization
+        no GGUF blocks, nor does a mesh (None: "none")."""
+        if self.quantization is None and (self.backend == "megakernel" or self.parallel.sharded):
+            return "none"
+        return self.quantization
 
     @classmethod
     def create(cls, model: str | None = None, dtype: Any = "auto", *, backend: str = "xla",
@@ -202,7 +262,7 @@ class EngineConfig:
                speculative_config: dict[str, Any] | SpeculativeConfig | None = None, **kwargs: Any) -> "EngineConfig":
         """The config of vLLM-style keyword arguments: CacheConfig's and SchedulerConfig's fields
         by name, speculative_config as vLLM's dict. Unknown keywords are an error."""
-        groups = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        groups = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
         values: dict[str, dict[str, Any]] = {name: {} for name in groups}
         for key, value in kwargs.items():
             group = next((g for g, c in groups.items() if key in {f.name for f in dataclasses.fields(c)}), None)
@@ -214,7 +274,8 @@ class EngineConfig:
         return cls(model=None if model is None else str(model), dtype=dtype, backend=backend,
                    quantization=quantization,
                    cache=CacheConfig(**values["cache"]), scheduler=SchedulerConfig(**values["scheduler"]),
-                   speculative=SpeculativeConfig.parse(speculative_config))
+                   speculative=SpeculativeConfig.parse(speculative_config),
+                   parallel=ParallelConfig(**values["parallel"]))
 
     def replace(self, **changes: Any) -> "EngineConfig":
         """A copy with top-level fields or group fields (by their own names) changed."""
@@ -222,11 +283,13 @@ class EngineConfig:
         rest = {k: v for k, v in changes.items() if k not in top}
         cache = {k: v for k, v in rest.items() if k in {f.name for f in dataclasses.fields(CacheConfig)}}
         sched = {k: v for k, v in rest.items() if k in {f.name for f in dataclasses.fields(SchedulerConfig)}}
-        unknown = set(rest) - set(cache) - set(sched)
+        par = {k: v for k, v in rest.items() if k in {f.name for f in dataclasses.fields(ParallelConfig)}}
+        unknown = set(rest) - set(cache) - set(sched) - set(par)
         if unknown:
             raise InvalidInputError(f"unknown engine settings {sorted(unknown)}")
         return dataclasses.replace(self, **top, cache=dataclasses.replace(top.get("cache", self.cache), **cache),
-                                   scheduler=dataclasses.replace(top.get("scheduler", self.scheduler), **sched))
+                                   scheduler=dataclasses.replace(top.get("scheduler", self.scheduler), **sched),
+                                   parallel=dataclasses.replace(top.get("parallel", self.parallel), **par))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -236,7 +299,15 @@ class EngineConfig:
                           max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
                           page_size=args.block_size, num_pages=args.num_pages, kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, steps_per_call=args.steps_per_call)
+                          max_num_batched_tokens=args.max_num_batched_tokens, steps_per_call=args.steps_per_call,
+                          **parallel_settings_from_args(args))
+
+
+def parallel_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """`ParallelConfig`'s keywords from the flags `add_parallel_arguments` (and, where a command
+    defines them, `add_multihost_arguments`) defined."""
+    names = [f.name for f in dataclasses.fields(ParallelConfig)]
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 # ----- command-line flags -----
@@ -282,6 +353,35 @@ def add_engine_arguments(p: argparse.ArgumentParser, *,
     g.add_argument("--steps-per-call", type=int, default=sched.steps_per_call, metavar="K",
                    help=f"decode steps per device call (default: {sched.steps_per_call})")
     add_speculative_arguments(p)
+    add_parallel_arguments(p)
+
+
+def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    """--tensor-parallel-size / -tp, --data-parallel-size / -dp, --enable-expert-parallel
+    (vLLM's names) and --expert-tensor-parallel-size."""
+    g = p.add_argument_group("parallelism (devices of every host: `weld.models.common.sharding`)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                   help="devices that split every layer: attention heads, MLP columns, the vocabulary (default: 1)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
+                   help="groups of --tensor-parallel-size devices that split the batch rows (default: 1)")
+    g.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="put whole routed experts on the tp x dp devices instead of splitting every expert "
+                        "(MoE models)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="with --enable-expert-parallel: split each expert's FFN over N of the tp devices "
+                        "(default: 1)")
+
+
+def add_multihost_arguments(p: argparse.ArgumentParser) -> None:
+    """--nnodes, --node-rank, --master-addr, --master-port (vLLM's names) for a model spread over hosts."""
+    g = p.add_argument_group("multi-host (jax.distributed)")
+    g.add_argument("--nnodes", type=int, default=None, metavar="N", help="hosts the model spans (default: 1)")
+    g.add_argument("--node-rank", type=int, default=None, metavar="R",
+                   help="this host's rank; rank 0 schedules and serves HTTP, the others run --headless (default: 0)")
+    g.add_argument("--master-addr", default=None, metavar="HOST",
+                   help="rank 0's address, where every rank connects (default: 127.0.0.1)")
+    g.add_argument("--master-port", type=int, default=None, metavar="PORT",
+                   help="the JAX coordinator's port on rank 0; the step plans use PORT + 1 (default: 29500)")
 
 
 def add_quantization_argument(g) -> None:

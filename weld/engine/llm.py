@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from weld.config import DEFAULT_KV_CACHE_GB, EngineConfig, SpeculativeConfig
+from weld.engine import distributed
 from weld.engine.block_manager import SNAPSHOT_INTERVAL, BlockManager
 from weld.engine.core import EngineCore
 from weld.engine.outputs import RequestOutput
@@ -23,6 +24,7 @@ from weld.engine.runner import ModelRunner
 from weld.engine.sampling_params import SamplingParams
 from weld.engine.scheduler import Scheduler
 from weld.kernels import cpu as cpu_kernels
+from weld.models.common import sharding
 from weld.models.family import WeightTarget, check_config
 from weld.tokenizer import Tokenizer
 from weld.utils.errors import InvalidInputError
@@ -105,15 +107,22 @@ class LLM:
         elif model is not None or kwargs or dtype != "auto":
             raise InvalidInputError("give either engine_config or the model and keyword settings, not both")
         self.config = config = engine_config
+        # A multi-host run meets its other ranks and starts the JAX runtime over every host
+        # first: nothing may touch a JAX backend before (`weld.engine.distributed`).
+        self.channel = distributed.initialize(config.parallel) if config.parallel.nnodes > 1 else None
         enable_compilation_cache()
         self.dtype = resolve_dtype(config.dtype)
         kv = config.cache.kv_cache_dtype
         self.kv_dtype = self.dtype if kv == "auto" else jnp.dtype(kv)
+        # Over a mesh, the mesh is made from the checkpoint's config before any weight is read, so
+        # that every process reads only the slices of the weights its devices hold.
         self.model = load_model(resolve_model(config.model), dtype=self.dtype, progress=progress,
-                                quantization=config.load_quantization)
+                                quantization=config.load_quantization,
+                                mesh_for=lambda family, cfg: self._mesh(family, config, cfg))
         self.cfg = self.model.cfg
         family = self.model.family
         check_config(self.cfg)
+        self.mesh = self.model.mesh
         if config.backend == "megakernel":  # fail before any weight work: what the kernel does not cover
             try:
                 family.megakernel(self.cfg)
@@ -124,9 +133,14 @@ class LLM:
         self.max_model_len = min(sched.max_model_len or self.cfg.max_position_embeddings,
                                  self.cfg.max_position_embeddings)
         eos = tuple(dict.fromkeys(tuple(self.tokenizer.eos_token_ids) + tuple(self.cfg.eos_token_ids)))
-        target = WeightTarget(config.backend, self.dtype == jnp.float32 and cpu_kernels.available())
+        one_device = self.mesh is None
+        target = WeightTarget(config.backend, one_device and self.dtype == jnp.float32 and cpu_kernels.available(),
+                              fuse=one_device)
         drafter, draft_params, spec = self._load_drafter(config.speculative, target, progress)
         self.model.weights = family.prepare_weights(self.model.weights, self.cfg, target)
+        if self.mesh is not None:
+            self.model.weights = sharding.place(self.model.weights, sharding.weight_shardings(
+                self.model.weights, family.weight_specs(self.cfg), self.mesh))
         groups = family.cache_spec(self.cfg).page_groups()
         num_pages, num_slots, num_snapshot_slots = self._cache_sizes(family, drafter, config)
         # A device drafter keeps per-token state on group 0's pages for the whole context: then
@@ -143,16 +157,33 @@ class LLM:
                              steps_per_call=sched.steps_per_call, eos_token_ids=eos, backend=config.backend,
                              drafter=drafter, draft_params=draft_params, num_spec_tokens=spec.k,
                              spec_rounds=spec.rounds(sched.steps_per_call),
-                             num_state_slots=block_manager.num_state_slots)
+                             num_state_slots=block_manager.num_state_slots, mesh=self.mesh)
         scheduler = Scheduler(block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                               max_model_len=self.max_model_len,
                               steps_per_call=sched.steps_per_call, num_spec_tokens=spec.k,
                               spec_rounds=spec.rounds(sched.steps_per_call))
         self.engine = EngineCore(runner, self.tokenizer, scheduler, max_model_len=self.max_model_len,
                                  eos_token_ids=eos, proposer=_host_proposer(spec))
+        if self.channel is not None:  # rank 0 sends every device call to the others; they replay them
+            self.channel.attach(self)
         self._counter = itertools.count()
         self._progress = progress
         release_free_memory()  # the loader's temporaries
+
+    def _mesh(self, family, config: EngineConfig, cfg: Any = None):
+        """The device mesh of config.parallel (None: one device), its layout checked against the
+        model's config (cfg, or self.cfg)."""
+        cfg = self.cfg if cfg is None else cfg
+        parallel = config.parallel
+        if not parallel.sharded:
+            return None
+        try:
+            mesh = sharding.make_mesh(parallel.tensor_parallel_size, parallel.data_parallel_size,
+                                      parallel.enable_expert_parallel, parallel.expert_tensor_parallel_size)
+            sharding.check_layout(cfg, family.cache_spec(cfg), mesh)
+        except ValueError as err:
+            raise InvalidInputError(str(err)) from None
+        return mesh
 
     def _cache_sizes(self, family, drafter, config: EngineConfig) -> tuple[tuple[int, ...], int, int]:
         """(pages of each page group (`CacheSpec.page_groups`), live recurrent-state slots,

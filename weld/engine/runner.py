@@ -23,6 +23,7 @@ from weld.engine import batch as host_batch
 from weld.engine import programs
 from weld.engine.sampling_params import MAX_LOGPROBS
 from weld.engine.scheduler import SchedulerOutput, bucket
+from weld.models.common import sharding
 from weld.utils.progress import Progress
 
 BACKENDS = ("xla", "megakernel")
@@ -56,6 +57,23 @@ def decode_forward(family: ModuleType, cfg: Any, backend: str):
     return family.forward if backend == "xla" else family.megakernel(cfg)
 
 
+@dataclasses.dataclass(frozen=True)
+class Own:
+    """In a call `ModelRunner.on_call` reports: the runner's own weights (0), cache (1), drafter
+    weights (2) or drafter state (3), which every rank holds for itself."""
+
+    index: int
+
+
+def _rows_split(forward):
+    """forward with its batch rows split over the mesh's data-parallel devices (`sharding.shard_rows`)."""
+    def split(weights, cfg, tokens, positions, *rest, **kwargs):
+        tokens, positions = jax.tree_util.tree_map(sharding.shard_rows, (tokens, positions))
+        return forward(weights, cfg, tokens, positions, *rest, **kwargs)
+
+    return split
+
+
 class ModelRunner:
     """drafter: a device drafter (`weld.engine.spec.drafters`) with its weights draft_params, or
     None; its state gets pools of its own over the same pages, so block tables serve both.
@@ -65,8 +83,11 @@ class ModelRunner:
     def __init__(self, family: ModuleType, cfg: Any, weights: Any, *, num_pages: int | tuple[int, ...], page_size: int,
                  kv_dtype: Any, max_model_len: int, steps_per_call: int = 8, eos_token_ids: tuple[int, ...] = (),
                  backend: str = "xla", drafter: Any = None, draft_params: Any = None, num_spec_tokens: int = 0,
-                 spec_rounds: int = 1, num_state_slots: int = 0):
+                 spec_rounds: int = 1, num_state_slots: int = 0, mesh: Any = None):
         self.family = family
+        self.mesh = mesh  # a device mesh (`weld.models.common.sharding`), or None: one device
+        # Called with (program name, arguments, static arguments) before each device call; see `replay`.
+        self.on_call: Any = None
         self.cfg = cfg
         self.weights = weights
         self.page_size = page_size
@@ -74,26 +95,54 @@ class ModelRunner:
         spec = family.cache_spec(cfg)
         self.num_page_groups = len(spec.page_groups())
         self.recurrent = spec.has_recurrent  # rows name their state slots (else the programs get None)
-        self.cache = spec.create(num_pages, page_size, kv_dtype, num_slots=num_state_slots if self.recurrent else 0)
+        self.cache = self._create(lambda: spec.create(num_pages, page_size, kv_dtype,
+                                                      num_slots=num_state_slots if self.recurrent else 0))
         self.drafter = drafter
         self.draft_params = draft_params
         group0 = num_pages if isinstance(num_pages, int) else num_pages[0]  # a drafter's state: on group 0's pages
-        self.draft_state = (drafter.cache_spec().create(group0, page_size, kv_dtype)
+        self.draft_state = (self._create(lambda: drafter.cache_spec().create(group0, page_size, kv_dtype))
                             if drafter is not None else None)
+        if mesh is not None and draft_params is not None:
+            self.draft_params = sharding.place(draft_params, jax.tree_util.tree_map(
+                lambda _: sharding.replicated(mesh), draft_params))
         self.num_spec_tokens = num_spec_tokens
         self.spec_rounds = spec_rounds  # speculative rounds per device call (host drafts: 1)
         self.steps_per_call = steps_per_call
         self.eos_token_ids = np.asarray(sorted(set(eos_token_ids)) or [-1], np.int32)
         self._programs: set[tuple] = set()
         decode_fwd = decode_forward(family, cfg, backend)  # the verification block runs where decode runs
-        self._prefill = jax.jit(functools.partial(programs.prefill, family.forward, drafter),
-                                static_argnames=("cfg", "num_top", "with_prompt_logprobs"),
-                                donate_argnames=("cache", "draft_state"))
-        self._verify = jax.jit(functools.partial(programs.verify, decode_fwd, drafter),
-                               static_argnames=("cfg", "num_top", "rounds"), donate_argnames=("cache", "draft_state"))
-        self._decode = jax.jit(functools.partial(programs.decode, decode_fwd),
-                               static_argnames=("cfg", "steps", "num_top"), donate_argnames=("cache",))
-        self._copy = jax.jit(programs.copy_slots, donate_argnames=("cache",))
+        prefill_fwd = family.forward
+        out = {}
+        if mesh is not None:  # the caches keep their layout; what comes back to the host is whole
+            prefill_fwd, decode_fwd = _rows_split(prefill_fwd), _rows_split(decode_fwd)
+            whole = sharding.replicated(mesh)
+            caches = (self._cache_shardings, self._draft_shardings)
+            out = {"prefill": (*caches, whole, whole, whole, whole), "verify": (*caches, whole, whole, whole, whole),
+                   "decode": (caches[0], whole, whole, whole), "copy": caches[0]}
+        jit = lambda fn, name, **kw: jax.jit(fn, **kw, **({"out_shardings": out[name]} if out else {}))  # noqa: E731
+        self._prefill = jit(functools.partial(programs.prefill, prefill_fwd, drafter), "prefill",
+                            static_argnames=("cfg", "num_top", "with_prompt_logprobs"),
+                            donate_argnames=("cache", "draft_state"))
+        self._verify = jit(functools.partial(programs.verify, decode_fwd, drafter), "verify",
+                           static_argnames=("cfg", "num_top", "rounds"), donate_argnames=("cache", "draft_state"))
+        self._decode = jit(functools.partial(programs.decode, decode_fwd), "decode",
+                           static_argnames=("cfg", "steps", "num_top"), donate_argnames=("cache",))
+        self._copy = jit(programs.copy_slots, "copy", donate_argnames=("cache",))
+
+    @property
+    def _cache_shardings(self):
+        return sharding.cache_shardings(self.cache, self.mesh)
+
+    @property
+    def _draft_shardings(self):
+        return None if self.draft_state is None else sharding.cache_shardings(self.draft_state, self.mesh)
+
+    def _create(self, make):
+        """A cache made by make(), laid out over the mesh (made there, never whole on one device)."""
+        if self.mesh is None:
+            return make()
+        layout = sharding.cache_shardings(jax.eval_shape(make), self.mesh)
+        return jax.jit(make, out_shardings=layout)()
 
     @property
     def num_compiles(self) -> int:
@@ -111,7 +160,29 @@ class ModelRunner:
         leaves, tree = jax.tree_util.tree_flatten(per_call)
         self._programs.add((name, tuple(sorted(static.items())), tree,
                             tuple((np.shape(x), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)))
-        return program(*args, **static)
+        if self.on_call is not None:  # e.g. rank 0 of a multi-host run sends the call to the other ranks
+            self.on_call(name, [next((Own(k) for k, o in enumerate(own) if a is o and o is not None), a)
+                                for a in args], static)
+        if self.mesh is None:
+            return program(*args, **static)
+        with jax.sharding.set_mesh(self.mesh):  # model code sees the mesh while tracing (`sharding.active_mesh`)
+            return program(*args, **static)
+
+    def replay(self, name: str, args: list, static: dict) -> None:
+        """Runs the call another runner's `on_call` reported (its arguments, with `Own` markers
+        where that runner passed its own weights, cache or drafter state), on this runner's own
+        state: what the other ranks of a multi-host run do, so that every rank runs the same SPMD
+        program."""
+        own = (self.weights, self.cache, self.draft_params, self.draft_state)
+        args = [own[a.index] if isinstance(a, Own) else a for a in args]
+        program = {"prefill": self._prefill, "verify": self._verify, "decode": self._decode, "copy": self._copy}[name]
+        out = self._call(name, program, *args, **static)
+        if name == "copy":
+            self.cache = out
+        elif name == "decode":
+            self.cache = out[0]
+        else:
+            self.cache, self.draft_state = out[0], out[1]
 
     def execute(self, plan: SchedulerOutput, want_logprobs: bool = False,
                 want_prompt_logprobs: bool = False, token_bitmask: np.ndarray | None = None,

@@ -46,6 +46,9 @@ class WeightTarget:
 
     backend: str = "xla"
     pack_for_cpu_kernels: bool = False
+    # Fuse q/k/v, gate/up and the like into one matrix: not for weights split over a mesh, whose
+    # rows would then mix the parts across devices (`weld.models.common.sharding`).
+    fuse: bool = True
 
 
 @runtime_checkable

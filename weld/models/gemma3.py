@@ -217,8 +217,9 @@ def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     if target.backend != "xla":
         return weights
     for lw in weights["layers"]:
-        fuse_qkv(lw)
-        fuse_gate_up(lw)
+        if target.fuse:
+            fuse_qkv(lw)
+            fuse_gate_up(lw)
         prepare_matrices(lw, PROJECTIONS, target)
         jax.block_until_ready(lw)
     prepare_head(weights, target)

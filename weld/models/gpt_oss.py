@@ -218,8 +218,9 @@ def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     if target.backend != "xla":
         return weights
     for lw in weights["layers"]:
-        fuse_qkv(lw)
-        moe_lib.fuse_experts(lw["moe"])
+        if target.fuse:
+            fuse_qkv(lw)
+            moe_lib.fuse_experts(lw["moe"])
         prepare_matrices(lw, ("wqkv", "wo"), target)
         moe_lib.prepare_experts(lw["moe"], target)
         jax.block_until_ready(lw)

@@ -352,7 +352,8 @@ def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     tied embedding was quantized as the LM head, a float copy of it for its row lookups
     ("embed_table": the kernel fetches embedding rows by DMA)."""
     if target.backend == "xla":
-        fuse_projections(weights)
+        if target.fuse:
+            fuse_projections(weights)
         prepare_projections(weights, target)
     elif quant.is_quantized(weights["embed"]):
         weights["embed_table"] = jax.block_until_ready(weights["embed"].unpacked().astype(weights["final_norm"].dtype))

@@ -11,8 +11,10 @@ import importlib.util
 import pathlib
 import re
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
+from weld.models.common import sharding
+from weld.models.common.spec import abstract_weights
 from weld.utils.errors import ModelNotFoundError, WeldError
 from weld.weights.tree import CheckpointError, TensorSource, parse_dtype
 
@@ -45,6 +47,8 @@ class LoadedModel:
     cfg: Any  # family.Config
     weights: dict  # family.weight_specs(cfg) with a jax.Array at each leaf
     gguf_metadata: dict | None = None  # GGUF key/values (tokenizer, chat template); None for HF
+    mesh: Any = None  # the mesh the weights were laid out over (`load_model`'s mesh_for), or None
+    bytes_read: int = 0  # checkpoint bytes this process read (`TensorSource.bytes_read`)
 
 
 def default_model_path() -> pathlib.Path:
@@ -122,7 +126,8 @@ def _from_hub(model_id: str) -> ModelSource:
 
 
 def load_model(source: ModelSource | str | None, dtype: Any = "float32",
-               progress: bool | None = None, quantization: str | None = None) -> LoadedModel:
+               progress: bool | None = None, quantization: str | None = None,
+               mesh_for: Callable[[ModuleType, Any], Any] | None = None) -> LoadedModel:
     """Loads weights tensor by tensor onto the device, checking every name and shape.
 
     dtype: "float32" | "bfloat16" | "float16" (or the jnp dtype). progress: show a bar on
@@ -131,12 +136,23 @@ def load_model(source: ModelSource | str | None, dtype: Any = "float32",
     `quant.GGUF_KEPT`, a weld checkpoint's `quant.QuantWeight`s) and the rest in dtype; "none"
     dequantizes everything to dtype; "int8" / "int4" quantize the weights the family declares
     quantizable (`WeightSpec.quantize`) as each is read, so the model never sits in memory unquantized.
+
+    mesh_for(family, cfg) -> a `jax.sharding.Mesh` or None, called once the checkpoint is open and
+    before any weight is read: with a mesh, every leaf is laid out over it as
+    `weld.models.common.sharding.weight_shardings` says and each process reads only the slices
+    of its own devices (quantization must then be "none"; docs/sharded-loading.md).
     """
     if not isinstance(source, ModelSource):
         source = resolve_model(source)
     dtype = parse_dtype(dtype)
     src = open_checkpoint(source, quantization)
-    return LoadedModel(source, src.family, src.cfg, src.load(dtype, progress, quantization), src.metadata)
+    mesh = mesh_for(src.family, src.cfg) if mesh_for is not None else None
+    shardings = None
+    if mesh is not None:
+        specs = src.family.weight_specs(src.cfg)
+        shardings = sharding.weight_shardings(abstract_weights(specs, dtype), specs, mesh)
+    weights = src.load(dtype, progress, quantization, shardings=shardings)
+    return LoadedModel(source, src.family, src.cfg, weights, src.metadata, mesh, src.bytes_read)
 
 
 def open_checkpoint(source: ModelSource, quantization: str | None = None) -> TensorSource:

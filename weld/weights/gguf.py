@@ -2,7 +2,8 @@
 
 The file is memory-mapped by `gguf.GGUFReader`; tensors are dequantized to float32 one at a
 time, cast to the requested dtype and put on the device, so host memory holds one tensor at
-a time beyond the mapped file.
+a time beyond the mapped file. A sharded load dequantizes only the blocks of each device's
+slice (`GGUFFile.read`).
 
 Each family's `gguf_keymap` states how llama.cpp's names and layouts map onto its tree (e.g.
 the llama family undoes the converter's Q/K row permutation; llama3-style GGUFs carry
@@ -85,6 +86,32 @@ class GGUFFile:
             raise UnsupportedModelError(f"{self.path}: tensor {name} has type {t.tensor_type.name}, which weld "
                                         f"does not load (supported: {_supported_names()})")
         return gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+
+    def read(self, name: str, index: tuple) -> tuple[np.ndarray, int]:
+        """The block `index` of the tensor (a slice per axis of `self.shape(name)`, the first may be
+        an int array of rows) as new float32 numpy, and the bytes read: only the blocks of the
+        rows asked for that hold the columns asked for (a row of a quantized type is whole
+        blocks; columns are split at block boundaries, or the blocks at either end are read
+        whole and trimmed)."""
+        t = self.tensors[name]
+        shape = self.shape(name)
+        per_block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        lead, k = shape[:-1], shape[-1]
+        start = int(t.data_offset)
+        raw = self._reader.data[start:start + int(t.n_bytes)].view(np.ndarray).reshape(-1, k // per_block * block_bytes)
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        rows = np.arange(raw.shape[0]).reshape(lead)[index[:-1]]  # the rows of the block, shaped as its lead axes
+        flat = rows.reshape(-1)
+        if flat.size and np.array_equal(flat, np.arange(flat[0], flat[0] + flat.size)):  # a run: one slice
+            flat_index = slice(int(flat[0]), int(flat[0]) + flat.size)
+        else:
+            flat_index = flat
+        first, stop, _ = index[-1].indices(k)
+        b0, b1 = first // per_block, -(-stop // per_block)  # the blocks holding columns [first, stop)
+        data = np.array(raw[flat_index, b0 * block_bytes:b1 * block_bytes])
+        values = gguf.quants.dequantize(data, t.tensor_type).reshape(flat.size, -1)
+        values = values[:, first - b0 * per_block:stop - b0 * per_block]
+        return np.ascontiguousarray(values).reshape(rows.shape + (stop - first,)), data.nbytes
 
     def release(self, name: str) -> None:
         """Drops the tensor's pages from memory once it has been copied out (`release_mapped`)."""
@@ -189,4 +216,4 @@ def open_gguf(path: str | pathlib.Path, quantization: str | None = None) -> Tens
 
     order = sorted(plan, key=lambda p: f.tensors[p.name].data_offset)
     return TensorSource(f.path.name, family, cfg, order, read, lambda name: f.tensors[name].n_bytes, f.metadata,
-                        f.release)
+                        f.release, f.read)

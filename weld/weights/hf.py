@@ -83,5 +83,10 @@ def open_hf(path: str | pathlib.Path) -> TensorSource:
         return end - begin
 
     order = sorted(plan, key=lambda p: (str(owner[p.name].path), owner[p.name].entries[p.name][2]))
+
+    def read_slice(name: str, index: tuple):
+        block = owner[name].read(name, index)
+        return block, block.nbytes
+
     return TensorSource(directory.name, family, cfg, order, lambda name: (owner[name].array(name), True), nbytes,
-                        release=lambda name: owner[name].release(name))
+                        release=lambda name: owner[name].release(name), read_slice=read_slice)

@@ -304,7 +304,7 @@ def open_weld(directory: str | pathlib.Path) -> TensorSource:
     plan = []
     for name, path in names.items():
         _check_entry(directory, name, tensors[name], declared[path], {k: f.entries[k] for k, f in stored(name)})
-        plan.append(Planned(name, Match((path,))))
+        plan.append(Planned(name, Match((path,)), declared[path].shape))
 
     def read(name: str):
         entry, parts = tensors[name], dict(stored(name))
@@ -327,11 +327,28 @@ def open_weld(directory: str | pathlib.Path) -> TensorSource:
             metadata = json.loads((directory / GGUF_METADATA).read_text())
         except ValueError as e:
             raise CheckpointError(f"{directory / GGUF_METADATA} is not valid JSON: {e}") from None
+    dequantized: dict[str, np.ndarray] = {}  # a quantized leaf being sliced: its float matrix, made once
+
+    def read_slice(name: str, index: tuple):
+        """A float leaf's block, copied from its shard; a quantized leaf (panels) is read whole and
+        dequantized once for all of its blocks (counted once)."""
+        if "format" not in tensors[name]:
+            block = dict(stored(name))[name].read(name, index)
+            return block, block.nbytes
+        nbytes_read = 0
+        if name not in dequantized:
+            dequantized.clear()
+            dequantized[name] = np.asarray(read(name)[0].unpacked())
+            nbytes_read = nbytes(name)
+        return np.array(dequantized[name][index]), nbytes_read
+
     def release(name: str) -> None:
+        dequantized.pop(name, None)
         for key, file in stored(name):
             file.release(key)
 
-    return TensorSource(directory.name, family, cfg, sorted(plan, key=offset), read, nbytes, metadata, release)
+    return TensorSource(directory.name, family, cfg, sorted(plan, key=offset), read, nbytes, metadata, release,
+                        read_slice)
 
 
 def _check_entry(directory, name: str, entry: dict, spec, parts: dict) -> None:

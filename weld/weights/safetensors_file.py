@@ -68,6 +68,15 @@ class SafetensorsFile:
         raw = self._data[self._start + begin:self._start + end].view(np.ndarray)
         return raw.view(DTYPES[kind]).reshape(shape)
 
+    def read(self, name: str, index: tuple) -> np.ndarray:
+        """A new array of the tensor's block `index` (a slice per axis, the first may be an int
+        array of rows), in its stored dtype, copied from the mapped file: a block of rows is one
+        run of bytes; a block of columns copies its run of each row and touches nothing else
+        (but the pages those runs share with the other columns)."""
+        part = self.array(name)[index]
+        # rows picked by an int array are a copy already; a slice of the mapping is copied out
+        return part if index and isinstance(index[0], np.ndarray) else np.array(part)
+
     def release(self, name: str) -> None:
         """Drops the tensor's pages from memory once it has been copied out (`release_mapped`)."""
         _, _, (begin, end) = self.entries[name]

@@ -53,6 +53,7 @@ class Planned:
 
     name: str
     match: Match
+    shape: tuple[int, ...] | None = None  # as the file stores it
 
 
 def plan_tensors(where: str, shapes: Mapping[str, tuple[int, ...]], keymap: KeyMap, specs: Any) -> list[Planned]:
@@ -84,7 +85,7 @@ def plan_tensors(where: str, shapes: Mapping[str, tuple[int, ...]], keymap: KeyM
             continue
         for p in m.paths:
             filled[(p, m.expert)] = name
-        plan.append(Planned(name, m))
+        plan.append(Planned(name, m, tuple(shape)))
         targets = [_slice_shape(declared[p].shape, m.expert) for p in m.paths]
         if None in targets:
             mismatched.append(f"{name} is expert {m.expert}, but {path_str(m.paths[0])} holds "
@@ -236,7 +237,13 @@ class TensorSource:
     """An opened checkpoint with its tensors planned onto the family's tree (`plan_tensors`):
     `where` (named in messages and bars), the family and its Config, the plan in read order,
     read(name) -> (array, `quant.Blocks` or `quant.QuantWeight`; whether it is a view of the mapped
-    file), nbytes(name), and a GGUF's key/values (None for other sources)."""
+    file), nbytes(name), and a GGUF's key/values (None for other sources).
+
+    read_slice(name, index) -> (a new float host array, bytes read from the file): the block
+    `index` (a slice per axis of the stored shape; the first may be an int array of rows) of a
+    tensor as stored, reading only what it needs; None where the source cannot. `bytes_read`
+    counts the checkpoint bytes this process has read (whole tensors, or the slices of a sharded
+    load)."""
 
     where: str
     family: ModuleType
@@ -246,16 +253,28 @@ class TensorSource:
     nbytes: Callable[[str], int]
     metadata: dict | None = None
     release: Callable[[str], None] | None = None  # drops a tensor's mapped pages once it is copied out
+    read_slice: Callable[[str, tuple], tuple[np.ndarray, int]] | None = None
+    bytes_read: int = 0
+
+    def _read_counted(self, name: str) -> tuple[Any, bool]:
+        self.bytes_read += self.nbytes(name)
+        return self.read(name)
 
     def leaves(self, progress: bool | None = None, skip: frozenset = frozenset(),
                verb: str = "loading") -> Iterator[Leaf]:
-        return iter_leaves(self.where, self.plan, self.family.weight_specs(self.cfg), self.cfg, self.read,
+        return iter_leaves(self.where, self.plan, self.family.weight_specs(self.cfg), self.cfg, self._read_counted,
                            self.nbytes, progress, skip, verb, self.release)
 
-    def load(self, dtype: np.dtype, progress: bool | None = None, quantization: str | None = None) -> dict:
-        """The weight tree on the device (`fill_tree`)."""
-        return fill_tree(self.where, self.plan, self.family.weight_specs(self.cfg), self.cfg, dtype, self.read,
-                         self.nbytes, progress, quantization, self.release)
+    def load(self, dtype: np.dtype, progress: bool | None = None, quantization: str | None = None,
+             shardings: Any = None) -> dict:
+        """The weight tree on the device (`fill_tree`), or with shardings (a callable path ->
+        `jax.sharding.Sharding`, or a tree of them shaped as the declaration) laid out over their
+        devices, each process reading only its slices (`fill_sharded`; quantization must be
+        "none": every leaf is float)."""
+        if shardings is not None:
+            return fill_sharded(self, dtype, shardings, progress, quantization)
+        return fill_tree(self.where, self.plan, self.family.weight_specs(self.cfg), self.cfg, dtype,
+                         self._read_counted, self.nbytes, progress, quantization, self.release)
 
 
 def fill_tree(where: str, plan: Iterable[Planned], specs: Any, cfg: Any, dtype: np.dtype,
@@ -271,4 +290,140 @@ def fill_tree(where: str, plan: Iterable[Planned], specs: Any, cfg: Any, dtype: 
         else:
             value = to_device(value, dtype, leaf.mapped)
         set_path(specs, leaf.path, value)
+    return specs
+
+
+# ----- sharded loading: each process reads the blocks its own devices hold -----
+
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """A checkpoint tensor read block by block into a leaf (expert `expert` of a stacked leaf, or
+    the whole leaf when None). rows: leaf row r is the tensor's row rows[r] (a rows-only
+    conversion: llama.cpp's Q/K permutation, a split of fused rows); None: rows as stored."""
+
+    name: str
+    expert: int | None
+    rows: np.ndarray | None = None
+
+
+def row_maps(item: Planned, cfg: Any) -> tuple[np.ndarray | None, ...] | None:
+    """For each leaf of a planned tensor, which of its rows each leaf row is: None per leaf
+    without a conversion; for a rows-only conversion (`Convert.rows_only`: it only reorders or
+    splits axis 0) the conversion applied to the row numbers [rows, 1, ...], which it moves as it
+    would move the rows. None for other conversions: they need the whole tensor."""
+    m = item.match
+    if m.convert is None:
+        return (None,) * len(m.paths)
+    if not m.rows_only or not item.shape:
+        return None
+    numbers = np.arange(item.shape[0]).reshape((item.shape[0],) + (1,) * (len(item.shape) - 1))
+    try:
+        parts = m.convert(numbers, cfg)
+    except (ValueError, IndexError, TypeError):  # a rule that does not take this layout: read it whole
+        return None
+    parts = parts if isinstance(parts, tuple) else (parts,)
+    if len(parts) != len(m.paths) or any(np.shape(p)[1:] != numbers.shape[1:] for p in parts):
+        return None
+    return tuple(np.asarray(p).reshape(-1) for p in parts)
+
+
+def _rows_index(rows: np.ndarray) -> slice | np.ndarray:
+    """Rows as a slice when they are a run (a shard of a leaf whose rows stay in order)."""
+    if rows.size and rows[-1] - rows[0] + 1 == rows.size and np.array_equal(rows, np.arange(rows[0], rows[-1] + 1)):
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return rows
+
+
+def _once(block: Callable[[tuple], np.ndarray]) -> Callable[[tuple], np.ndarray]:
+    """block(index), read once per distinct index: the devices holding copies of the same block
+    (a replicated leaf, or one split over fewer devices than the mesh has) share one read."""
+    done: dict[tuple, np.ndarray] = {}
+
+    def cached(index: tuple) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in done:
+            done[key] = block(index)
+        return done[key]
+
+    return cached
+
+
+def _sharding_at(shardings: Any, path: Path) -> Any:
+    if callable(shardings):
+        return shardings(path)
+    node = shardings
+    for key in path:
+        node = node[key]
+    return node
+
+
+def fill_sharded(src: TensorSource, dtype: np.dtype, shardings: Any, progress: bool | None,
+                 quantization: str | None) -> dict:
+    """The weight tree as global arrays laid out by shardings (`TensorSource.load`), built with
+    `jax.make_array_from_callback`: each of this process's devices asks for its block, and only
+    those blocks are read (`TensorSource.read_slice`, which counts the bytes in `bytes_read`).
+
+    A tensor stored as its leaf (or as one expert of a stacked leaf), or converted by a rows-only
+    rule, is read block by block. A tensor another conversion transforms (swapped axes, an x-major
+    fused gate/up, 1 + w norms, MLA's kv_b split) is read whole, converted and then sliced, as is
+    every tensor of a source without read_slice: exact, at the cost of reading all of it."""
+    if quantization != "none":
+        raise WeldError(f"a sharded load makes float weights: pass quantization 'none', not {quantization!r}")
+    specs = src.family.weight_specs(src.cfg)
+    declared = dict(iter_specs(specs))
+    feeds: dict[Path, list[Feed]] = {}
+    whole: list[Planned] = []
+    for item in src.plan:
+        maps = row_maps(item, src.cfg) if src.read_slice is not None and item.shape is not None else None
+        if maps is None:
+            whole.append(item)
+            continue
+        for path, rows in zip(item.match.paths, maps, strict=True):
+            want = _slice_shape(declared[path].shape, item.match.expert)
+            got = item.shape if rows is None else (rows.size, *item.shape[1:])
+            if tuple(got) != want:
+                raise CheckpointError(f"{src.where}: {item.name} converts to shape {tuple(got)} for "
+                                      f"{path_str(path)}, expected {want}")
+            feeds.setdefault(path, []).append(Feed(item.name, item.match.expert, rows))
+
+    def read_block(feed: Feed, index: tuple) -> np.ndarray:
+        if feed.rows is not None and index:
+            index = (_rows_index(feed.rows[index[0]]), *index[1:])
+        array, nbytes = src.read_slice(feed.name, index)
+        src.bytes_read += nbytes
+        return array.astype(dtype, copy=False)
+
+    def leaf_block(spec, by_expert: dict[int | None, Feed]) -> Callable[[tuple], np.ndarray]:
+        def block(index: tuple) -> np.ndarray:
+            if None in by_expert:
+                return read_block(by_expert[None], index)
+            parts = [read_block(by_expert[e], index[1:]) for e in range(spec.shape[0])[index[0]]]
+            return np.stack(parts)
+        return block
+
+    values: dict[Path, jax.Array] = {}
+    read_whole = {p.name for p in whole}
+    with Progress(sum(src.nbytes(p.name) for p in src.plan if p.name not in read_whole), f"loading {src.where}",
+                  unit="B", enabled=progress) as bar:
+        for item in src.plan:
+            if item.name in read_whole:
+                continue
+            for path in item.match.paths:
+                if path in feeds and path not in values:
+                    spec, by_expert = declared[path], {f.expert: f for f in feeds[path]}
+                    values[path] = jax.block_until_ready(
+                        jax.make_array_from_callback(spec.shape, _sharding_at(shardings, path),
+                                                     _once(leaf_block(spec, by_expert))))
+                    if src.release is not None:
+                        for feed in feeds[path]:
+                            src.release(feed.name)
+            bar.update(src.nbytes(item.name))
+    for leaf in iter_leaves(src.where, whole, specs, src.cfg, src._read_counted, src.nbytes, progress,
+                            verb="loading (whole tensors)", release=src.release):
+        host = finished(leaf, dtype, quantization)
+        values[leaf.path] = jax.block_until_ready(jax.make_array_from_callback(
+            host.shape, _sharding_at(shardings, leaf.path), _once(lambda index, host=host: np.array(host[index]))))
+        del host
+    for path, value in values.items():
+        set_path(specs, path, value)
     return specs

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from weld.kernels import cpu as cpu_kernels
+from weld.models.common import sharding
 
 _MASKED = -1e30  # finite, so padding rows (nothing to attend to) stay NaN-free
 # Up to this many query rows (batch x tokens), every query head scores every kv head's keys and
@@ -42,6 +44,40 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array | None, k: jax.Array, v: jax
     return k_pages, v_pages
 
 
+def _heads_local(q, k, v, k_pages, v_pages, positions, block_tables, **kwargs):
+    """`paged_attention` on a mesh that splits the heads, as one `shard_map`: each device attends
+    with its own query heads over its own KV heads (or, for MLA's single latent head, over the
+    whole latent pool it holds), so no page leaves its device. Rows stay whole (the pools are
+    not split over data-parallel devices). None when there is no such mesh, or the KV heads are
+    fewer than the devices (their pools are replicated: GSPMD places that case)."""
+    mesh = sharding.active_mesh()
+    if mesh is None:
+        return None
+    axes = sharding.mesh_axes(mesh, "q_heads")
+    kv_heads, h = k_pages.shape[2], q.shape[2]
+    n = sharding.axis_size(mesh, axes) if axes else 1
+    if n == 1 or h % n or (kv_heads > 1 and kv_heads % n):
+        return None
+    split = axes[0] if len(axes) == 1 else axes
+    heads = P(None, None, split, None)
+    pool = heads if kv_heads > 1 else P()
+    whole = P()
+    sinks = kwargs.pop("sinks")
+    query_positions = kwargs.pop("query_positions")
+    return_lse = kwargs["return_lse"]
+
+    def body(q, k, v, k_pages, v_pages, positions, block_tables, query_positions, sinks):
+        return paged_attention(q, k, v, k_pages, v_pages, positions, block_tables, query_positions=query_positions,
+                               sinks=sinks, **kwargs)
+
+    out_specs = (heads, pool, None if v_pages is None else pool) + ((P(None, None, split),) if return_lse else ())
+    return jax.shard_map(body, mesh=mesh, check_vma=False, out_specs=out_specs,
+                         in_specs=(heads, pool, None if v is None else pool, pool, None if v_pages is None else pool,
+                                   whole, whole, None if query_positions is None else whole,
+                                   None if sinks is None else P(split)))(
+        q, k, v, k_pages, v_pages, positions, block_tables, query_positions, sinks)
+
+
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: jax.Array, v_pages: jax.Array | None,
                     positions: jax.Array, block_tables: jax.Array, *, sliding_window: int | None = None,
                     scale: float | None = None, pages_per_tile: int = 8, query_positions: jax.Array | None = None,
@@ -69,6 +105,11 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
     Every other arrangement tried (write before the loop, after it, a loop closing over the
     pools) made XLA:CPU copy each layer's whole pool on every step to keep the old one alive.
     """
+    local = _heads_local(q, k, v, k_pages, v_pages, positions, block_tables, sliding_window=sliding_window,
+                         scale=scale, pages_per_tile=pages_per_tile, query_positions=query_positions,
+                         return_lse=return_lse, sinks=sinks)
+    if local is not None:
+        return local
     b, t, h, e = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     g = h // kv_heads
@@ -77,7 +118,9 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
     if query_positions is None:
         query_positions = positions
     pools = (k_pages,) if v_pages is None else (k_pages, v_pages)
-    if all(p.dtype in cpu_kernels.KV_DTYPES for p in pools) and cpu_kernels.available():
+    # The native kernel runs on one device's buffers: on a mesh, inside `_heads_local` only.
+    if (all(p.dtype in cpu_kernels.KV_DTYPES for p in pools) and cpu_kernels.available()
+            and sharding.active_mesh() is None):
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, positions, block_tables)
         out, lse = cpu_kernels.paged_attention(q, k_pages, k_pages if v_pages is None else v_pages, block_tables,
                                                query_positions, scale=scale, sliding_window=sliding_window)

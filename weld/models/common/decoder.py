@@ -156,17 +156,20 @@ def lm_head(weights: dict, cfg: Any, hidden: jax.Array) -> jax.Array:
 def prepare_layers(weights: dict, target: Any, projections: tuple[str, ...],
                    fuse: Callable[[dict], None] = lambda lw: None) -> dict:
     """The XLA weight forms of a family's tree, in place, layer by layer (memory peaks one layer
-    above the model): fuse(layer) (its own fused matrices), an MoE layer's experts fused, the
+    above the model): fuse(layer) (its own fused matrices), an MoE layer's experts fused (both
+    unless `target.fuse` is off), the
     `projections` and the shared expert in `layers.prepared_matrix`'s form for target (packed
     for the CPU kernels, or quantized at load); then the LM head."""
     from weld.models.common import moe as moe_lib
     from weld.models.common.layers import prepare_head, prepare_matrices
 
     for lw in weights["layers"]:
-        fuse(lw)
+        if target.fuse:
+            fuse(lw)
         prepare_matrices(lw, projections, target)
         if "moe" in lw:
-            moe_lib.fuse_experts(lw["moe"])
+            if target.fuse:
+                moe_lib.fuse_experts(lw["moe"])
             moe_lib.prepare_experts(lw["moe"], target)
         jax.block_until_ready(lw)
     prepare_head(weights, target)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from weld.kernels import cpu as cpu_kernels
+from weld.models.common import sharding
 from weld.models.common.quant import QuantWeight, concat_rows
 from weld.models.common.spec import WeightSpec
 from weld.utils.errors import InvalidInputError
@@ -167,7 +168,7 @@ def linear(x: jax.Array, w: jax.Array | PackedWeight | QuantWeight, b: jax.Array
         y = (y * w.scales).astype(x.dtype)
     elif isinstance(w, QuantWeight):
         x2 = x.reshape(rows, x.shape[-1])
-        if cpu_kernels.available():
+        if cpu_kernels.available() and sharding.active_mesh() is None:
             y = cpu_kernels.quant_matmul(x2, w.codes, w.scales, w.mins, w.n, w.bits, w.offset,
                                          digits=w.activation_digits, sub=w.sub, lut=w.lut,
                                          group=w.group).astype(x.dtype)
@@ -176,7 +177,7 @@ def linear(x: jax.Array, w: jax.Array | PackedWeight | QuantWeight, b: jax.Array
         y = y.reshape(x.shape[:-1] + (w.n,))
     elif isinstance(w, PackedWeight):
         x2 = x.reshape(rows, x.shape[-1])
-        if x.dtype == w.dtype == jnp.float32 and cpu_kernels.available():
+        if x.dtype == w.dtype == jnp.float32 and cpu_kernels.available() and sharding.active_mesh() is None:
             y = cpu_kernels.packed_matmul(x2, w.panels, w.n)
         else:  # kernels turned off after packing, or another dtype: XLA reads the panels
             y = jnp.einsum("mk,pkj->mpj", x2, w.panels.astype(x.dtype)).reshape(rows, -1)[:, :w.n]

@@ -29,7 +29,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from weld.models.common import sharding
 from weld.models.common.checkpoint import Convert, split_rows
 from weld.models.common.layers import fuse_gate_up, gated_mlp, gated_mlp_specs, linear, prepare_matrices, unpacked
 from weld.models.common.quant import QuantWeight, concat_rows
@@ -153,11 +155,13 @@ def expert_ffn(moe: MoE, x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, 
 def experts(moe: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, lw: dict) -> jax.Array:
     """sum_k weights[n, k] * FFN_{idx[n, k]}(x[n]) for x [n, d]; lw holds the stacked experts:
     "w_gate_up" [E, 2 i, d] (or "w_gate" and "w_up" [E, i, d]), "w_down" [E, d, i], and with
-    expert_bias "b_gate_up" [E, 2 i] (or "b_gate", "b_up") and "b_down" [E, d]."""
+    expert_bias "b_gate_up" [E, 2 i] (or "b_gate", "b_up") and "b_down" [E, d]. E is the
+    stacks' (a device's own experts under expert parallelism), not necessarily moe's."""
     n, d = x.shape
     k = idx.shape[-1]
     pairs = n * k
-    per_expert = -(-pairs // moe.num_experts)
+    num_experts = np.shape(lw["w_down"])[0]
+    per_expert = -(-pairs // num_experts)
     tile = 1 if per_expert < WIDE_FROM else min(MAX_TILE, 1 << (per_expert - 1).bit_length())
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # pairs sorted by expert
@@ -165,11 +169,11 @@ def experts(moe: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, lw: dict
     if tile == 1:  # every pair its own tile, in expert order
         num_tiles, rows, tile_expert, used = pairs, order, expert_of, pairs
     else:
-        sizes = jnp.bincount(flat, length=moe.num_experts)
+        sizes = jnp.bincount(flat, length=num_experts)
         padded = (sizes + tile - 1) // tile * tile  # each expert's group padded to whole tiles
         rank = jnp.arange(pairs) - (jnp.cumsum(sizes) - sizes)[expert_of]
         dest = (jnp.cumsum(padded) - padded)[expert_of] + rank  # row of each sorted pair
-        num_tiles = -(-pairs // tile) + moe.num_experts
+        num_tiles = -(-pairs // tile) + num_experts
         rows = jnp.full((num_tiles * tile,), -1, jnp.int32).at[dest].set(order)  # -1: padding
         tile_expert = jnp.zeros((num_tiles,), jnp.int32).at[dest // tile].set(expert_of)
         used = jnp.sum(padded) // tile
@@ -228,13 +232,51 @@ def prepare_experts(lw: dict, target) -> None:
         prepare_matrices(lw["shared"], EXPERT_MATRICES, target)
 
 
+# The logical axes of the stacked experts' arrays (their `moe_specs`, and the fused forms).
+STACK_AXES = {"w_gate": ("experts", "expert_mlp", "embed"), "w_up": ("experts", "expert_mlp", "embed"),
+              "w_down": ("experts", "embed", "expert_mlp"), "w_gate_up": ("experts", None, "embed"),
+              "b_gate": ("experts", "expert_mlp"), "b_up": ("experts", "expert_mlp"), "b_gate_up": ("experts", None),
+              "b_down": ("experts", "embed")}
+
+
+def routed_experts(moe: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, lw: dict) -> jax.Array:
+    """`experts`, or, with the experts or their FFNs split over the active mesh, the same in
+    `shard_map`: each device runs its own experts (expert parallelism: the mesh has an "ep"
+    axis) on its slice of each expert's FFN, for the pairs routed to them, then one sum over the
+    devices combines them; no expert weight leaves its device. Pairs routed elsewhere weigh 0 on
+    a device (they still fill its tiles: simple, and costs compute, not weight bytes)."""
+    mesh = sharding.active_mesh()
+    if mesh is None:
+        return experts(moe, x, weights, idx, lw)
+    stacks = {key: lw[key] for key in STACK_AXES if key in lw}
+    specs = {key: sharding.partition(mesh, STACK_AXES[key], np.shape(a)) for key, a in stacks.items()}
+    named = lambda entry: () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)  # noqa: E731
+    ex = next((named(spec[0]) for spec in specs.values() if spec[0] is not None), ())
+    inner = tuple(dict.fromkeys(a for spec in specs.values() for entry in spec[1:] for a in named(entry)))
+    if not ex and not inner:  # nothing split: every device runs every expert whole
+        return experts(moe, x, weights, idx, lw)
+    local = moe.num_experts // (sharding.axis_size(mesh, ex) if ex else 1)
+
+    def body(x, weights, idx, stacks):
+        first = jax.lax.axis_index(ex) * local if ex else 0
+        mine = (idx >= first) & (idx < first + local)
+        if inner and "b_down" in stacks:  # a bias is added once, not once per FFN slice
+            stacks = dict(stacks, b_down=stacks["b_down"] * (jax.lax.axis_index(inner) == 0))
+        y = experts(moe, x, jnp.where(mine, weights, 0), jnp.where(mine, idx - first, 0), stacks)
+        return jax.lax.psum(y.astype(jnp.float32), ex + inner).astype(x.dtype)
+
+    replicated = sharding.P()
+    return jax.shard_map(body, mesh=mesh, in_specs=(replicated, replicated, replicated, specs), out_specs=replicated,
+                         check_vma=False)(x, weights, idx, stacks)
+
+
 def moe_block(moe: MoE, lw: dict, x: jax.Array) -> jax.Array:
     """The routed experts (and the shared expert, if any) of normed input x [n, d]. lw: "router"
     [E, d] (+ "router_bias" / "score_bias" [E]), the stacked experts, and "shared" {w_gate,
     w_up, w_down} (or its fused "w_gate_up")."""
     logits = jnp.dot(x.astype(jnp.float32), lw["router"].astype(jnp.float32).T)  # the router in f32
     weights, idx = route(moe, logits, lw.get("router_bias", lw.get("score_bias")))
-    y = experts(moe, x, weights, idx, lw)
+    y = routed_experts(moe, x, weights, idx, lw)
     if moe.shared_intermediate_size:
         shared = gated_mlp(lw["shared"], x)
         if moe.shared_gate:

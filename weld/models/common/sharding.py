@@ -1,0 +1,215 @@
+"""Logical axes -> mesh axes: one rules table, the mesh of a parallel layout, and the shardings
+of weights, caches and batch rows that follow from them.
+
+Model code names logical axes only (`WeightSpec.axes`: "q_heads", "mlp", "experts", ...). A
+layout is a mesh (`make_mesh`) whose axis names say what it splits:
+
+    ("dp", "tp")          tensor parallel (tp) x data parallel (dp)
+    ("dp", "ep", "tp")    with expert parallelism: attention and dense MLPs over ep x tp (every
+                          tensor-parallel device), routed experts over dp x ep, each expert's FFN
+                          over tp (the "expert tensor parallel" size; 1 by default, as vLLM's
+                          --enable-expert-parallel). The seeds' Kimi layout, attention over all 32
+                          cores and experts TP4 x EP8, is dp 1, ep 8, tp 4.
+
+`RULES` maps each logical axis to the mesh axes it may be split over, in order; a weight's
+dimension is split over those present in the mesh whose sizes multiply to a divisor of it
+(dropping from the front until they do, else it stays whole). Heads and experts must divide
+(`check_layout` says so, naming the numbers) except KV heads, which are replicated when there
+are fewer of them than tensor-parallel devices.
+
+The programs are one SPMD program per call (GSPMD places the collectives from these
+shardings); the routed experts under expert parallelism run in `shard_map` (each device
+computes its own experts for every token, then one sum over the devices: `moe.experts`). The
+mesh is active while the runner traces (`jax.sharding.set_mesh`): `active_mesh()` is how model
+code asks, and the native CPU kernels, which run on one device's buffers, step aside under it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from weld.models.common.spec import iter_specs, path_str
+
+TENSOR = ("ep", "tp")  # the tensor-parallel devices: every device of a dp group
+RULES: dict[str, tuple[str, ...]] = {
+    "q_heads": TENSOR,
+    "kv_heads": TENSOR,
+    "mlp": TENSOR,
+    "vocab": TENSOR,
+    "linear_heads": TENSOR,
+    "experts": ("dp", "ep"),  # only under expert parallelism (a mesh with an "ep" axis)
+    "expert_mlp": ("tp",),
+    "batch": ("dp",),
+    # replicated: "embed" (the residual stream), "latent" / "q_lora" (MLA's compressed widths,
+    # shared by every head), "moe", DSpark's "markov" and "target_stack"
+}
+
+
+def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
+              expert_tensor_parallel_size: int | None = None, devices: list | None = None) -> Mesh:
+    """The mesh of a layout over the first tp x dp devices (every process's, `jax.devices()`)."""
+    devices = list(jax.devices() if devices is None else devices)
+    tp, dp = tensor_parallel_size, data_parallel_size
+    if tp * dp > len(devices):
+        raise ValueError(f"tensor_parallel_size {tp} x data_parallel_size {dp} needs {tp * dp} devices; "
+                         f"{len(devices)} {'is' if len(devices) == 1 else 'are'} available "
+                         f"({devices[0].platform}: {len(devices)} device{'s' if len(devices) != 1 else ''})")
+    chosen = np.array(devices[:tp * dp], dtype=object)
+    if enable_expert_parallel:
+        etp = expert_tensor_parallel_size or 1
+        if tp % etp:
+            raise ValueError(f"expert_tensor_parallel_size {etp} does not divide tensor_parallel_size {tp}")
+        return Mesh(chosen.reshape(dp, tp // etp, etp), ("dp", "ep", "tp"))
+    return Mesh(chosen.reshape(dp, tp), ("dp", "tp"))
+
+
+def active_mesh() -> Any:
+    """The mesh the programs are being traced under (`jax.sharding.set_mesh`), or None on one
+    device and inside a `shard_map` (whose body sees its device's own shards)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return None
+    split = [name for name, size in zip(mesh.axis_names, mesh.axis_sizes) if size > 1]
+    if not split or set(split) <= set(mesh.manual_axes):  # inside a shard_map: each device's own buffers
+        return None
+    return mesh
+
+
+def mesh_axes(mesh: Any, logical: str | None) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) a logical axis may be split over in this mesh."""
+    if logical is None or logical not in RULES:
+        return ()
+    if logical == "experts" and "ep" not in mesh.axis_names:
+        return ()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    return tuple(a for a in RULES[logical] if sizes.get(a, 1) > 1)
+
+
+def axis_size(mesh: Any, axes: tuple[str, ...]) -> int:
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    return math.prod(sizes[a] for a in axes)
+
+
+def partition(mesh: Any, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> P:
+    """The PartitionSpec of an array with these logical axes and shape: each dimension over its
+    rule's mesh axes, dropping from the front until their sizes divide it; a mesh axis splits
+    at most one dimension."""
+    used: set[str] = set()
+    out = []
+    for name, size in zip(axes, shape):
+        cand = tuple(a for a in mesh_axes(mesh, name) if a not in used)
+        while cand and size % axis_size(mesh, cand):
+            cand = cand[1:]
+        used.update(cand)
+        out.append(None if not cand else cand[0] if len(cand) == 1 else cand)
+    return P(*out)
+
+
+def _count(mesh: Any, axes: tuple[str, ...]) -> int:
+    return axis_size(mesh, axes) if axes else 1
+
+
+def check_layout(cfg: Any, cache_spec: Any, mesh: Mesh) -> None:
+    """ValueError (naming the numbers) when the model's heads or experts do not divide over the
+    layout's devices; KV heads may be fewer than the tensor-parallel devices (then replicated)."""
+    from weld.models.common.cache import PagedKV
+
+    tensor = _count(mesh, mesh_axes(mesh, "q_heads"))
+    mla = getattr(cfg, "mla", None)
+    heads = getattr(cfg, "num_heads", None) or (mla.num_heads if mla is not None else None)
+    counts = [("attention heads", heads)] if heads else []
+    linear = getattr(cfg, "linear", None)
+    if linear is not None:
+        counts.append(("linear-attention value heads", linear.num_v_heads))
+    for what, n in counts:
+        if n % tensor:
+            raise ValueError(f"tensor_parallel_size {tensor} does not divide the model's {n} {what}")
+    for kv in sorted({layer.kv_heads for layer in cache_spec.layers if isinstance(layer, PagedKV)}):
+        if kv >= tensor and kv % tensor:
+            raise ValueError(f"tensor_parallel_size {tensor} does not divide the model's {kv} KV heads")
+        if kv < tensor and tensor % kv:
+            raise ValueError(f"the model's {kv} KV heads do not divide tensor_parallel_size {tensor} (fewer KV "
+                             "heads than devices are replicated, which needs a whole number of copies)")
+    moe = getattr(cfg, "moe", None)
+    if moe is not None:
+        ep = _count(mesh, mesh_axes(mesh, "experts"))
+        if moe.num_experts % ep:
+            raise ValueError(f"the model's {moe.num_experts} routed experts do not divide over {ep} expert-parallel "
+                             "devices (tensor_parallel_size x data_parallel_size / expert_tensor_parallel_size)")
+        etp = _count(mesh, mesh_axes(mesh, "expert_mlp"))
+        if moe.intermediate_size % etp:
+            raise ValueError(f"the experts' intermediate size {moe.intermediate_size} does not divide over "
+                             f"{etp} devices")
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def weight_shardings(weights: Any, specs: Any, mesh: Mesh) -> Any:
+    """A NamedSharding for every array leaf of a (prepared) weight tree: by its `WeightSpec`'s
+    logical axes where the tree has the declared leaf at that path and shape, and whole
+    (replicated) where it has not (weights made at preparation)."""
+    declared = {path_str(path): spec for path, spec in iter_specs(specs)}
+
+    def leaf(path, x):
+        key = path_str(tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path))
+        spec = declared.get(key)
+        if spec is not None and tuple(spec.shape) == tuple(np.shape(x)):
+            return NamedSharding(mesh, partition(mesh, spec.axes, tuple(spec.shape)))
+        return replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(leaf, weights)
+
+
+def cache_shardings(cache: Any, mesh: Mesh) -> Any:
+    """Shardings of a `cache.Cache`: K/V pools [pages, page, kv_heads, head_dim] over their KV
+    heads, recurrent states [slots, heads, dk, dv] over their heads, the rest (MLA's latent pool,
+    shared by every head, and the conv windows) whole."""
+    from weld.models.common.cache import KVPages, LatentPages, RecurrentState
+
+    def of(layer):
+        if isinstance(layer, KVPages):
+            s = NamedSharding(mesh, partition(mesh, (None, None, "kv_heads", None), layer.k.shape))
+            return KVPages(k=s, v=s)
+        if isinstance(layer, LatentPages):
+            return LatentPages(pool=replicated(mesh))
+        if isinstance(layer, RecurrentState):
+            axes = (None, "linear_heads") + (None,) * (layer.state.ndim - 2)
+            return RecurrentState(conv=replicated(mesh),
+                                  state=NamedSharding(mesh, partition(mesh, axes, layer.state.shape)))
+        return jax.tree_util.tree_map(lambda _: replicated(mesh), layer)
+
+    return type(cache)(layers=[of(layer) for layer in cache.layers])
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """tree's arrays laid out by shardings (a tree of the same structure). Across processes each
+    builds its own shards from its copy (`jax.make_array_from_callback`). Arrays already laid out
+    as asked (a sharded load, `weld.weights.load_model`'s mesh_for) are kept as they are."""
+    def put(x, s):
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim):
+            return x
+        if s.is_fully_addressable:
+            return jax.device_put(x, s)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+
+    return jax.tree_util.tree_map(put, tree, shardings)
+
+
+def shard_rows(x: jax.Array) -> jax.Array:
+    """x [b, ...] with its rows split over the data-parallel devices of the active mesh (when
+    they divide b): the batch dimension GSPMD then carries through the forward."""
+    mesh = active_mesh()
+    if mesh is None or x.ndim == 0:
+        return x
+    axes = mesh_axes(mesh, "batch")
+    if not axes or x.shape[0] % axis_size(mesh, axes):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(axes[0] if len(axes) == 1 else axes))
