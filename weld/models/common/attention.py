@@ -56,19 +56,25 @@ def _heads_local(q, k, v, k_pages, v_pages, positions, block_tables, **kwargs):
     axes = sharding.mesh_axes(mesh, "q_heads")
     kv_heads, h = k_pages.shape[2], q.shape[2]
     n = sharding.axis_size(mesh, axes) if axes else 1
-    if n == 1 or h % n or (kv_heads > 1 and kv_heads % n):
+    if n == 1 or h % n:
+        return None
+    # Fewer KV heads than devices: the pools are whole on every device (`sharding.cache_shardings`),
+    # each device writes every head and reads the one its query heads use.
+    fewer = kv_heads > 1 and kv_heads % n
+    if fewer and (n % kv_heads or sharding.partition(mesh, (None, None, "kv_heads", None), k_pages.shape)[2]):
         return None
     split = axes[0] if len(axes) == 1 else axes
     heads = P(None, None, split, None)
-    pool = heads if kv_heads > 1 else P()
+    pool = heads if kv_heads > 1 and not fewer else P()
     whole = P()
     sinks = kwargs.pop("sinks")
     query_positions = kwargs.pop("query_positions")
     return_lse = kwargs["return_lse"]
 
     def body(q, k, v, k_pages, v_pages, positions, block_tables, query_positions, sinks):
+        kv_head = jax.lax.axis_index(axes) // (n // kv_heads) if fewer else None
         return paged_attention(q, k, v, k_pages, v_pages, positions, block_tables, query_positions=query_positions,
-                               sinks=sinks, **kwargs)
+                               sinks=sinks, kv_head=kv_head, **kwargs)
 
     out_specs = (heads, pool, None if v_pages is None else pool) + ((P(None, None, split),) if return_lse else ())
     return jax.shard_map(body, mesh=mesh, check_vma=False, out_specs=out_specs,
@@ -81,7 +87,8 @@ def _heads_local(q, k, v, k_pages, v_pages, positions, block_tables, **kwargs):
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: jax.Array, v_pages: jax.Array | None,
                     positions: jax.Array, block_tables: jax.Array, *, sliding_window: int | None = None,
                     scale: float | None = None, pages_per_tile: int = 8, query_positions: jax.Array | None = None,
-                    return_lse: bool = False, sinks: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                    return_lse: bool = False, sinks: jax.Array | None = None,
+                    kv_head: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Writes this call's K/V into the pools, then attends causally over each row's pages.
 
     q [b, t, h, e]; k, v [b, t, kv, e]; positions [b, t] (-1 = padding, which writes nothing).
@@ -99,6 +106,9 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
     query_positions [b, t] (default: positions) decouples what the queries see from where k, v
     are written (a drafter's block reads a context it does not write); return_lse adds each
     query's log-sum-exp of scores [b, t, h] (to merge with attention over other keys).
+    kv_head (a traced int32): every query head reads KV head kv_head of pools that hold them
+    all (one device's query heads when tensor parallelism exceeds the KV heads); the write
+    still covers every head.
 
     Returns (out [b, t, h, e], k_pages, v_pages[, lse]). The pools ride through the loop's carry and
     the write happens inside the loop body (repeated each tile: it is idempotent and tiny).
@@ -112,6 +122,8 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
         return local
     b, t, h, e = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
+    if kv_head is not None:  # every query head reads the one KV head kv_head (the pools hold them all)
+        kv_heads = 1
     g = h // kv_heads
     if scale is None:
         scale = e ** -0.5
@@ -120,7 +132,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
     pools = (k_pages,) if v_pages is None else (k_pages, v_pages)
     # The native kernel runs on one device's buffers: on a mesh, inside `_heads_local` only.
     if (all(p.dtype in cpu_kernels.KV_DTYPES for p in pools) and cpu_kernels.available()
-            and sharding.active_mesh() is None):
+            and sharding.active_mesh() is None and kv_head is None):
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, positions, block_tables)
         out, lse = cpu_kernels.paged_attention(q, k_pages, k_pages if v_pages is None else v_pages, block_tables,
                                                query_positions, scale=scale, sliding_window=sliding_window)
@@ -151,6 +163,8 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
         kv_pos = i * tile + jnp.arange(tile)  # [s]
         keys = k_pool[pages].astype(jnp.float32)
         values = keys if v_pool is None else v_pool[pages].astype(jnp.float32)
+        if kv_head is not None:  # [b, pages, page, 1, e]: the tile's rows of that head only
+            keys, values = (jax.lax.dynamic_slice_in_dim(x, kv_head, 1, axis=3) for x in (keys, values))
         if all_heads:  # gathered pages feed the dots as they lie: no transposed copy
             keys, values = keys.reshape(b, tile * kv_heads, e), values.reshape(b, tile * kv_heads, e)
             s = jnp.einsum("bqe,bce->bqc", qs, keys).reshape(b, t * h, tile, kv_heads)
