@@ -81,7 +81,7 @@ LAYOUTS = {  # name -> LLM keywords
 }
 PLAN = {  # model -> layouts run
     "smollm2": ["1 device", "1 device (XLA only)", "TP2", "TP4", "TP8", "TP3", "TP3 x DP2"],
-    "dense": ["1 device", "1 device (XLA only)", "TP2", "TP4", "TP8", "TP2 x DP2"],
+    "dense": ["1 device", "1 device (XLA only)", "TP2", "TP4", "TP8", "DP2", "TP2 x DP2"],
     "moe": ["1 device", "1 device (XLA only)", "TP2", "TP2 + EP", "TP8 + EP", "TP2 x DP2"],
 }
 DENSE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=16, num_attention_heads=8,

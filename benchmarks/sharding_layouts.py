@@ -17,13 +17,15 @@ Bytes:
   element plus one f32 scale per output row), the rest bf16. weld runs quantized weights on one
   device only today; this column is what the same rules would give them;
 - KV / latent per token: the bf16 K/V (or MLA latent c_kv + k_pe) of one token across every
-  paged layer, on one device; recurrent state per sequence: f32 conv window + state matrix of
-  every linear-attention layer, on one device. Caches are replicated over dp (weld has no
-  per-rank page pools yet), so these do not shrink with dp.
+  paged layer, on one device, averaged over the whole cache: with data-parallel attention each
+  dp rank holds its own pages (the pools split along their pages over dp), so a device holds
+  1/dp of the cache's tokens and this shrinks with dp; recurrent state per sequence: f32 conv
+  window + state matrix of every linear-attention layer, on one device (the state slots are
+  not split over dp: every rank holds every sequence's state).
 
 Collectives of one decode step, per device, from the shardings (where GSPMD must put one) and
 `moe.routed_experts` (the one psum of the expert-parallel shard_map). B rows in the step; a dp
-group holds B / dp of them when dp divides B (else all B). Activations bf16 (2 bytes), the
+rank runs ceil(B / dp) of them (its own sequences, `weld.engine.batch.rank_rows`). Activations bf16 (2 bytes), the
 expert psum f32 (as `routed_experts` sums). Ring algorithms: an all-reduce of S bytes over g
 devices sends 2 (g - 1) / g * S per device (reduce-scatter, then all-gather); an all-gather to
 S bytes per device receives (g - 1) / g * S.
@@ -154,6 +156,7 @@ LAYOUTS = (
     Layout("TP8, one host", 8),
     Layout("TP8 x EP8, dp 1", 8, ep=True),
     Layout("TP4 x DP2", 4, dp=2),
+    Layout("TP8 x DP4, experts over 32 (data-parallel attention)", 8, dp=4, ep=True),
 )
 
 
@@ -187,18 +190,19 @@ def cache_bytes(family, cfg, mesh) -> tuple[dict, list]:
     """Per-device cache bytes: bf16 K/V or latent per token (all paged layers), f32 recurrent
     state per sequence (all linear layers); and each layer's local shard shapes."""
     spec = family.cache_spec(cfg)
-    cache = jax.eval_shape(lambda: spec.create(1, 1, jnp.bfloat16, num_slots=1 if spec.has_recurrent else 0))
+    ranks = sharding.data_parallel_size(mesh)  # one page of one token per data-parallel rank
+    cache = jax.eval_shape(lambda: spec.create(ranks, 1, jnp.bfloat16, num_slots=1 if spec.has_recurrent else 0))
     layouts = sharding.cache_shardings(cache, mesh)
     per_token = per_seq = 0
     layers = []
     for layer, lay in zip(cache.layers, layouts.layers):
         if isinstance(layer, KVPages):
             k = lay.k.shard_shape(layer.k.shape)
-            per_token += 2 * 2 * math.prod(k)
+            per_token += 2 * 2 * math.prod(k) / ranks
             layers.append({"kind": "kv", "kv_heads_local": k[2], "kv_heads": layer.k.shape[2]})
         elif isinstance(layer, LatentPages):
-            per_token += 2 * math.prod(lay.pool.shard_shape(layer.pool.shape))
-            layers.append({"kind": "latent", "replicated": True})
+            per_token += 2 * math.prod(lay.pool.shard_shape(layer.pool.shape)) / ranks
+            layers.append({"kind": "latent", "whole_over_tensor": True, "split_over_dp": ranks})
         elif isinstance(layer, RecurrentState):
             conv, state = lay.conv.shard_shape(layer.conv.shape), lay.state.shard_shape(layer.state.shape)
             per_seq += 4 * (math.prod(conv) + math.prod(state))
@@ -219,7 +223,7 @@ def step_collectives(cfg, specs, shards: dict, cache_layers: list, mesh, batch: 
     size, bytes sent per device) per kind, summed; see the module docstring for the rules."""
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     dp = sizes.get("dp", 1)
-    rows = batch // dp if batch % dp == 0 else batch  # the rows each dp group runs
+    rows = -(-batch // dp)  # the rows each dp rank runs: its own sequences (`batch.rank_rows`)
     d = cfg.hidden_size
     ops: list[dict] = []
 
@@ -262,7 +266,7 @@ def step_collectives(cfg, specs, shards: dict, cache_layers: list, mesh, batch: 
                     note("router softmax max [B] f32", "all-reduce", r, batch * 4)
                     note("router softmax sum [B] f32", "all-reduce", r, batch * 4)
                 note("router logits gather [B, E] f32", "all-gather", r, batch * moe.num_experts * 4)
-                if dp > 1 and rows != batch:
+                if dp > 1:
                     note("expert input gather over dp [B, d]", "all-gather", dp, batch * d * ACT)
                 stack = shards[lw + ("moe", "w_down")]
                 inner = tuple(a for dim in (1, 2) for a in split_axes(stack, dim))
@@ -308,12 +312,13 @@ def figures(family, cfg, mesh, batches: tuple[int, ...] = (1, 8)) -> dict:
     row = {"params": cfg.num_params(), "weights": weight_bytes(specs, flat), "cache": caches,
            "collectives": {f"batch_{b}": step_collectives(cfg, specs, flat, cache_layers, mesh, b) for b in batches}}
     tensor = size(mesh, sharding.mesh_axes(mesh, "q_heads"))
-    replicated = {"MLA latent cache" for x in cache_layers if x["kind"] == "latent" and tensor > 1}
+    replicated = {"MLA latent cache (over the tensor devices)" for x in cache_layers
+                  if x["kind"] == "latent" and tensor > 1}
     replicated |= {"conv windows" for x in cache_layers if x["kind"] == "recurrent" and tensor > 1}
     for x in cache_layers:
         if x["kind"] == "kv" and x["kv_heads_local"] * tensor > x["kv_heads"]:
             replicated.add(f"KV heads ({x['kv_heads_local']} of {x['kv_heads']} per device, each on "
-                           f"{x['kv_heads_local'] * tensor // x['kv_heads']} devices)")
+                           f"{x['kv_heads_local'] * tensor // x['kv_heads']} tensor devices)")
     row["replicated"] = sorted(replicated)
     return row
 

@@ -57,7 +57,8 @@ class CacheConfig:
     """The paged KV cache: page_size tokens per page (vLLM's block_size); num_pages pages, or as
     many as kv_cache_memory_gb GiB hold (counted from the model's cache spec; None: what
     max_num_seqs sequences of max_model_len tokens take, at most DEFAULT_KV_CACHE_GB);
-    kv_cache_dtype the pools' element type ("auto": the model's dtype)."""
+    kv_cache_dtype the pools' element type ("auto": the model's dtype). Both sizes are the whole
+    cache's: data-parallel ranks share them evenly (each still holds one max_model_len sequence)."""
 
     page_size: int = 16
     num_pages: int | None = None
@@ -100,7 +101,8 @@ class SchedulerConfig:
 class ParallelConfig:
     """How the model is spread over devices (vLLM's names): tensor_parallel_size devices split
     every layer (attention heads, MLP columns, the vocabulary), data_parallel_size groups of them
-    split the batch rows; enable_expert_parallel puts the routed experts over all tp x dp
+    each serve their own sequences (their batch rows and their pages of the caches: data-parallel
+    attention); enable_expert_parallel puts the routed experts over all tp x dp
     devices instead of splitting each expert, and expert_tensor_parallel_size (with it) splits
     each expert's FFN over that many of the tp devices (the seeds' TP4 x EP8 on 32 devices:
     tp 32, expert tp 4). `weld.models.common.sharding` holds the rules. nnodes > 1 spreads the
@@ -334,15 +336,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, *,
                         "(interpret mode off a TPU, for correctness only) (default: xla)")
     g = p.add_argument_group("KV cache and batching")
     g.add_argument("--kv-cache-memory-gb", type=float, default=cache.kv_cache_memory_gb, metavar="GB",
-                   help="memory for the paged KV cache (default: what --max-num-seqs sequences of "
-                        f"--max-model-len tokens take, at most {DEFAULT_KV_CACHE_GB:g})")
+                   help="memory for the paged KV cache, shared by the data-parallel ranks (default: what "
+                        f"--max-num-seqs sequences of --max-model-len tokens take, at most {DEFAULT_KV_CACHE_GB:g})")
     g.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
                    help="KV cache element type; float16 / bfloat16 halve a float32 cache (default: auto, "
                         "the model's dtype)")
     g.add_argument("--block-size", type=int, default=cache.page_size, metavar="N",
                    help=f"tokens per KV page (default: {cache.page_size})")
     g.add_argument("--num-pages", type=int, default=None, metavar="N",
-                   help="exactly this many KV pages (default: as many as --kv-cache-memory-gb holds)")
+                   help="exactly this many KV pages, shared by the data-parallel ranks (default: as many as "
+                        "--kv-cache-memory-gb holds)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=cache.enable_prefix_caching, help="reuse the KV pages of shared prompt prefixes "
                                                              "(default: on)")
@@ -363,7 +366,8 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
                    help="devices that split every layer: attention heads, MLP columns, the vocabulary (default: 1)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
-                   help="groups of --tensor-parallel-size devices that split the batch rows (default: 1)")
+                   help="groups of --tensor-parallel-size devices, each serving its own sequences with its own "
+                        "share of the KV cache (data-parallel attention; default: 1)")
     g.add_argument("--enable-expert-parallel", action="store_true", default=None,
                    help="put whole routed experts on the tp x dp devices instead of splitting every expert "
                         "(MoE models)")

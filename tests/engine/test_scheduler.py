@@ -105,6 +105,25 @@ def test_prefill_is_chunked_by_token_budget():
     assert a.is_finished and b.is_finished and bm.num_free_pages == 64
 
 
+@pytest.mark.parametrize("running", [0, 2])
+def test_one_step_admits_up_to_max_num_seqs_prompts(running):
+    """Prompts that finish in this step's chunks count once toward max_num_seqs (they join the
+    running sequences), not twice."""
+    bm = BlockManager(num_pages=64, page_size=4)
+    sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=64)
+    for i in range(running):
+        sched.add(seq(3, f"old{i}"))
+    if running:
+        for e in sched.schedule().entries:
+            e.seq.num_computed_tokens = e.start + e.num_tokens
+            e.seq.output_token_ids.append(7)
+    assert len(sched.running) == running
+    for i in range(8):
+        sched.add(seq(5, str(i)))
+    plan = sched.schedule()
+    assert plan.num_prefill == 6 - running and len(sched.running) == 6
+
+
 def test_preemption_recomputes_newest_and_frees_all():
     bm = BlockManager(num_pages=5, page_size=4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)

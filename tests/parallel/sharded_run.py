@@ -37,12 +37,36 @@ def device0_share(tree) -> float:
     return held / total
 
 
+def pools(cache) -> list:
+    """The page pools of a cache (K/V and MLA latent), without the recurrent state."""
+    from weld.models.common.cache import KVPages, LatentPages
+
+    return [layer for layer in cache.layers if isinstance(layer, (KVPages, LatentPages))]
+
+
+def watch_ranks(llm) -> set[int]:
+    """The data-parallel ranks sequences get placed on from now on (empty: one rank)."""
+    ranks: set[int] = set()
+    bm = llm.engine.block_manager
+    if hasattr(bm, "ranks"):
+        place = bm._place
+
+        def placed(seq) -> int:
+            rank = place(seq)
+            ranks.add(rank)
+            return rank
+
+        bm._place = placed
+    return ranks
+
+
 def run(model: str, layout: dict) -> dict:
     from weld import LLM, SamplingParams
 
     layout = dict(layout)
     spec = layout.pop("spec", False)
     llm = LLM(model, **ENGINE, **layout, speculative_config=NGRAM if spec else None)
+    ranks = watch_ranks(llm)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     first = llm.generate(PROMPTS, params)
     hits = llm.engine.block_manager.prefix_hits
@@ -61,6 +85,9 @@ def run(model: str, layout: dict) -> dict:
         "pages_freed": bm.num_free_pages == bm.num_pages and not llm.engine.requests,
         "weight_share": device0_share(llm.engine.runner.weights),
         "cache_share": device0_share(llm.engine.runner.cache),
+        "pool_share": device0_share(pools(llm.engine.runner.cache)),
+        "ranks_used": sorted(ranks),
+        "num_prompts": len(PROMPTS),
         "verified": any(key[0] == "verify" for key in llm.engine.runner._programs),
     }
 

@@ -89,12 +89,13 @@ def output(proc) -> str:
     return proc.log.read_text(errors="replace")
 
 
-def start_pair(spawn, model_dir, headless_flags=()) -> tuple[subprocess.Popen, subprocess.Popen, str]:
-    """Rank 0 (HTTP) and rank 1 (headless) of `weld serve --nnodes 2 -tp 2`; returns them and the base URL."""
+def start_pair(spawn, model_dir, headless_flags=(),
+               layout=("--tensor-parallel-size", "2")) -> tuple[subprocess.Popen, subprocess.Popen, str]:
+    """Rank 0 (HTTP) and rank 1 (headless) of `weld serve --nnodes 2` with the layout flags
+    (default -tp 2); returns them and the base URL."""
     master, http = free_port(pair=True), free_port()
     common = [sys.executable, "-m", "weld.cli", "serve", "--model", str(model_dir), *ENGINE_FLAGS,
-              "--nnodes", "2", "--tensor-parallel-size", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(master)]
+              "--nnodes", "2", *layout, "--master-addr", "127.0.0.1", "--master-port", str(master)]
     headless = spawn("rank1", [*common, "--node-rank", "1", "--headless", *headless_flags])
     rank0 = spawn("rank0", [*common, "--node-rank", "0", "--port", str(http)])
     return rank0, headless, f"http://127.0.0.1:{http}"
@@ -163,6 +164,33 @@ def test_two_ranks_answer_as_one_process_and_stop_when_a_rank_dies(spawn, tiny_l
     assert code == 1, output(rank0)
     assert_one_error_line(output(rank0), "headless rank 1 (127.0.0.1:")
     assert "disconnected; stopping" in output(rank0)
+
+
+def test_data_parallel_over_two_hosts_answers_as_one_process(spawn, tiny_llama_dir):
+    """-dp 2 over two hosts: each host's device is a data-parallel rank with its own sequences
+    and its own pages; two prompts in one request land one on each and match one process."""
+    import httpx
+
+    from weld import LLM, SamplingParams
+
+    model_dir, _ = tiny_llama_dir
+    rank0, headless, url = start_pair(spawn, model_dir, layout=("--data-parallel-size", "2"))
+    prompts = [PROMPT, "Paris is the capital of France. Paris is"]
+    llm = LLM(str(model_dir), **ENGINE)
+    refs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, logprobs=1))
+    wait_healthy(url, [rank0, headless])
+    body = {"prompt": prompts, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60.0)
+    assert reply.status_code == 200, reply.text
+    choices = sorted(reply.json()["choices"], key=lambda c: c["index"])
+    for choice, ref in zip(choices, refs):
+        out = ref.outputs[0]
+        assert choice["text"] == out.text
+        np.testing.assert_allclose(choice["logprobs"]["token_logprobs"],
+                                   [lps[t].logprob for t, lps in zip(out.token_ids, out.logprobs)], atol=1e-4, rtol=0)
+    usage = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics", timeout=10.0).text.splitlines()
+             if line.startswith(("weld:kv_cache_usage_perc{", "weld:kv_cache_usage_perc "))]
+    assert usage == [0.0]  # every page of both ranks came back
 
 
 def test_sigterm_on_rank_0_stops_every_rank_cleanly(spawn, tiny_llama_dir):

@@ -25,6 +25,7 @@ TOL = 1e-4
 TP2, TP4 = {"tensor_parallel_size": 2}, {"tensor_parallel_size": 4}
 TP2_DP2 = {"tensor_parallel_size": 2, "data_parallel_size": 2}
 TP2_EP = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+DP2 = {"data_parallel_size": 2}
 TP2_DP2_EP = {"tensor_parallel_size": 2, "data_parallel_size": 2, "enable_expert_parallel": True}
 TP4_EP_ETP2 = {"tensor_parallel_size": 4, "enable_expert_parallel": True, "expert_tensor_parallel_size": 2}
 SPEC = {"spec": True}
@@ -33,12 +34,12 @@ SPEC = {"spec": True}
 # greedy tokens, and its logprobs, the same). The default suite runs a few per kind of model.
 CASES = {
     "llama": [TP4, {**TP2_DP2, **SPEC}],
-    "qwen3_moe": [TP2_EP, TP4_EP_ETP2],
+    "qwen3_moe": [TP2_EP, TP4_EP_ETP2, TP2_DP2],
     "deepseek_v3": [{**TP2_DP2_EP, **SPEC}],
-    "qwen3_next": [{**TP2, **SPEC}],
+    "qwen3_next": [{**TP2, **SPEC}, DP2],
 }
 SLOW_CASES = {
-    "llama": [TP2, TP2_DP2, {**TP2, **SPEC}],
+    "llama": [TP2, TP2_DP2, {**TP2, **SPEC}, {"data_parallel_size": 4, **SPEC}],
     "qwen3_moe": [TP2, TP2_DP2_EP, {**TP2_EP, **SPEC}],
     "deepseek_v3": [TP2, TP4_EP_ETP2],
     "qwen3_next": [TP2_DP2_EP, TP4],
@@ -78,9 +79,13 @@ def check(variant: str, results: list[dict]) -> None:
         assert max_diff(r["prompt_logprobs"], base["prompt_logprobs"]) < TOL, what
         assert max_diff(r["again_logprobs"], r["logprobs"]) < TOL, what
         assert r["verified"] == bool(layout.get("spec")), what  # speculation ran through the verify program
-        devices = layout.get("tensor_parallel_size", 1) * layout.get("data_parallel_size", 1)
-        if devices == 1:
-            assert r["weight_share"] == pytest.approx(1.0), what
+        dp = layout.get("data_parallel_size", 1)
+        # data-parallel attention: each rank holds its own pages (1/dp of every pool, less when
+        # the KV heads split too) and serves its own sequences
+        assert r["pool_share"] <= 1 / dp + 1e-9, (what, r["pool_share"])
+        assert r["ranks_used"] == (list(range(min(dp, r["num_prompts"]))) if dp > 1 else []), what
+        if layout.get("tensor_parallel_size", 1) == 1 and not layout.get("enable_expert_parallel"):
+            assert r["weight_share"] == pytest.approx(1.0), what  # data parallel: every rank has the weights
         else:  # split: device 0 holds clearly less than the whole model
             assert r["weight_share"] < 0.75, (what, r["weight_share"])
 

@@ -114,6 +114,34 @@ def test_mla_and_linear_attention_heads_are_checked():
         sharding.check_layout(hybrid, qwen3_next.cache_spec(hybrid), TP4)
 
 
+def _pool_specs(family, cfg, mesh, num_pages: int = 8) -> list:
+    import jax
+    import jax.numpy as jnp
+
+    cache = jax.eval_shape(lambda: family.cache_spec(cfg).create(num_pages, 4, jnp.float32))
+    return [next(iter(vars(layer).values())).spec for layer in sharding.cache_shardings(cache, mesh).layers]
+
+
+def test_data_parallel_splits_every_pool_along_its_pages():
+    """Each dp rank its own pages (K/V and MLA's latent pool alike); KV heads split over all the
+    tensor devices of a group or none."""
+    dense = _cfg(num_key_value_heads=2)
+    assert set(_pool_specs(llama, dense, TP2_DP2)) == {P("dp", None, "tp")}
+    assert set(_pool_specs(llama, dense, TP4)) == {P(None, None, None)}  # 2 KV heads, 4 devices: whole
+    assert set(_pool_specs(llama, dense, EP)) == {P("dp", None, None)}  # never over a part (tp of ep x tp)
+    assert set(_pool_specs(llama, _cfg(num_attention_heads=8, num_key_value_heads=4), EP)) == {P("dp", None, "ep")}
+    mla = deepseek.Config.from_hf({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                                   "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                                   "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 16,
+                                   "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                                   "v_head_dim": 8, "vocab_size": 256, "first_k_dense_replace": 1})
+    assert set(_pool_specs(deepseek, mla, TP2_DP2)) == {P("dp")}  # the latent: whole over tp, split over dp
+    assert sharding.data_parallel_size(TP2_DP2) == 2 and sharding.data_parallel_size(TP4) == 1
+    assert sharding.data_parallel_size(None) == 1
+    with pytest.raises(ValueError, match="7 pages do not divide over 2 data-parallel ranks"):
+        _pool_specs(llama, dense, TP2_DP2, num_pages=7)
+
+
 def test_parallel_settings_are_checked_before_anything_loads():
     config = EngineConfig.create(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)
     assert config.parallel.world_size == 4 and config.parallel.sharded

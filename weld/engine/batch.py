@@ -87,21 +87,22 @@ class HostBatch:
 
 
 def build(plan: SchedulerOutput, *, max_pages_per_seq: int, vocab_size: int, eos_ids: np.ndarray,
-          num_page_groups: int = 1,
+          num_page_groups: int = 1, num_ranks: int = 1,
           num_spec_tokens: int = 0, want_prompt_logprobs: bool = False, token_bitmask: np.ndarray | None = None,
           drafts: np.ndarray | None = None, num_drafts: np.ndarray | None = None) -> HostBatch:
     """The host arrays of `plan`. token_bitmask int32 [len(plan.entries), ceil(vocab / 32)], row i
     for entry i, or None. A "verify" plan takes each entry's drafts (int32 [n, k], padded; None:
-    a device drafter drafts) and how many it may send (num_drafts [n])."""
+    a device drafter drafts) and how many it may send (num_drafts [n]). num_ranks > 1: rows
+    grouped by data-parallel rank (`rank_rows`)."""
     entries = plan.entries
-    n = len(entries)
     if plan.kind in ("decode", "verify"):
-        b, bp = bucket(n), 0
-        rows = list(range(n))
+        b, rows = rank_rows(entries, num_ranks)
+        bp = 0
     else:
-        bp, num_decode = bucket(plan.num_prefill), n - plan.num_prefill
-        b = bp + (bucket(num_decode) if num_decode else 0)
-        rows = list(range(plan.num_prefill)) + [bp + j for j in range(num_decode)]
+        bp, rows = rank_rows(entries[:plan.num_prefill], num_ranks)
+        decodes = entries[plan.num_prefill:]
+        bd, decode_rows = rank_rows(decodes, num_ranks, base=bp) if decodes else (0, [])
+        b, rows = bp + bd, rows + decode_rows
     # Each page group's table side by side; pages a sliding window freed (-1) read as page 0,
     # which they never write and the window's mask never shows.
     block_tables = np.zeros((b, num_page_groups * max_pages_per_seq), np.int32)
@@ -114,43 +115,63 @@ def build(plan: SchedulerOutput, *, max_pages_per_seq: int, vocab_size: int, eos
                      stop_arrays(entries, rows, b, eos_ids), penalty_arrays(entries, rows, b, vocab_size),
                      bitmask_rows(token_bitmask, rows, b, vocab_size), state_slots)
     if plan.kind == "decode":
-        host.tokens, host.positions = last_tokens(entries, b)
+        host.tokens, host.positions = last_tokens(entries, rows, b)
     elif plan.kind == "verify":
-        last, host.positions = last_tokens(entries, b)
+        last, host.positions = last_tokens(entries, rows, b)
         host.tokens = np.zeros((b, num_spec_tokens + 1), np.int32)
         host.tokens[:, 0] = last
         host.num_drafts = np.zeros((b,), np.int32)
-        for i in range(n):
+        for i, r in enumerate(rows):
             sent = min(int(num_drafts[i]) if num_drafts is not None else 0, num_spec_tokens)
-            host.num_drafts[i] = sent
+            host.num_drafts[r] = sent
             if drafts is not None:
-                host.tokens[i, 1:1 + sent] = drafts[i, :sent]
+                host.tokens[r, 1:1 + sent] = drafts[i, :sent]
     else:
-        host.groups, host.prompt_targets = prefill_groups(plan, bp, block_tables, state_slots, want_prompt_logprobs)
+        host.groups, host.prompt_targets = prefill_groups(plan, rows, bp, block_tables, state_slots,
+                                                          want_prompt_logprobs)
     return host
 
 
-def last_tokens(entries: list[ScheduledSeq], b: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each decode row's last token (not yet in the cache) and its position, [b] each."""
+def rank_rows(entries: list[ScheduledSeq], num_ranks: int = 1, base: int = 0) -> tuple[int, list[int]]:
+    """(rows of a row group, each entry's row in the batch). One rank: bucket(n) rows, entry i in
+    row base + i. Data-parallel ranks split a group's rows evenly (`sharding.shard_rows`): rank
+    r's entries go, in order, to rows base + r * per .., per = bucket(most entries on one rank)."""
+    if num_ranks == 1:
+        return bucket(len(entries)), [base + i for i in range(len(entries))]
+    taken = [0] * num_ranks
+    index = []
+    for e in entries:
+        r = e.seq.dp_rank
+        if not 0 <= r < num_ranks:
+            raise ValueError(f"sequence {e.seq.request_id!r} is on data-parallel rank {r}, not one of {num_ranks}")
+        index.append((r, taken[r]))
+        taken[r] += 1
+    per = bucket(max(taken))
+    return num_ranks * per, [base + r * per + i for r, i in index]
+
+
+def last_tokens(entries: list[ScheduledSeq], rows: list[int], b: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each decode row's last token (not yet in the cache) and its position, [b] each (0 in padding rows)."""
     tokens = np.zeros((b,), np.int32)
     positions = np.zeros((b,), np.int32)
-    for i, e in enumerate(entries):
-        tokens[i] = e.seq.token_at(e.start)
-        positions[i] = e.start
+    for r, e in zip(rows, entries):
+        tokens[r] = e.seq.token_at(e.start)
+        positions[r] = e.start
     return tokens, positions
 
 
-def prefill_groups(plan: SchedulerOutput, bp: int, block_tables: np.ndarray, state_slots: np.ndarray,
-                   want_prompt_logprobs: bool):
+def prefill_groups(plan: SchedulerOutput, rows: list[int], bp: int, block_tables: np.ndarray,
+                   state_slots: np.ndarray, want_prompt_logprobs: bool):
     """Row groups (tokens, positions, tables, last index, state slots) of a prefill or mixed plan:
-    prompt chunks [bp, tp], then any decode rows [bd, 1]; and the prompt-logprob targets [bp, tp]."""
+    prompt chunks [bp, tp], then any decode rows [bd, 1]; and the prompt-logprob targets [bp, tp].
+    rows: each entry's batch row (chunks in [0, bp), decode rows from bp)."""
     chunks, decodes = plan.entries[:plan.num_prefill], plan.entries[plan.num_prefill:]
     t = bucket(max(e.num_tokens for e in chunks), MIN_TOKEN_BUCKET)
     tokens = np.zeros((bp, t), np.int32)
     positions = np.full((bp, t), -1, np.int32)
     last_index = np.zeros((bp,), np.int32)
     targets = np.zeros((bp, t), np.int32)
-    for i, e in enumerate(chunks):
+    for i, e in zip(rows, chunks):
         seq = e.seq
         tokens[i, :e.num_tokens] = seq.token_ids()[e.start:e.start + e.num_tokens]
         positions[i, :e.num_tokens] = np.arange(e.start, e.start + e.num_tokens)
@@ -162,8 +183,11 @@ def prefill_groups(plan: SchedulerOutput, bp: int, block_tables: np.ndarray, sta
     groups = [(tokens, positions, block_tables[:bp], last_index, state_slots[:bp])]
     bd = block_tables.shape[0] - bp
     if bd:  # decode rows of a mixed step: one token each, at the end of the batch
-        d_tokens, d_positions = last_tokens(decodes, bd)
-        d_positions[len(decodes):] = -1
+        decode_rows = [r - bp for r in rows[plan.num_prefill:]]
+        d_tokens, d_positions = last_tokens(decodes, decode_rows, bd)
+        padding = np.ones((bd,), bool)
+        padding[decode_rows] = False
+        d_positions[padding] = -1
         groups.append((d_tokens[:, None], d_positions[:, None], block_tables[bp:], np.zeros((bd,), np.int32),
                        state_slots[bp:]))
     return tuple(groups), targets
@@ -246,7 +270,8 @@ def sampling_arrays(entries: list[ScheduledSeq], rows: list[int], b: int) -> Sam
 
 
 def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
-                 speculative: bool = False, num_page_groups: int = 1, num_slots: int = 0) -> list[SchedulerOutput]:
+                 speculative: bool = False, num_page_groups: int = 1, num_slots: int = 0,
+                 num_ranks: int = 1) -> list[SchedulerOutput]:
     """One dummy plan per bucketed shape the scheduler can produce: fused decodes (or, with
     `speculative`, verification steps) of bd rows,
     and prefills of bp rows x tp tokens with bd decode rows riding along (bd = 0: none). The
@@ -257,12 +282,16 @@ def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
     least n/2 + 1 items, a token bucket tp > 16 a chunk of at least tp/2 + 1 tokens) and, with
     several prompt rows longer than the minimal bucket, bp * tp stays within the scheduler's
     padded-slot limit.
+
+    num_ranks > 1 (data-parallel attention): the dummies are rank 0's, each rank's share of a
+    group's rows (`rank_rows`) bucketed up to ceil(max_num_seqs / num_ranks), the most
+    `DataParallelBlockManager` places on one rank while it balances them.
     """
     def least_rows(n: int) -> int:
         return n if n <= 1 else n // 2 + 1
 
     params = SamplingParams(max_tokens=1, temperature=0)
-    row_buckets = [1 << i for i in range(bucket(max_num_seqs).bit_length())]
+    row_buckets = [1 << i for i in range(bucket(-(-max_num_seqs // num_ranks)).bit_length())]
     slots = bucket(max_num_batched_tokens, MIN_TOKEN_BUCKET)
     token_buckets = [1 << i for i in range(MIN_TOKEN_BUCKET.bit_length() - 1, slots.bit_length())]
 

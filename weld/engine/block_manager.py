@@ -99,11 +99,13 @@ class BlockManager:
     None for the group of full-context layers). num_slots: live recurrent-state slots (slot ids
     0 .. num_slots - 1; 0: the model has no linear-attention layers); num_snapshot_slots: the
     snapshot slots after them (ids num_slots ..), used while prefix caching is on;
-    snapshot_interval: pages between the snapshots along a sequence."""
+    snapshot_interval: pages between the snapshots along a sequence. first_slot / first_snapshot
+    move the slot ids (`DataParallelBlockManager`: each rank's own range of one shared pool)."""
 
     def __init__(self, num_pages: int | list[int] | tuple[int, ...], page_size: int,
                  enable_prefix_caching: bool = True, windows: tuple[int | None, ...] = (None,),
-                 num_slots: int = 0, num_snapshot_slots: int = 0, snapshot_interval: int = SNAPSHOT_INTERVAL):
+                 num_slots: int = 0, num_snapshot_slots: int = 0, snapshot_interval: int = SNAPSHOT_INTERVAL,
+                 first_slot: int = 0, first_snapshot: int | None = None):
         sizes = [num_pages] if isinstance(num_pages, int) else list(num_pages)
         if len(sizes) != len(windows):
             raise ValueError(f"{len(sizes)} pool sizes for {len(windows)} page groups")
@@ -118,12 +120,13 @@ class BlockManager:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
         self.num_slots = num_slots
-        self.free_slots: deque[int] = deque(range(num_slots))
+        self.free_slots: deque[int] = deque(range(first_slot, first_slot + num_slots))
         self.num_snapshot_slots = num_snapshot_slots
         self.snapshot_interval = snapshot_interval
         # snapshot slot -> hash of the page its state ends at (None: empty), least recently used first
+        first_snapshot = first_slot + num_slots if first_snapshot is None else first_snapshot
         self._snapshots: OrderedDict[int, int | None] = OrderedDict(
-            (slot, None) for slot in range(num_slots, num_slots + num_snapshot_slots))
+            (slot, None) for slot in range(first_snapshot, first_snapshot + num_snapshot_slots))
         self._snapshot_of: dict[int, int] = {}  # page hash -> the snapshot slot holding the state there
         self._copies: list[tuple[int, int]] = []  # (source slot, destination slot), in the order they must run
 
@@ -155,6 +158,10 @@ class BlockManager:
     @property
     def num_free_pages(self) -> int:
         return sum(len(p.free) for p in self.pools)
+
+    def shares_pages(self, seq: Sequence, other: Sequence) -> bool:
+        """Whether freeing `other`'s pages could make room for `seq` (one pool: always)."""
+        return True
 
     def holds_only(self, seq: Sequence) -> bool:
         """Whether every page in use belongs to `seq` (nothing else could free any)."""
@@ -262,29 +269,9 @@ class BlockManager:
         if (not self.enable_prefix_caching or any(tables) or seq.num_computed_tokens
                 or seq.params.prompt_logprobs is not None):
             return 0
-        tokens = seq.token_ids()
-        usable = (len(tokens) - 1) // self.page_size
-        self.prefix_queries += len(tokens)
-        chunks, hashes, previous = [], [], None
-        for i in range(usable):
-            chunks.append(tuple(tokens[i * self.page_size:(i + 1) * self.page_size]))
-            previous = self._chain(previous, chunks[-1])
-            hashes.append(previous)
-
-        def pages(pool: _Pool, hit: int) -> list[int] | None:
-            """The group's pages for a hit of `hit` pages (-1 where it needs none), or None."""
-            start = self._window_start(pool, hit)
-            found = [pool.cached(hashes[i], chunks[i]) for i in range(start, hit)]
-            return None if None in found else [-1] * start + found
-
-        hit = 0
-        while hit < usable and self.pools[0].cached(hashes[hit], chunks[hit]) is not None:
-            hit += 1
-        while hit and (any(pages(pool, hit) is None for pool in self.pools[1:])
-                       or (self.num_slots and hashes[hit - 1] not in self._snapshot_of)):
-            hit -= 1  # a sliding group lacks the window, or the state its snapshot: try a shorter prefix
-        if hit and not self.has_slot_for(seq):
-            hit = 0  # it waits for a slot anyway, and looks again then
+        self.prefix_queries += seq.num_tokens
+        chunks, hashes = self.prefix_hashes(seq)
+        hit = self.cached_prefix(seq, chunks, hashes)
         if hit and self.num_slots:
             snapshot = self._snapshot_of[hashes[hit - 1]]
             self._snapshots.move_to_end(snapshot)
@@ -292,7 +279,7 @@ class BlockManager:
                 seq.state_slot = self.free_slots.popleft()
             self._copies.append((snapshot, seq.state_slot))
         for pool, table in zip(self.pools, tables):
-            for page in pages(pool, hit) if hit else []:
+            for page in self._group_pages(pool, hit, chunks, hashes) if hit else []:
                 if page >= 0:
                     pool.share(page)
                 table.append(page)
@@ -300,6 +287,35 @@ class BlockManager:
         seq.num_computed_tokens = hit * self.page_size
         self.prefix_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
+
+    def prefix_hashes(self, seq: Sequence) -> tuple[list[tuple[int, ...]], list[int]]:
+        """The full pages of `seq`'s tokens that a prefix hit may cover (all but the page holding
+        its last token) and their chained hashes."""
+        tokens = seq.token_ids()
+        chunks, hashes, previous = [], [], None
+        for i in range((len(tokens) - 1) // self.page_size):
+            chunks.append(tuple(tokens[i * self.page_size:(i + 1) * self.page_size]))
+            previous = self._chain(previous, chunks[-1])
+            hashes.append(previous)
+        return chunks, hashes
+
+    def _group_pages(self, pool: _Pool, hit: int, chunks: list, hashes: list[int]) -> list[int] | None:
+        """A group's pages for a hit of `hit` pages (-1 where it needs none), or None."""
+        start = self._window_start(pool, hit)
+        found = [pool.cached(hashes[i], chunks[i]) for i in range(start, hit)]
+        return None if None in found else [-1] * start + found
+
+    def cached_prefix(self, seq: Sequence, chunks: list, hashes: list[int]) -> int:
+        """How many leading pages (of `prefix_hashes`) `match_prefix` would reuse; changes nothing."""
+        hit = 0
+        while hit < len(chunks) and self.pools[0].cached(hashes[hit], chunks[hit]) is not None:
+            hit += 1
+        while hit and (any(self._group_pages(pool, hit, chunks, hashes) is None for pool in self.pools[1:])
+                       or (self.num_slots and hashes[hit - 1] not in self._snapshot_of)):
+            hit -= 1  # a sliding group lacks the window, or the state its snapshot: try a shorter prefix
+        if hit and not self.has_slot_for(seq):
+            hit = 0  # it waits for a slot anyway, and looks again then
+        return hit
 
     def cache_full_pages(self, seq: Sequence) -> None:
         """Registers the pages of `seq` that have become full of computed tokens."""
@@ -383,3 +399,145 @@ class BlockManager:
             written.add(dst)
         self._copies = []
         return waves
+
+
+def _on_rank(name: str):
+    """The `BlockManager` method `name`, run by the rank `seq` lives on."""
+    def method(self, seq: Sequence, *args):
+        return getattr(self.rank_of(seq), name)(seq, *args)
+
+    method.__name__ = name
+    method.__doc__ = f"`BlockManager.{name}` on the rank `seq` lives on."
+    return method
+
+
+class DataParallelBlockManager:
+    """Data-parallel attention's page bookkeeping: one `BlockManager` per data-parallel rank,
+    each over that rank's own shard of every pool (the pools are split along their pages over
+    the "dp" mesh axis, `sharding.cache_shardings`, so page ids are local: 0 .. num_pages - 1 on
+    every rank) and its own range of the recurrent-state slots (live slots r * num_slots ..,
+    snapshot slots num_ranks * num_slots + r * num_snapshot_slots ..). A sequence lives on one
+    rank (`Sequence.dp_rank`) from its first page to its last: its rows of every batch are that
+    rank's rows (`batch.build`), and its prefix hits come from that rank's cache.
+
+    A sequence that holds nothing is placed when it looks up its prefix (`match_prefix`): on the
+    rank holding the fewest sequences, then the one with the longest cached prefix for it, then
+    the most free pages. Placing by load first keeps every rank's share of a batch within
+    ceil(max_num_seqs / num_ranks) rows, so the batch shapes stay the one-device ones times the
+    ranks; the prefix breaks ties (a chat's next turn on an idle server finds its history).
+    Sizes (num_pages, num_slots, num_snapshot_slots) are per rank."""
+
+    def __init__(self, num_ranks: int, num_pages: int | list[int] | tuple[int, ...], page_size: int,
+                 enable_prefix_caching: bool = True, windows: tuple[int | None, ...] = (None,),
+                 num_slots: int = 0, num_snapshot_slots: int = 0, snapshot_interval: int = SNAPSHOT_INTERVAL):
+        if num_ranks < 1:
+            raise ValueError(f"need at least one data-parallel rank, got {num_ranks}")
+        self.ranks = [BlockManager(num_pages, page_size, enable_prefix_caching, windows, num_slots, num_snapshot_slots,
+                                   snapshot_interval, first_slot=r * num_slots,
+                                   first_snapshot=num_ranks * num_slots + r * num_snapshot_slots)
+                      for r in range(num_ranks)]
+        self._holders: list[set[int]] = [set() for _ in range(num_ranks)]  # seq ids holding pages or a slot
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    def rank_of(self, seq: Sequence) -> BlockManager:
+        if seq.dp_rank < 0:
+            seq.dp_rank = self._place(seq)
+        return self.ranks[seq.dp_rank]
+
+    def _place(self, seq: Sequence) -> int:
+        first = self.ranks[0]
+        hashes = first.prefix_hashes(seq) if first.enable_prefix_caching else ([], [])
+
+        def key(r: int) -> tuple[int, int, int]:
+            bm = self.ranks[r]
+            return len(self._holders[r]), -bm.cached_prefix(seq, *hashes), -len(bm.pools[0].free)
+
+        return min(range(self.num_ranks), key=key)
+
+    def _track(self, seq: Sequence) -> None:
+        holders = self._holders[seq.dp_rank]
+        if any(seq.block_tables) or seq.state_slot >= 0:
+            holders.add(seq.seq_id)
+        else:
+            holders.discard(seq.seq_id)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """`BlockManager.match_prefix` on the rank `seq` goes to (placed anew if it holds nothing)."""
+        if not any(seq.block_tables) and seq.state_slot < 0:
+            seq.dp_rank = -1
+        hit = self.rank_of(seq).match_prefix(seq)
+        self._track(seq)
+        return hit
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        self.rank_of(seq).allocate(seq, num_tokens)
+        self._track(seq)
+
+    def free(self, seq: Sequence) -> None:
+        """Frees `seq`'s pages and slot on its rank; it is placed again when it next starts."""
+        if seq.dp_rank >= 0:
+            self.ranks[seq.dp_rank].free(seq)
+            self._holders[seq.dp_rank].discard(seq.seq_id)
+        seq.dp_rank = -1
+
+    def shares_pages(self, seq: Sequence, other: Sequence) -> bool:
+        return seq.dp_rank == other.dp_rank
+
+    holds_only = _on_rank("holds_only")
+    pages_needed = _on_rank("pages_needed")
+    has_slot_for = _on_rank("has_slot_for")
+    can_allocate = _on_rank("can_allocate")
+    trim = _on_rank("trim")
+    release_outside_window = _on_rank("release_outside_window")
+    cache_full_pages = _on_rank("cache_full_pages")
+    is_snapshot_point = _on_rank("is_snapshot_point")
+    next_snapshot_point = _on_rank("next_snapshot_point")
+    snapshot = _on_rank("snapshot")
+
+    def pages_for(self, num_tokens: int) -> int:
+        return self.ranks[0].pages_for(num_tokens)
+
+    def take_copies(self) -> list[list[tuple[int, int]]]:
+        """Every rank's queued slot copies, wave i of each rank in wave i (their slots are disjoint)."""
+        merged: list[list[tuple[int, int]]] = []
+        for waves in (bm.take_copies() for bm in self.ranks):
+            for i, wave in enumerate(waves):
+                if i == len(merged):
+                    merged.append([])
+                merged[i].extend(wave)
+        return merged
+
+    @property
+    def page_size(self) -> int:
+        return self.ranks[0].page_size
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.ranks[0].enable_prefix_caching
+
+    @property
+    def takes_snapshots(self) -> bool:
+        return self.ranks[0].takes_snapshots
+
+    @property
+    def full_context_pages(self) -> int | None:
+        """The most one sequence can hold: one rank's (every sequence's pages are on one rank)."""
+        return self.ranks[0].full_context_pages
+
+    def _sum(name: str):  # noqa: N805 -- a helper of the class body
+        return property(lambda self: sum(getattr(bm, name) for bm in self.ranks),
+                        doc=f"`BlockManager.{name}` summed over the ranks.")
+
+    num_pages = _sum("num_pages")
+    num_free_pages = _sum("num_free_pages")
+    num_slots = _sum("num_slots")
+    num_free_slots = _sum("num_free_slots")
+    num_snapshot_slots = _sum("num_snapshot_slots")
+    num_snapshots = _sum("num_snapshots")
+    num_state_slots = _sum("num_state_slots")
+    prefix_queries = _sum("prefix_queries")
+    prefix_hits = _sum("prefix_hits")
+    del _sum

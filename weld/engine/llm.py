@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from weld.config import DEFAULT_KV_CACHE_GB, EngineConfig, SpeculativeConfig
 from weld.engine import distributed
-from weld.engine.block_manager import SNAPSHOT_INTERVAL, BlockManager
+from weld.engine.block_manager import SNAPSHOT_INTERVAL, BlockManager, DataParallelBlockManager
 from weld.engine.core import EngineCore
 from weld.engine.outputs import RequestOutput
 from weld.engine.runner import ModelRunner
@@ -149,9 +149,20 @@ class LLM:
         # Snapshots of a hybrid model's state at least a full prefill chunk apart: the scheduler
         # ends calls at them, so closer ones would cut a long prompt's prefill into smaller calls.
         interval = max(SNAPSHOT_INTERVAL, sched.max_num_batched_tokens // cache.page_size)
-        block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, windows=windows,
-                                     num_slots=num_slots, num_snapshot_slots=num_snapshot_slots,
-                                     snapshot_interval=interval)
+        ranks = sharding.data_parallel_size(self.mesh)
+        if ranks > 1:  # data-parallel attention: each rank its own share of the pages and slots
+            per_seq = self._pages_per_sequence(family, drafter, config)
+            num_pages = tuple(max(-(-n // ranks), least if cache.num_pages is None else 1)
+                              for n, least in zip(num_pages, per_seq))
+            num_slots, num_snapshot_slots = -(-num_slots // ranks), -(-num_snapshot_slots // ranks)
+            block_manager = DataParallelBlockManager(ranks, num_pages, cache.page_size, cache.enable_prefix_caching,
+                                                     windows=windows, num_slots=num_slots,
+                                                     num_snapshot_slots=num_snapshot_slots, snapshot_interval=interval)
+            num_pages = tuple(n * ranks for n in num_pages)  # the pools: every rank's pages
+        else:
+            block_manager = BlockManager(num_pages, cache.page_size, cache.enable_prefix_caching, windows=windows,
+                                         num_slots=num_slots, num_snapshot_slots=num_snapshot_slots,
+                                         snapshot_interval=interval)
         runner = ModelRunner(family, self.cfg, self.model.weights, num_pages=num_pages,
                              page_size=cache.page_size, kv_dtype=self.kv_dtype, max_model_len=self.max_model_len,
                              steps_per_call=sched.steps_per_call, eos_token_ids=eos, backend=config.backend,
@@ -213,9 +224,7 @@ class LLM:
         def snapshots(memory: float) -> int:  # the snapshot slots of KV memory of `memory` bytes in all
             return max(MIN_SNAPSHOT_SLOTS, int(share * memory / slot_bytes)) if share else 0
 
-        span = sched.max_num_batched_tokens + sched.steps_per_call * ((config.speculative.k or 0) + 1)
-        per_seq = [-(-(self.max_model_len if g.window is None or drafter is not None
-                       else min(self.max_model_len, g.window + span)) // cache.page_size) + 1 for g in groups]
+        per_seq = self._pages_per_sequence(family, drafter, config)
         page_bytes = [cache.page_size * spec.bytes_per_token(self.kv_dtype, i) for i in range(len(groups))]
         if drafter is not None:
             page_bytes[0] += cache.page_size * drafter.cache_spec().bytes_per_token(self.kv_dtype)
@@ -242,6 +251,16 @@ class LLM:
             rest = seq_bytes
         sequences = rest / seq_bytes
         return tuple(max(int(sequences * n), n) for n in per_seq), live, num_snapshots
+
+    def _pages_per_sequence(self, family, drafter, config: EngineConfig) -> list[int]:
+        """The pages of each page group one sequence of max_model_len tokens may hold at once: the
+        whole context in a full-context group, its window plus a prefill chunk and a call's decode
+        steps in a sliding one (a device drafter keeps state for the whole context)."""
+        cache, sched = config.cache, config.scheduler
+        span = sched.max_num_batched_tokens + sched.steps_per_call * ((config.speculative.k or 0) + 1)
+        return [-(-(self.max_model_len if g.window is None or drafter is not None
+                    else min(self.max_model_len, g.window + span)) // cache.page_size) + 1
+                for g in family.cache_spec(self.cfg).page_groups()]
 
     def _load_drafter(self, spec: SpeculativeConfig, target: WeightTarget, progress: bool | None):
         """(device drafter, its weights, the config with k settled) for the method, or Nones."""

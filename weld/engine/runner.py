@@ -86,6 +86,8 @@ class ModelRunner:
                  spec_rounds: int = 1, num_state_slots: int = 0, mesh: Any = None):
         self.family = family
         self.mesh = mesh  # a device mesh (`weld.models.common.sharding`), or None: one device
+        # data-parallel attention: each rank's rows and its own shard of the pools (num_pages in all)
+        self.num_ranks = sharding.data_parallel_size(mesh)
         # Called with (program name, arguments, static arguments) before each device call; see `replay`.
         self.on_call: Any = None
         self.cfg = cfg
@@ -192,7 +194,7 @@ class ModelRunner:
             self.copy_slots(wave)
         num_top = MAX_LOGPROBS if want_logprobs or want_prompt_logprobs else 0
         host = host_batch.build(plan, max_pages_per_seq=self.max_pages_per_seq, num_page_groups=self.num_page_groups,
-                                vocab_size=self.cfg.vocab_size,
+                                num_ranks=self.num_ranks, vocab_size=self.cfg.vocab_size,
                                 eos_ids=self.eos_token_ids, num_spec_tokens=self.num_spec_tokens,
                                 want_prompt_logprobs=want_prompt_logprobs, token_bitmask=token_bitmask,
                                 drafts=drafts if self.drafter is None else None, num_drafts=num_drafts)
@@ -224,9 +226,9 @@ class ModelRunner:
             result.logprobs, result.ranks, result.top_ids, result.top_logprobs = (x[rows] for x in chosen)
         if history is not None:
             result.num_drafts, result.num_accepted = (x[rows] for x in history)
-        if prompt is not None:  # prompt chunks only: entry i < num_prefill is row i
+        if prompt is not None:  # prompt chunks only: the first num_prefill entries
             (result.prompt_logprobs, result.prompt_ranks, result.prompt_top_ids,
-             result.prompt_top_logprobs) = (x[:plan.num_prefill] for x in prompt)
+             result.prompt_top_logprobs) = (x[rows[:plan.num_prefill]] for x in prompt)
         return result
 
     def copy_slots(self, copies: list[tuple[int, int]]) -> None:
@@ -248,7 +250,7 @@ class ModelRunner:
         """
         num_slots = self.cache.num_slots
         plans = host_batch.warmup_plans(max_num_seqs, max_num_batched_tokens, self.page_size,
-                                        self.num_spec_tokens > 0, self.num_page_groups, num_slots)
+                                        self.num_spec_tokens > 0, self.num_page_groups, num_slots, self.num_ranks)
         copies = [1 << i for i in range(bucket(2 * max_num_seqs).bit_length())] if num_slots else []
         before = self.num_compiles
         with Progress(len(plans) + len(copies), "Compiling", unit="program", enabled=progress) as bar:

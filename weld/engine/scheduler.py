@@ -13,7 +13,8 @@ Policy (vLLM v1 style, with weld's fused decode):
   and up to k drafts each), and the engine gives back the slots of rejected drafts afterwards
   (`BlockManager.trim`).
 - When pages run out for even one decode step, the newest running sequence is preempted by
-  recompute: its pages are freed and it goes back to the waiting queue, keeping its tokens.
+  recompute (under data-parallel attention, the newest on the same rank: only its pages are
+  of use): its pages are freed and it goes back to the waiting queue, keeping its tokens.
   A step that preempted admits no new prompt.
 - A model with linear-attention layers snapshots a sequence's recurrent state for the prefix
   cache only between calls, so while snapshots are on every call ends a sequence's tokens at its
@@ -137,7 +138,10 @@ class Scheduler:
         longest = 0
         bm = self.block_manager
         i = 0  # the waiting sequence to look at next: those before it have a chunk this step
-        while i < len(self.waiting) and budget > 0 and len(self.running) + len(entries) < self.max_num_seqs:
+        # sequences this step's chunks keep waiting (part-way through their prompt); the others
+        # join self.running as their prompt finishes
+        partial = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) + partial < self.max_num_seqs:
             seq = self.waiting[i]
             if seq.index > 0 and any(e.seq.request_id == seq.request_id for e in entries):
                 break  # next step, n > 1 siblings reuse the prompt pages this step computes
@@ -165,6 +169,7 @@ class Scheduler:
             longest = max(longest, chunk)
             if holds_prompt:
                 i += 1  # the rest of this prompt goes in a later step, the next prompt may start now
+                partial += 1
                 continue
             if not finishes_prompt:
                 break  # the rest of this prompt goes in the next step
@@ -190,7 +195,8 @@ class Scheduler:
             if not bm.can_allocate(seq, seq.num_tokens + steps - 1):
                 steps = 1
             while not bm.can_allocate(seq, seq.num_tokens):
-                victim = self.running[-1]
+                # the newest sequence whose pages seq could use (data parallel: on its rank)
+                victim = next(s for s in reversed(self.running) if bm.shares_pages(seq, s))
                 self._preempt(victim)
                 if victim is seq:
                     break

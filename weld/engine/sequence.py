@@ -42,6 +42,7 @@ class Sequence:
         self.num_hashed_pages = 0  # leading pages registered in the prefix cache
         self.last_page_hash: int | None = None  # hash of the last of them (the chain continues from it)
         self.state_slot = -1  # its recurrent-state slot (`BlockManager`), -1: none
+        self.dp_rank = 0  # the data-parallel rank whose pages it holds (`DataParallelBlockManager`; -1: none yet)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

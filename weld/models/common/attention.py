@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -37,50 +40,103 @@ def write_pages(pages: jax.Array, x: jax.Array, positions: jax.Array, block_tabl
 def write_kv(k_pages: jax.Array, v_pages: jax.Array | None, k: jax.Array, v: jax.Array | None,
              positions: jax.Array, block_tables: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """Scatters new K/V [b, t, k, e] into the pools [P, page, k, e] at their positions [b, t]
-    (`write_pages` for each; v_pages None: the keys are the values, nothing more to write)."""
+    (`write_pages` for each; v_pages None: the keys are the values, nothing more to write).
+    Under data-parallel attention each rank writes its own rows into its own pages."""
+    layout = _Layout.of(k_pages.shape[2], None, positions.shape[0])
+    if layout is not None and layout.rows:
+        pool, rows = layout.pool, layout.row_spec
+        values = None if v_pages is None else pool
+        return jax.shard_map(_write_kv, mesh=layout.mesh, check_vma=False, out_specs=(pool, values),
+                             in_specs=(pool, values, pool, values, rows, rows))(
+            k_pages, v_pages, k, v, positions, block_tables)
+    return _write_kv(k_pages, v_pages, k, v, positions, block_tables)
+
+
+def _write_kv(k_pages, v_pages, k, v, positions, block_tables):
     k_pages = write_pages(k_pages, k, positions, block_tables)
     if v_pages is not None:
         v_pages = write_pages(v_pages, v, positions, block_tables)
     return k_pages, v_pages
 
 
-def _heads_local(q, k, v, k_pages, v_pages, positions, block_tables, **kwargs):
-    """`paged_attention` on a mesh that splits the heads, as one `shard_map`: each device attends
-    with its own query heads over its own KV heads (or, for MLA's single latent head, over the
-    whole latent pool it holds), so no page leaves its device. Rows stay whole (the pools are
-    not split over data-parallel devices). None when there is no such mesh, or the KV heads are
-    fewer than the devices (their pools are replicated: GSPMD places that case)."""
-    mesh = sharding.active_mesh()
-    if mesh is None:
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How paged attention splits over the active mesh: rows (and the pools' pages) over the
+    data-parallel ranks, query heads over the tensor-parallel devices, the pools' KV heads with
+    them when they divide (`sharding.kv_pool_axes`); with fewer KV heads each device reads the
+    `kv_count` KV heads its query heads use out of whole pools."""
+
+    mesh: Any
+    rows: tuple[str, ...]  # data-parallel axes ((): rows and pages whole)
+    heads: tuple[str, ...]  # the query heads' axes ((): every device computes every head)
+    pool_heads: tuple[str, ...]  # the pools' KV-head axes
+    kv_count: int = 0  # > 0: whole pools, each device reads kv_count KV heads from kv_start()
+
+    @classmethod
+    def of(cls, kv_heads: int, q_heads: int | None, batch: int) -> "_Layout | None":
+        """The layout for pools of kv_heads and q_heads query heads (None: a write only), or None
+        when there is nothing to split by hand (one device, or GSPMD's placement will do)."""
+        mesh = sharding.active_mesh()
+        if mesh is None:
+            return None
+        rows = sharding.mesh_axes(mesh, "pages")
+        if rows and batch % sharding.axis_size(mesh, rows):
+            raise ValueError(f"{batch} rows do not divide over {sharding.axis_size(mesh, rows)} data-parallel ranks")
+        tensor = sharding.mesh_axes(mesh, "q_heads")
+        n = sharding.axis_size(mesh, tensor) if tensor else 1
+        pool_heads = sharding.kv_pool_axes(mesh, kv_heads)
+        heads, kv_count = (), 0
+        if q_heads is not None and n > 1 and q_heads % n == 0:
+            local, group = q_heads // n, q_heads // kv_heads
+            if pool_heads or kv_heads == 1:
+                heads = tensor
+            elif local % group == 0 or group % local == 0:  # a device's heads use whole KV heads of their own
+                heads, kv_count = tensor, max(1, local // group)
+        if not rows and not heads:
+            return None
+        return cls(mesh, rows, heads, pool_heads, kv_count)
+
+    @property
+    def pool(self) -> P:
+        return sharding.spec_of(self.rows, None, self.pool_heads, None)
+
+    @property
+    def row_spec(self) -> P:
+        return sharding.spec_of(self.rows, None)
+
+    def kv_start(self, q_heads: int, kv_heads: int) -> jax.Array:
+        """Inside the shard_map: this device's first KV head (of kv_count) in whole pools."""
+        n = sharding.axis_size(self.mesh, self.heads)
+        return jax.lax.axis_index(self.heads) * (q_heads // n) // (q_heads // kv_heads)
+
+
+def _local(q, k, v, k_pages, v_pages, positions, block_tables, **kwargs):
+    """`paged_attention` on a mesh, as one `shard_map` (`_Layout`): each data-parallel rank
+    attends its own rows over its own pages, each tensor-parallel device with its own query
+    heads over its own KV heads (or the ones they use in whole pools; MLA's single latent head
+    is whole), so no page leaves its device. None when there is no mesh to split over."""
+    b, _, h, _ = q.shape
+    kv_heads = k_pages.shape[2]
+    layout = _Layout.of(kv_heads, h, b)
+    if layout is None:
         return None
-    axes = sharding.mesh_axes(mesh, "q_heads")
-    kv_heads, h = k_pages.shape[2], q.shape[2]
-    n = sharding.axis_size(mesh, axes) if axes else 1
-    if n == 1 or h % n:
-        return None
-    # Fewer KV heads than devices: the pools are whole on every device (`sharding.cache_shardings`),
-    # each device writes every head and reads the one its query heads use.
-    fewer = kv_heads > 1 and kv_heads % n
-    if fewer and (n % kv_heads or sharding.partition(mesh, (None, None, "kv_heads", None), k_pages.shape)[2]):
-        return None
-    split = axes[0] if len(axes) == 1 else axes
-    heads = P(None, None, split, None)
-    pool = heads if kv_heads > 1 and not fewer else P()
-    whole = P()
     sinks = kwargs.pop("sinks")
     query_positions = kwargs.pop("query_positions")
     return_lse = kwargs["return_lse"]
+    heads = sharding.spec_of(layout.rows, None, layout.heads, None)
+    pool, rows = layout.pool, layout.row_spec
 
     def body(q, k, v, k_pages, v_pages, positions, block_tables, query_positions, sinks):
-        kv_head = jax.lax.axis_index(axes) // (n // kv_heads) if fewer else None
+        kv_slice = (layout.kv_start(h, kv_heads), layout.kv_count) if layout.kv_count else None
         return paged_attention(q, k, v, k_pages, v_pages, positions, block_tables, query_positions=query_positions,
-                               sinks=sinks, kv_head=kv_head, **kwargs)
+                               sinks=sinks, kv_slice=kv_slice, **kwargs)
 
-    out_specs = (heads, pool, None if v_pages is None else pool) + ((P(None, None, split),) if return_lse else ())
-    return jax.shard_map(body, mesh=mesh, check_vma=False, out_specs=out_specs,
+    lse = sharding.spec_of(layout.rows, None, layout.heads)
+    out_specs = (heads, pool, None if v_pages is None else pool) + ((lse,) if return_lse else ())
+    return jax.shard_map(body, mesh=layout.mesh, check_vma=False, out_specs=out_specs,
                          in_specs=(heads, pool, None if v is None else pool, pool, None if v_pages is None else pool,
-                                   whole, whole, None if query_positions is None else whole,
-                                   None if sinks is None else P(split)))(
+                                   rows, rows, None if query_positions is None else rows,
+                                   None if sinks is None else sharding.spec_of(layout.heads)))(
         q, k, v, k_pages, v_pages, positions, block_tables, query_positions, sinks)
 
 
@@ -88,7 +144,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
                     positions: jax.Array, block_tables: jax.Array, *, sliding_window: int | None = None,
                     scale: float | None = None, pages_per_tile: int = 8, query_positions: jax.Array | None = None,
                     return_lse: bool = False, sinks: jax.Array | None = None,
-                    kv_head: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                    kv_slice: tuple[jax.Array, int] | None = None) -> tuple[jax.Array, ...]:
     """Writes this call's K/V into the pools, then attends causally over each row's pages.
 
     q [b, t, h, e]; k, v [b, t, kv, e]; positions [b, t] (-1 = padding, which writes nothing).
@@ -106,33 +162,33 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
     query_positions [b, t] (default: positions) decouples what the queries see from where k, v
     are written (a drafter's block reads a context it does not write); return_lse adds each
     query's log-sum-exp of scores [b, t, h] (to merge with attention over other keys).
-    kv_head (a traced int32): every query head reads KV head kv_head of pools that hold them
-    all (one device's query heads when tensor parallelism exceeds the KV heads); the write
-    still covers every head.
+    kv_slice (start, count): the query heads read KV heads start .. start + count - 1 (a traced
+    start) of pools that hold them all (one device's query heads when tensor parallelism
+    exceeds the KV heads); the write still covers every head.
 
     Returns (out [b, t, h, e], k_pages, v_pages[, lse]). The pools ride through the loop's carry and
     the write happens inside the loop body (repeated each tile: it is idempotent and tiny).
     Every other arrangement tried (write before the loop, after it, a loop closing over the
     pools) made XLA:CPU copy each layer's whole pool on every step to keep the old one alive.
     """
-    local = _heads_local(q, k, v, k_pages, v_pages, positions, block_tables, sliding_window=sliding_window,
+    local = _local(q, k, v, k_pages, v_pages, positions, block_tables, sliding_window=sliding_window,
                          scale=scale, pages_per_tile=pages_per_tile, query_positions=query_positions,
                          return_lse=return_lse, sinks=sinks)
     if local is not None:
         return local
     b, t, h, e = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
-    if kv_head is not None:  # every query head reads the one KV head kv_head (the pools hold them all)
-        kv_heads = 1
+    if kv_slice is not None:  # the query heads read kv_slice's KV heads only (the pools hold them all)
+        kv_heads = kv_slice[1]
     g = h // kv_heads
     if scale is None:
         scale = e ** -0.5
     if query_positions is None:
         query_positions = positions
     pools = (k_pages,) if v_pages is None else (k_pages, v_pages)
-    # The native kernel runs on one device's buffers: on a mesh, inside `_heads_local` only.
+    # The native kernel runs on one device's buffers: on a mesh, inside `_local` only.
     if (all(p.dtype in cpu_kernels.KV_DTYPES for p in pools) and cpu_kernels.available()
-            and sharding.active_mesh() is None and kv_head is None):
+            and sharding.active_mesh() is None and kv_slice is None):
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, positions, block_tables)
         out, lse = cpu_kernels.paged_attention(q, k_pages, k_pages if v_pages is None else v_pages, block_tables,
                                                query_positions, scale=scale, sliding_window=sliding_window)
@@ -163,8 +219,9 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
         kv_pos = i * tile + jnp.arange(tile)  # [s]
         keys = k_pool[pages].astype(jnp.float32)
         values = keys if v_pool is None else v_pool[pages].astype(jnp.float32)
-        if kv_head is not None:  # [b, pages, page, 1, e]: the tile's rows of that head only
-            keys, values = (jax.lax.dynamic_slice_in_dim(x, kv_head, 1, axis=3) for x in (keys, values))
+        if kv_slice is not None:  # [b, pages, page, count, e]: the tile's rows of those heads only
+            keys, values = (jax.lax.dynamic_slice_in_dim(x, kv_slice[0], kv_slice[1], axis=3)
+                            for x in (keys, values))
         if all_heads:  # gathered pages feed the dots as they lie: no transposed copy
             keys, values = keys.reshape(b, tile * kv_heads, e), values.reshape(b, tile * kv_heads, e)
             s = jnp.einsum("bqe,bce->bqc", qs, keys).reshape(b, t * h, tile, kv_heads)

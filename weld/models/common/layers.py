@@ -47,6 +47,7 @@ def _reduce_matmul(rows: int, x: jax.Array, w: jax.Array) -> bool:
     if form not in ("reduce", "dot"):
         raise InvalidInputError(f"WELD_CPU_SMALL_MATMUL must be 'reduce' or 'dot', got {form!r}")
     lo, hi = SMALL_MATMUL_ROWS
+    rows = sharding.local_rows(rows)  # data-parallel ranks each multiply their own rows
     # f32 only: a bf16 reduction could accumulate in bf16, where the dot accumulates in f32.
     return (form == "reduce" and lo <= rows <= hi and x.dtype == w.dtype == jnp.float32
             and jax.default_backend() == "cpu")

@@ -244,7 +244,8 @@ def routed_experts(moe: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, l
     `shard_map`: each device runs its own experts (expert parallelism: the mesh has an "ep"
     axis) on its slice of each expert's FFN, for the pairs routed to them, then one sum over the
     devices combines them; no expert weight leaves its device. Pairs routed elsewhere weigh 0 on
-    a device (they still fill its tiles: simple, and costs compute, not weight bytes)."""
+    a device (they still fill its tiles: simple, and costs compute, not weight bytes). Without
+    experts over dp, each data-parallel rank does this for its own rows only."""
     mesh = sharding.active_mesh()
     if mesh is None:
         return experts(moe, x, weights, idx, lw)
@@ -265,8 +266,14 @@ def routed_experts(moe: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array, l
         y = experts(moe, x, jnp.where(mine, weights, 0), jnp.where(mine, idx - first, 0), stacks)
         return jax.lax.psum(y.astype(jnp.float32), ex + inner).astype(x.dtype)
 
-    replicated = sharding.P()
-    return jax.shard_map(body, mesh=mesh, in_specs=(replicated, replicated, replicated, specs), out_specs=replicated,
+    # Data-parallel ranks holding the same experts each run their own rows; experts spread over
+    # dp (expert parallelism) need every row on every device.
+    rows = sharding.mesh_axes(mesh, "batch")
+    if rows and not set(rows) & set(ex + inner) and x.shape[0] % sharding.axis_size(mesh, rows) == 0:
+        own = sharding.spec_of(rows)
+    else:
+        own = sharding.P()
+    return jax.shard_map(body, mesh=mesh, in_specs=(own, own, own, specs), out_specs=own,
                          check_vma=False)(x, weights, idx, stacks)
 
 

@@ -11,6 +11,13 @@ layout is a mesh (`make_mesh`) whose axis names say what it splits:
                           --enable-expert-parallel). The seeds' Kimi layout, attention over all 32
                           cores and experts TP4 x EP8, is dp 1, ep 8, tp 4.
 
+Data parallelism splits attention too (vLLM's and SGLang's "DP attention"): each dp rank has
+its own shard of every page pool (the pages axis over "dp", local page ids), runs only its own
+sequences' rows (`weld.engine.batch.rank_rows`) and keeps their pages
+(`weld.engine.block_manager.DataParallelBlockManager`), so the KV and MLA latent caches are
+split over dp as well as over the heads. Rows and pools meet in one `shard_map`
+(`attention._local`).
+
 `RULES` maps each logical axis to the mesh axes it may be split over, in order; a weight's
 dimension is split over those present in the mesh whose sizes multiply to a divisor of it
 (dropping from the front until they do, else it stays whole). Heads and experts must divide
@@ -45,6 +52,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "experts": ("dp", "ep"),  # only under expert parallelism (a mesh with an "ep" axis)
     "expert_mlp": ("tp",),
     "batch": ("dp",),
+    "pages": ("dp",),  # data-parallel attention: each dp rank its own pages of every pool
     # replicated: "embed" (the residual stream), "latent" / "q_lora" (MLA's compressed widths,
     # shared by every head), "moe", DSpark's "markov" and "target_stack"
 }
@@ -167,18 +175,45 @@ def weight_shardings(weights: Any, specs: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map_with_path(leaf, weights)
 
 
+def data_parallel_size(mesh: Any) -> int:
+    """How many data-parallel ranks split the rows and the page pools (1: none, or no mesh)."""
+    return 1 if mesh is None else _count(mesh, mesh_axes(mesh, "pages"))
+
+
+def kv_pool_axes(mesh: Any, kv_heads: int) -> tuple[str, ...]:
+    """The mesh axes a pool's KV-head dimension is split over: every tensor-parallel device when
+    they divide the KV heads, else none (the pool is whole on each: fewer KV heads than devices,
+    or MLA's one latent head). Never a part of them: a device's query heads then read KV heads
+    another device would hold."""
+    axes = mesh_axes(mesh, "kv_heads")
+    return axes if axes and kv_heads % axis_size(mesh, axes) == 0 else ()
+
+
+def spec_of(*dims: tuple[str, ...] | None) -> P:
+    """A PartitionSpec from per-dimension mesh-axis tuples (None or (): whole)."""
+    return P(*(None if not d else d[0] if len(d) == 1 else d for d in dims))
+
+
 def cache_shardings(cache: Any, mesh: Mesh) -> Any:
-    """Shardings of a `cache.Cache`: K/V pools [pages, page, kv_heads, head_dim] over their KV
-    heads, recurrent states [slots, heads, dk, dv] over their heads, the rest (MLA's latent pool,
-    shared by every head, and the conv windows) whole."""
+    """Shardings of a `cache.Cache`: K/V pools [pages, page, kv_heads, head_dim] over their pages
+    (data-parallel ranks) and KV heads (`kv_pool_axes`), MLA's latent pool over its pages
+    (every head reads it), recurrent states [slots, heads, dk, dv] over their heads, the conv
+    windows whole. A pool whose pages do not divide over the ranks is a ValueError."""
     from weld.models.common.cache import KVPages, LatentPages, RecurrentState
+
+    ranks = mesh_axes(mesh, "pages")
+
+    def pages(pool: Any) -> tuple[str, ...]:
+        if ranks and pool.shape[0] % axis_size(mesh, ranks):
+            raise ValueError(f"{pool.shape[0]} pages do not divide over {axis_size(mesh, ranks)} data-parallel ranks")
+        return ranks
 
     def of(layer):
         if isinstance(layer, KVPages):
-            s = NamedSharding(mesh, partition(mesh, (None, None, "kv_heads", None), layer.k.shape))
+            s = NamedSharding(mesh, spec_of(pages(layer.k), None, kv_pool_axes(mesh, layer.k.shape[2])))
             return KVPages(k=s, v=s)
         if isinstance(layer, LatentPages):
-            return LatentPages(pool=replicated(mesh))
+            return LatentPages(pool=NamedSharding(mesh, spec_of(pages(layer.pool))))
         if isinstance(layer, RecurrentState):
             axes = (None, "linear_heads") + (None,) * (layer.state.ndim - 2)
             return RecurrentState(conv=replicated(mesh),
@@ -201,6 +236,16 @@ def place(tree: Any, shardings: Any) -> Any:
         return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
 
     return jax.tree_util.tree_map(put, tree, shardings)
+
+
+def local_rows(n: int) -> int:
+    """How many of n batch rows each device computes under the active mesh: n / dp when the
+    data-parallel ranks split them (`shard_rows`), else n."""
+    mesh = active_mesh()
+    axes = () if mesh is None else mesh_axes(mesh, "batch")
+    if not axes or n % axis_size(mesh, axes):
+        return n
+    return n // axis_size(mesh, axes)
 
 
 def shard_rows(x: jax.Array) -> jax.Array:
