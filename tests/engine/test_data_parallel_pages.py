@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from tests.engine.test_scheduler import FakeDevice, random_traffic
+from tests.engine.test_scheduler import FakeDevice, random_traffic, sibling_requests
 from weld.engine import batch
 from weld.engine.block_manager import DataParallelBlockManager
 from weld.engine.sampling_params import SamplingParams
@@ -120,14 +120,7 @@ def test_random_requests_on_two_ranks_keep_pages_and_slots_right(hybrid):
                                   num_snapshot_slots=3 if hybrid else 0, snapshot_interval=2)
     sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64, steps_per_call=3)
     device = FakeDevice(sched, rng) if hybrid else None
-    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 20))] for _ in range(5)]
-    pending = []
-    for i in range(300):
-        prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
-        params = SamplingParams(max_tokens=rng.randrange(1, 14))
-        for index in range(2 if rng.random() < 0.2 else 1):
-            pending.append((Sequence(str(i), prompt, params, index=index), rng.random() < 0.2))
-    pending.reverse()
+    pending = sibling_requests(rng, 300)
     shapes = []
 
     def run(plan):

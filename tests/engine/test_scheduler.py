@@ -590,6 +590,20 @@ def test_slot_copies_run_in_waves_that_keep_their_order():
     assert bm.take_copies() == [[(2, 0), (1, 2)], [(0, 1)]]
 
 
+def sibling_requests(rng, count: int) -> list:
+    """`count` random requests as (sequence, abort?) for `random_traffic`: shared prefixes, 20%
+    with n = 2 siblings, 20% of sequences marked for abort."""
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 20))] for _ in range(5)]
+    pending = []
+    for i in range(count):
+        prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
+        params = SamplingParams(max_tokens=rng.randrange(1, 14))
+        for index in range(2 if rng.random() < 0.2 else 1):
+            pending.append((Sequence(str(i), prompt, params, index=index), rng.random() < 0.2))
+    pending.reverse()
+    return pending
+
+
 @pytest.mark.parametrize("prefix", [True, False])
 def test_random_requests_keep_every_state_slot_right(prefix):
     """300 requests (shared prefixes, n = 2 siblings, aborts, host-side stops, preemption) on a fake
@@ -601,14 +615,7 @@ def test_random_requests_keep_every_state_slot_right(prefix):
     bm = hybrid(num_pages=20, num_slots=6, num_snapshot_slots=5, interval=2, prefix=prefix)
     sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=64, steps_per_call=3)
     device = FakeDevice(sched, rng)
-    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 20))] for _ in range(5)]
-    pending = []
-    for i in range(300):
-        prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
-        params = SamplingParams(max_tokens=rng.randrange(1, 14))
-        for index in range(2 if rng.random() < 0.2 else 1):
-            pending.append((Sequence(str(i), prompt, params, index=index), rng.random() < 0.2))
-    pending.reverse()
+    pending = sibling_requests(rng, 300)
     live = random_traffic(sched, pending, rng, device.run, check=lambda: assert_slots_consistent(sched))
     assert not pending and not sched.has_unfinished() and all(s.is_finished for s, _ in live)
     assert bm.num_free_pages == bm.num_pages and bm.num_free_slots == bm.num_slots
