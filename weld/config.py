@@ -158,7 +158,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     confidence_threshold: float | None = None  # DSpark: None = the drafter's own default
-    rounds_per_call: int | None = None  # device drafters: rounds per device call (None: from steps_per_call)
+    rounds_per_call: int | None = None  # propose -> verify rounds per device call (None: steps_per_call)
 
     KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
             "confidence_threshold", "rounds_per_call")
@@ -193,16 +193,20 @@ class SpeculativeConfig:
         rounds = config.get("rounds_per_call")
         if rounds is not None:
             _int_in("rounds_per_call", rounds, 1, 64)
-        if method == "ngram" and rounds not in (None, 1):
-            raise InvalidInputError("n-gram drafts are made on the host between calls: rounds_per_call must be 1")
         return cls(method, k, config.get("model"), lo, hi, threshold, rounds)
 
     def rounds(self, steps_per_call: int) -> int:
-        """Rounds per device call: 1 for host drafts; else as given, or as many as fit in
-        steps_per_call tokens at k + 1 per round."""
-        if self.method in (None, "ngram"):
+        """Rounds per device call (every method drafts inside the device loop): as given, or
+        steps_per_call, so that a call runs as many target forwards as a plain decode call."""
+        if self.method is None:
             return 1
-        return self.rounds_per_call or max(1, steps_per_call // ((self.k or 1) + 1))
+        return self.rounds_per_call or max(1, steps_per_call)
+
+    def tokens_per_call(self, steps_per_call: int) -> int:
+        """The most tokens a sequence may produce in one decode call (the slots it is given)."""
+        if self.method is None:
+            return steps_per_call
+        return self.rounds(steps_per_call) * ((self.k or 1) + 1)
 
     def as_dict(self) -> dict[str, Any] | None:
         """vLLM's speculative_config dict of these settings (None when off)."""

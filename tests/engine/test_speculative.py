@@ -169,7 +169,7 @@ def test_sampled_speculation_is_seed_reproducible(ngram, prompts):
     ({"method": "draft_model"}, "draft model"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),
     ({"method": "ngram", "k": 3}, "unknown"),
-    ({"method": "ngram", "rounds_per_call": 2}, "rounds_per_call"),
+    ({"method": "ngram", "rounds_per_call": 0}, "rounds_per_call"),
 ])
 def test_bad_speculative_config(tiny_llama_dir, config, message):
     with pytest.raises(InvalidInputError, match=message):
@@ -256,3 +256,25 @@ def test_dspark_refuses_megakernel(tiny_llama_dir, dspark_dir):
     with pytest.raises(InvalidInputError, match="megakernel"):
         LLM(model=str(tiny_llama_dir[0]), backend="megakernel",
             speculative_config={"method": "dspark", "model": str(dspark_dir)}, **ENGINE)
+
+
+def test_ngram_drafts_several_rounds_in_one_device_call(tiny_llama_dir, prompts, reference):
+    """n-gram lookup runs on the device inside the loop: one call verifies several rounds per
+    row (more tokens than one round could give), and greedy outputs stay those of plain decoding."""
+    llm = LLM(model=str(tiny_llama_dir[0]), speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "rounds_per_call": 4}, **ENGINE)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    most, rounds_seen, outputs = 0, 0, {}
+    while engine.has_unfinished():
+        before = {s.seq_id: s.num_output_tokens for s in engine.scheduler.running}
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+        for s in engine.scheduler.running:
+            if s.seq_id in before:
+                most = max(most, s.num_output_tokens - before[s.seq_id])
+    assert [outputs[str(i)] for i in range(len(prompts))] == reference
+    assert most > 4, "a call should have produced more than one round's k + 1 tokens for some row"
+    assert_no_leak(llm)

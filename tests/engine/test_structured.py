@@ -253,3 +253,41 @@ def test_smollm2_chat_json_schema():
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
     assert_no_leaks(llm)
+
+
+def test_constrained_rows_speculate_with_a_mask_per_drafted_slot(tiny_llama_dir, llm):
+    """Under speculative decoding a constrained row verifies host n-gram drafts, each slot under
+    the grammar's mask after the drafts before it: drafts are sent and accepted, greedy outputs
+    equal plain constrained decoding, and sampled ones still match the grammar."""
+    spec = LLM(model=str(tiny_llama_dir[0]), dtype="float32", max_model_len=256, kv_cache_memory_gb=0.01,
+               steps_per_call=4, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    regex = r"(ab|cd|ef){12}"  # repeats its own phrases: lookup finds drafts the grammar takes
+    greedy = [constrained(0, temperature=0, regex=regex), constrained(0, temperature=0, json=SCHEMAS["array"]),
+              constrained(0, temperature=0, choice=["fox jumps over", "Paris"])]
+    prompts = ["The quick brown fox", "ab cd ab cd", "Paris"]
+    plain = llm.generate(prompts, greedy)
+    drafted = spec.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    stats = spec.engine.stats()
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
+    sampled = spec.generate(["The quick brown fox"] * 3, [constrained(s, regex=regex) for s in SEEDS])
+    for out in sampled:
+        assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
+    assert_no_leaks(spec)
+
+
+def test_scheduler_gives_constrained_rows_one_round_when_speculating():
+    """Pure Python: a verification gives a constrained sequence one round of k + 1 slots."""
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, steps_per_call=8,
+                      num_spec_tokens=3, spec_rounds=4)
+    free = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=32))
+    bound = Sequence("b", [1, 2, 3], SamplingParams(max_tokens=32, structured_outputs={"regex": "[ab]+"}))
+    for seq in (free, bound):
+        sched.add(seq)
+    plan = sched.schedule()
+    for e in plan.entries:
+        e.seq.num_computed_tokens = e.start + e.num_tokens
+        e.seq.output_token_ids.append(5)
+    plan = sched.schedule()
+    assert plan.kind == "verify"
+    assert {e.seq.request_id: e.max_steps for e in plan.entries} == {"a": 16, "b": 4}

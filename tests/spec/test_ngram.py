@@ -58,3 +58,28 @@ def test_batch_pads_with_minus_one_and_validates():
     for bad in (dict(k=0), dict(min_n=0), dict(min_n=3, max_n=2)):
         with pytest.raises(ValueError):
             NgramProposer(**bad)
+
+
+def test_device_lookup_matches_the_host_rule_on_a_batch():
+    """`lookup` (jnp, one batch of histories padded with junk past each length) drafts what
+    `propose_ngram` drafts for each row alone, for several lookup windows."""
+    import jax
+
+    from weld.engine.spec.ngram import lookup
+
+    rng = np.random.default_rng(3)
+    for k, min_n, max_n in ((4, 1, 3), (1, 2, 2), (7, 1, 5)):
+        rows = [rng.integers(0, 3 + i % 5, rng.integers(1, 60)).tolist() for i in range(24)]
+        width = 64
+        history = rng.integers(0, 8, (len(rows), width)).astype(np.int32)  # junk past each length
+        for i, tokens in enumerate(rows):
+            history[i, :len(tokens)] = tokens
+        lengths = np.asarray([len(t) for t in rows], np.int32)
+        drafts, num = jax.jit(lookup, static_argnums=(2, 3, 4))(history, lengths, k, min_n, max_n)
+        drafts, num = np.asarray(drafts), np.asarray(num)
+        found = 0
+        for i, tokens in enumerate(rows):
+            expect = propose_ngram(tokens, k, min_n, max_n)
+            assert drafts[i, :num[i]].tolist() == expect, (tokens, k, min_n, max_n)
+            found += bool(expect)
+        assert 0 < found < len(rows)

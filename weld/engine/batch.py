@@ -71,12 +71,14 @@ class HostBatch:
     sampling: SamplingArrays
     stop: StopArrays
     penalties: PenaltyArrays | None  # None: no row uses any (the programs skip them)
-    bitmask: np.ndarray | None  # i32 [b, ceil(v / 32)]; None: no row is constrained
+    bitmask: np.ndarray | None  # i32 [b, ceil(v / 32)] (verify: [b, k + 1, ceil(v / 32)]); None: no row is constrained
     state_slots: np.ndarray  # i32 [b]: each row's recurrent-state slot, -1: none
     # decode and verify: each row's last token (not yet in the cache) and its position [b]
     tokens: np.ndarray | None = None  # verify: [b, k + 1], the last token then host drafts
     positions: np.ndarray | None = None
     num_drafts: np.ndarray | None = None  # verify: i32 [b]
+    host_drafted: np.ndarray | None = None  # verify: bool [b], rows that send the host's drafts (one round)
+    history: np.ndarray | None = None  # verify with a drafter that reads it: i32 [b, w], tokens by position
     # prefill / mixed: (tokens, positions, block tables, last index, state slots) per row group
     groups: tuple[tuple[np.ndarray, ...], ...] = ()
     prompt_targets: np.ndarray | None = None  # i32 [bp, tp]: the token after each fed token
@@ -89,11 +91,15 @@ class HostBatch:
 def build(plan: SchedulerOutput, *, max_pages_per_seq: int, vocab_size: int, eos_ids: np.ndarray,
           num_page_groups: int = 1, num_ranks: int = 1,
           num_spec_tokens: int = 0, want_prompt_logprobs: bool = False, token_bitmask: np.ndarray | None = None,
-          drafts: np.ndarray | None = None, num_drafts: np.ndarray | None = None) -> HostBatch:
+          drafts: np.ndarray | None = None, num_drafts: np.ndarray | None = None,
+          host_drafted: np.ndarray | None = None, history_width: int = 0) -> HostBatch:
     """The host arrays of `plan`. token_bitmask int32 [len(plan.entries), ceil(vocab / 32)], row i
-    for entry i, or None. A "verify" plan takes each entry's drafts (int32 [n, k], padded; None:
-    a device drafter drafts) and how many it may send (num_drafts [n]). num_ranks > 1: rows
-    grouped by data-parallel rank (`rank_rows`)."""
+    for entry i (a "verify" plan: [n, k + 1, ceil(vocab / 32)], one mask per slot), or None. A
+    "verify" plan takes each entry's host drafts (int32 [n, k], padded), how many it may send
+    (num_drafts [n]), which entries send the host's drafts rather than the device drafter's
+    (host_drafted bool [n]; None: none), and, with history_width > 0, each entry's tokens by
+    position in a [b, history_width] history. num_ranks > 1: rows grouped by data-parallel rank
+    (`rank_rows`)."""
     entries = plan.entries
     if plan.kind in ("decode", "verify"):
         b, rows = rank_rows(entries, num_ranks)
@@ -121,11 +127,15 @@ def build(plan: SchedulerOutput, *, max_pages_per_seq: int, vocab_size: int, eos
         host.tokens = np.zeros((b, num_spec_tokens + 1), np.int32)
         host.tokens[:, 0] = last
         host.num_drafts = np.zeros((b,), np.int32)
+        host.host_drafted = np.zeros((b,), bool)
         for i, r in enumerate(rows):
             sent = min(int(num_drafts[i]) if num_drafts is not None else 0, num_spec_tokens)
             host.num_drafts[r] = sent
             if drafts is not None:
                 host.tokens[r, 1:1 + sent] = drafts[i, :sent]
+            host.host_drafted[r] = host_drafted is not None and bool(host_drafted[i])
+        if history_width:
+            host.history = histories(entries, rows, b, history_width)
     else:
         host.groups, host.prompt_targets = prefill_groups(plan, rows, bp, block_tables, state_slots,
                                                           want_prompt_logprobs)
@@ -193,15 +203,27 @@ def prefill_groups(plan: SchedulerOutput, rows: list[int], bp: int, block_tables
     return tuple(groups), targets
 
 
+def histories(entries: list[ScheduledSeq], rows: list[int], b: int, width: int) -> np.ndarray:
+    """Each row's tokens by position, int32 [b, width], -1 past its length (and in padding rows)."""
+    out = np.full((b, width), -1, np.int32)
+    for r, e in zip(rows, entries):
+        tokens = e.seq.token_ids()
+        if len(tokens) > width:
+            raise ValueError(f"sequence {e.seq.request_id!r} has {len(tokens)} tokens, more than the history's {width}")
+        out[r, :len(tokens)] = tokens
+    return out
+
+
 def bitmask_rows(token_bitmask: np.ndarray | None, rows: list[int], b: int, vocab_size: int) -> np.ndarray | None:
-    """The entries' bitmask rows placed at their batch rows [b, w]; padding rows allow everything."""
+    """The entries' bitmask rows placed at their batch rows [b, (slots,) w]; padding rows allow everything."""
     if token_bitmask is None:
         return None
     width = -(-vocab_size // 32)
-    if token_bitmask.shape != (len(rows), width) or token_bitmask.dtype != np.int32:
-        raise ValueError(f"token_bitmask must be int32 [{len(rows)}, {width}], "
+    if (token_bitmask.ndim not in (2, 3) or token_bitmask.shape[0] != len(rows) or token_bitmask.shape[-1] != width
+            or token_bitmask.dtype != np.int32):
+        raise ValueError(f"token_bitmask must be int32 [{len(rows)}, (slots,) {width}], "
                          f"got {token_bitmask.dtype} {token_bitmask.shape}")
-    out = np.full((b, width), -1, np.int32)
+    out = np.full((b,) + token_bitmask.shape[1:], -1, np.int32)
     out[np.asarray(rows)] = token_bitmask
     return out
 

@@ -2,8 +2,8 @@
 
 It owns the scheduler (pure Python: which sequences run, page bookkeeping), the model runner
 (the device) and the output processor (ids -> text, logprobs, finish reasons). It checks each
-request when it arrives, drafts for speculative decoding on the host (n-gram) and counts
-acceptance.
+request when it arrives, drafts on the host for grammar-constrained sequences under speculative
+decoding (every other row drafts on the device) and counts acceptance.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from weld.utils.errors import InvalidInputError
 
 
 class EngineCore:
-    """proposer: speculative decoding's host-side proposer (`.propose(token_ids) -> drafts`, e.g.
-    n-gram lookup), or None: then, when the scheduler speculates (num_spec_tokens > 0), the
-    runner's device drafter (a draft model or the DSpark drafter) drafts."""
+    """proposer: speculative decoding's host-side proposer (`.propose(token_ids) -> drafts`,
+    n-gram lookup) for the rows the device drafter cannot draft for: grammar-constrained ones,
+    whose masks along the drafts only the host can compute. Without a device drafter (the
+    runner's), it drafts for every row."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, scheduler: Scheduler, *,
                  max_model_len: int, eos_token_ids: tuple[int, ...], proposer: Any = None):
@@ -134,10 +135,14 @@ class EngineCore:
         want_prompt_lp = any(
             r.prompt_logprobs is not None and e.seq.index == 0 and e.seq.num_output_tokens == 0
             for r, e in zip(owners[:plan.num_prefill], plan.entries[:plan.num_prefill]))
-        drafts, num_drafts = self._propose(plan, owners) if plan.kind == "verify" else (None, None)
+        if plan.kind == "verify":
+            drafts, num_drafts, host_drafted, bitmask = self._propose(plan, owners)
+        else:
+            drafts = num_drafts = host_drafted = None
+            bitmask = self._token_bitmask(plan, owners)
         result = self.runner.execute(plan, want_logprobs=want_lp, want_prompt_logprobs=want_prompt_lp,
-                                     token_bitmask=self._token_bitmask(plan, owners), drafts=drafts,
-                                     num_drafts=num_drafts)
+                                     token_bitmask=bitmask, drafts=drafts, num_drafts=num_drafts,
+                                     host_drafted=host_drafted)
         return result, want_prompt_lp
 
     def _postprocess(self, plan: SchedulerOutput, result: StepResult, with_prompt_logprobs: bool) -> list[RequestOutput]:
@@ -147,24 +152,38 @@ class EngineCore:
         self.scheduler.update_from_output(plan, appended)
         return self.outputs.outputs(touched)
 
-    def _propose(self, plan: SchedulerOutput, owners: list[Request]) -> tuple[np.ndarray, np.ndarray]:
-        """Drafts [n, k] (padded with -1) and how many each entry sends. Sequences with penalties
-        or a grammar send none (their next logits depend on each accepted token): they take a
-        plain decode step inside the verification."""
+    def _propose(self, plan: SchedulerOutput, owners: list[Request]):
+        """A verification's host side: (drafts [n, k] padded with -1, how many each entry may send
+        [n], which entries send the host's drafts [n], per-slot grammar masks [n, k + 1, words]
+        or None). Sequences with penalties send none (their next logits depend on each accepted
+        token): they take a plain decode step in each round. The device drafter drafts for the
+        rest, except grammar-constrained sequences: the host drafts for them (n-gram lookup), as
+        far as the grammar accepts the drafts, with the mask of every drafted position; they
+        verify one round per call."""
         k = self.scheduler.num_spec_tokens
-        drafts = np.full((len(plan.entries), k), -1, np.int32)
-        num_drafts = np.zeros(len(plan.entries), np.int32)
+        n = len(plan.entries)
+        drafts = np.full((n, k), -1, np.int32)
+        num_drafts = np.zeros(n, np.int32)
+        host_drafted = np.zeros(n, bool)
+        bitmask = None
+        eos = set(self.grammars.eos_token_ids)
         for i, (entry, request) in enumerate(zip(plan.entries, owners)):
             seq = entry.seq
-            if seq.params.penalized or request.completion(seq).matcher is not None:
+            matcher = request.completion(seq).matcher
+            on_host = matcher is not None or self.runner.drafter is None
+            if not on_host:
+                num_drafts[i] = 0 if seq.params.penalized else k
                 continue
-            if self.proposer is None:  # the device drafter drafts (and may send fewer)
-                num_drafts[i] = k
-                continue
-            proposal = self.proposer.propose(seq.token_ids())[:k]
+            host_drafted[i] = True
+            proposal = [] if seq.params.penalized else self.proposer.propose(seq.token_ids())[:k]
+            proposal = proposal[:next((j for j, t in enumerate(proposal) if t in eos), len(proposal))]
+            if matcher is not None:  # drafts as far as the grammar takes them, and each slot's mask
+                if bitmask is None:
+                    bitmask = np.full((n, k + 1, bitmask_width(self.vocab_size)), -1, np.int32)
+                proposal = proposal[:matcher.draft_bitmasks(proposal, bitmask[i])]
             drafts[i, :len(proposal)] = proposal
             num_drafts[i] = len(proposal)
-        return drafts, num_drafts
+        return drafts, num_drafts, host_drafted, bitmask
 
     def _count_acceptance(self, result: StepResult) -> None:
         for sent, accepted in zip(result.num_drafts.reshape(-1), result.num_accepted.reshape(-1)):

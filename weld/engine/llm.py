@@ -68,12 +68,18 @@ def enable_compilation_cache() -> None:
 
 
 def _host_proposer(spec: SpeculativeConfig):
-    """The host-side drafter of a speculative config (n-gram lookup), or None."""
-    if spec.method == "ngram":
-        from weld.engine.spec.ngram import NgramProposer
+    """The host-side drafter of a speculative config (n-gram lookup, for grammar-constrained
+    rows, whatever the method), or None when not speculating."""
+    if spec.method is None:
+        return None
+    from weld.engine.spec.ngram import NgramProposer
 
-        return NgramProposer(k=spec.k, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
-    return None
+    return NgramProposer(k=spec.k, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
+
+
+def _keeps_state(drafter) -> bool:
+    """Whether a device drafter keeps per-token state on the target's pages."""
+    return drafter is not None and drafter.cache_spec() is not None
 
 
 def load_tokenizer(loaded: LoadedModel) -> Tokenizer:
@@ -145,7 +151,7 @@ class LLM:
         num_pages, num_slots, num_snapshot_slots = self._cache_sizes(family, drafter, config)
         # A device drafter keeps per-token state on group 0's pages for the whole context: then
         # no group frees its pages as a window moves.
-        windows = tuple(None if drafter is not None else g.window for g in groups)
+        windows = tuple(None if _keeps_state(drafter) else g.window for g in groups)
         # Snapshots of a hybrid model's state at least a full prefill chunk apart: the scheduler
         # ends calls at them, so closer ones would cut a long prompt's prefill into smaller calls.
         interval = max(SNAPSHOT_INTERVAL, sched.max_num_batched_tokens // cache.page_size)
@@ -226,7 +232,7 @@ class LLM:
 
         per_seq = self._pages_per_sequence(family, drafter, config)
         page_bytes = [cache.page_size * spec.bytes_per_token(self.kv_dtype, i) for i in range(len(groups))]
-        if drafter is not None:
+        if _keeps_state(drafter):
             page_bytes[0] += cache.page_size * drafter.cache_spec().bytes_per_token(self.kv_dtype)
         if cache.num_pages:
             memory = cache.num_pages * sum(page_bytes) + live * slot_bytes
@@ -257,8 +263,8 @@ class LLM:
         whole context in a full-context group, its window plus a prefill chunk and a call's decode
         steps in a sliding one (a device drafter keeps state for the whole context)."""
         cache, sched = config.cache, config.scheduler
-        span = sched.max_num_batched_tokens + sched.steps_per_call * ((config.speculative.k or 0) + 1)
-        return [-(-(self.max_model_len if g.window is None or drafter is not None
+        span = sched.max_num_batched_tokens + config.speculative.tokens_per_call(sched.steps_per_call)
+        return [-(-(self.max_model_len if g.window is None or _keeps_state(drafter)
                     else min(self.max_model_len, g.window + span)) // cache.page_size) + 1
                 for g in family.cache_spec(self.cfg).page_groups()]
 
@@ -270,6 +276,8 @@ class LLM:
             draft = self._load_draft_model(spec, progress)
             weights = draft.family.prepare_weights(draft.weights, draft.cfg, dataclasses.replace(target, backend="xla"))
             return drafters.DraftModelDrafter(draft.family, draft.cfg), weights, spec
+        if spec.method == "ngram":
+            return drafters.NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max), None, spec
         if spec.method != "dspark":
             return None, None, spec
         from weld.engine.spec import dspark

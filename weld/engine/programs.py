@@ -150,15 +150,20 @@ def decode(forward: Callable, weights, cache, tokens, positions, block_tables, s
 
 
 def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_state, tokens, positions, num_drafts,
-           block_tables, state_slots, sampling: SamplingArrays, stop: StopArrays, penalties, token_bitmask, *, cfg,
-           num_top: int, rounds: int):
+           host_drafted, history, block_tables, state_slots, sampling: SamplingArrays, stop: StopArrays, penalties,
+           token_bitmask, *, cfg, num_top: int, rounds: int):
     """Up to `rounds` speculative rounds (propose -> verify -> accept) in one device call.
 
-    tokens [b, k+1]: each row's last token (not yet in the cache), then its host drafts (n-gram;
-    then rounds is 1), ignored past num_drafts [b]. A device drafter (a draft model, DSpark)
-    makes each round's drafts here instead, and a row sends at most min(num_drafts, what the
-    drafter trusts). positions [b]: the last token's position; stop.max_steps [b]: tokens the
-    row may produce in this call (its pages hold that many slots).
+    tokens [b, k+1]: each row's last token (not yet in the cache), then its host drafts, ignored
+    past num_drafts [b]. The drafter (n-gram lookup, a draft model, DSpark) makes each round's
+    drafts here, and a row sends at most min(num_drafts, what the drafter offers). Rows with
+    host_drafted [b] send the host's drafts instead, in round 0 only, and end the call after it:
+    a grammar-constrained row, whose masks the host computed along its drafts (token_bitmask
+    [b, k+1, ceil(v / 32)]: slot j's allowed tokens after drafts 0..j-1). Without a drafter
+    every row is host-drafted. history [b, w]: each row's tokens by position, for a drafter
+    that reads them (else None); the loop writes each accepted token into it. positions [b]: the
+    last token's position; stop.max_steps [b]: tokens the row may produce in this call (its
+    pages hold that many slots).
 
     A round scores each row's last token and drafts in one forward and accepts on device
     (`acceptance.rejection_accept`: greedy rows keep the prefix equal to the target's argmax,
@@ -167,9 +172,8 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
     A recurrent state cannot be cut back like that: the forward advances it over every fed
     token, so when any row rejected a draft, each row's state is restored from before the
     forward and recomputed over the `count` tokens the row keeps (a second forward, with the
-    rest masked; its attention layers rewrite the same K/V). Penalties and grammar masks apply
-    to slot 0 (rows using them send no drafts; a grammar row has a budget of 1); min_tokens
-    applies to every slot.
+    rest masked; its attention layers rewrite the same K/V). Penalties apply to slot 0 (rows
+    using them send no drafts); min_tokens applies to every slot.
     Returns (cache, draft_state, ids [b, rounds * (k+1)] (the row's tokens, then -1), logprobs
     or None, (drafts sent, accepted) [b, rounds] each (-1: not in that round), stopped [b]).
     """
@@ -178,13 +182,16 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
     b, s = tokens.shape
     width = rounds * s
     batch = AttentionBatch(block_tables=block_tables, state_slots=state_slots)
-    first_allowed = _allowed(token_bitmask, cfg.vocab_size)
+    allowed = None
+    if token_bitmask is not None:  # [b, s, v]
+        allowed = unpack_bitmask(token_bitmask.reshape(b * s, -1), cfg.vocab_size).reshape(b, s, -1)
     slot = jnp.arange(s, dtype=jnp.int32)[None, :]
     rows = jnp.arange(b)[:, None]
+    host_drafted = host_drafted if drafter is not None else jnp.ones((b,), bool)
     capture = drafter.capture_layers if drafter is not None and drafter.observes_verify else ()
     out_lp = (jnp.zeros((b, width), jnp.float32), jnp.zeros((b, width), jnp.int32),
               jnp.zeros((b, width, num_top), jnp.int32), jnp.zeros((b, width, num_top), jnp.float32))
-    history = (jnp.full((b, rounds), -1, jnp.int32), jnp.full((b, rounds), -1, jnp.int32))
+    sent_log = (jnp.full((b, rounds), -1, jnp.int32), jnp.full((b, rounds), -1, jnp.int32))
     ban_slots = jax.vmap(lambda sc, n: constrain(sc, stop, n), in_axes=(1, 1), out_axes=1)  # min_tokens per slot
 
     def cond(carry):
@@ -192,18 +199,17 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
         return (r < rounds) & ~jnp.all(done)
 
     def body(carry):
-        r, cache, draft_state, last, done, made, out_ids, out_lp, history, pen, stopped = carry
+        r, cache, draft_state, last, done, made, out_ids, out_lp, sent_log, pen, stopped, history = carry
         live = ~done
         budget = jnp.where(live, stop.max_steps - made, 0)  # slots the row still owns
         pos = positions + made
-        sent = num_drafts  # the most each row may send per round
+        from_host = host_drafted & (r == 0)
+        feed, sent = tokens.at[:, 0].set(last), num_drafts
         if drafter is not None:
             draft_state, drafted, wanted = drafter.propose(draft_params, draft_state, weights, last, pos,
-                                                           block_tables, budget, s - 1)
-            feed = jnp.concatenate([last[:, None], drafted], axis=1)
-            sent = jnp.minimum(sent, wanted)
-        else:
-            feed = tokens.at[:, 0].set(last)
+                                                           block_tables, budget, s - 1, history)
+            feed = jnp.where(from_host[:, None], feed, jnp.concatenate([last[:, None], drafted], axis=1))
+            sent = jnp.where(from_host, sent, jnp.minimum(sent, wanted))
         sent = jnp.where(live, jnp.clip(jnp.minimum(sent, budget - 1), 0, s - 1), 0)
         fed_positions = jnp.where(live[:, None] & (slot <= sent[:, None]), pos[:, None] + slot, -1)
         saved = cache.take_slots(state_slots) if state_slots is not None else None  # the states before the forward
@@ -213,9 +219,10 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
                                           (jnp.zeros((b,), jnp.int32),), (features,))
         num_out = stop.num_output + made
         scores = ban_slots(logits, num_out[:, None] + slot)
-        if pen is not None or first_allowed is not None:  # slot 0 only
-            allowed = None if first_allowed is None else first_allowed | (r > 0)
-            scores = scores.at[:, 0].set(constrain(logits[:, 0], stop, num_out, pen, allowed))
+        if pen is not None:  # slot 0 only: penalised rows send no drafts
+            scores = scores.at[:, 0].set(constrain(logits[:, 0], stop, num_out, pen))
+        if allowed is not None:  # the host's masks hold for its drafts, in round 0
+            scores = jnp.where(from_host[:, None, None], apply_allowed(scores, allowed), scores)
         accepted, emitted = rejection_accept(scores, feed[:, 1:], sent, dataclasses.replace(sampling, position=pos + 1))
         # The row emits its accepted drafts and one more token, within its budget, up to and
         # including its first stop.
@@ -234,21 +241,24 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
             cache = jax.lax.cond(rejected, replay, lambda cache: cache, cache)
         target = jnp.where(keep, made[:, None] + slot, width)  # out of bounds: dropped
         out_ids = out_ids.at[rows, target].set(emitted, mode="drop")
+        if history is not None:  # emitted token j sits at position pos + 1 + j
+            history = history.at[rows, jnp.where(keep, pos[:, None] + 1 + slot, history.shape[1])].set(
+                emitted, mode="drop")
         if num_top:
             chosen = token_logprobs(logits, jnp.maximum(emitted, 0), num_top)
             out_lp = tuple(buf.at[rows, target].set(x, mode="drop") for buf, x in zip(out_lp, chosen))
         if pen is not None:
             ids = jnp.where(keep, emitted, logits.shape[-1])
             pen = dataclasses.replace(pen, counts=pen.counts.at[rows, ids].add(1, mode="drop"))
-        history = (history[0].at[:, r].set(jnp.where(live, sent, -1)),
-                   history[1].at[:, r].set(jnp.where(live, jnp.minimum(accepted, sent), -1)))
+        sent_log = (sent_log[0].at[:, r].set(jnp.where(live, sent, -1)),
+                    sent_log[1].at[:, r].set(jnp.where(live, jnp.minimum(accepted, sent), -1)))
         last = jnp.where(live, jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0], last)
         hit = live & (first_stop < count)
         made = made + count
-        done = done | hit | (made >= stop.max_steps)
-        return r + 1, cache, draft_state, last, done, made, out_ids, out_lp, history, pen, stopped | hit
+        done = done | hit | (made >= stop.max_steps) | from_host
+        return r + 1, cache, draft_state, last, done, made, out_ids, out_lp, sent_log, pen, stopped | hit, history
 
     carry = (jnp.int32(0), cache, draft_state, tokens[:, 0], stop.max_steps <= 0, jnp.zeros((b,), jnp.int32),
-             jnp.full((b, width), -1, jnp.int32), out_lp, history, penalties, jnp.zeros((b,), bool))
-    _, cache, draft_state, _, _, _, out_ids, out_lp, history, _, stopped = jax.lax.while_loop(cond, body, carry)
-    return cache, draft_state, out_ids, (out_lp if num_top else None), history, stopped
+             jnp.full((b, width), -1, jnp.int32), out_lp, sent_log, penalties, jnp.zeros((b,), bool), history)
+    _, cache, draft_state, _, _, _, out_ids, out_lp, sent_log, _, stopped, _ = jax.lax.while_loop(cond, body, carry)
+    return cache, draft_state, out_ids, (out_lp if num_top else None), sent_log, stopped

@@ -103,7 +103,9 @@ class ModelRunner:
         self.draft_params = draft_params
         group0 = num_pages if isinstance(num_pages, int) else num_pages[0]  # a drafter's state: on group 0's pages
         self.draft_state = (self._create(lambda: drafter.cache_spec().create(group0, page_size, kv_dtype))
-                            if drafter is not None else None)
+                            if drafter is not None and drafter.cache_spec() is not None else None)
+        # a drafter that reads the rows' token histories gets them whole: every position a sequence may reach
+        self.history_width = self.max_pages_per_seq * page_size if drafter is not None and drafter.uses_history else 0
         if mesh is not None and draft_params is not None:
             self.draft_params = sharding.place(draft_params, jax.tree_util.tree_map(
                 lambda _: sharding.replicated(mesh), draft_params))
@@ -188,7 +190,8 @@ class ModelRunner:
 
     def execute(self, plan: SchedulerOutput, want_logprobs: bool = False,
                 want_prompt_logprobs: bool = False, token_bitmask: np.ndarray | None = None,
-                drafts: np.ndarray | None = None, num_drafts: np.ndarray | None = None) -> StepResult:
+                drafts: np.ndarray | None = None, num_drafts: np.ndarray | None = None,
+                host_drafted: np.ndarray | None = None) -> StepResult:
         """Runs `plan` (see `batch.build` for the bitmask and draft arguments), after its slot copies."""
         for wave in plan.slot_copies:
             self.copy_slots(wave)
@@ -197,21 +200,23 @@ class ModelRunner:
                                 num_ranks=self.num_ranks, vocab_size=self.cfg.vocab_size,
                                 eos_ids=self.eos_token_ids, num_spec_tokens=self.num_spec_tokens,
                                 want_prompt_logprobs=want_prompt_logprobs, token_bitmask=token_bitmask,
-                                drafts=drafts if self.drafter is None else None, num_drafts=num_drafts)
+                                drafts=drafts, num_drafts=num_drafts, host_drafted=host_drafted,
+                                history_width=self.history_width if plan.kind == "verify" else 0)
         if self.recurrent and min(e.seq.state_slot for e in plan.entries) < 0:
             raise RuntimeError("a sequence runs without a recurrent-state slot: a model with linear-attention "
                                "layers needs a BlockManager with num_slots > 0")
         common = (host.sampling, host.stop, host.penalties)
         slots = host.state_slots if self.recurrent else None
-        prompt = history = None
+        prompt = sent_log = None
         if plan.kind == "decode":
             self.cache, ids, chosen, stopped = self._call(
                 "decode", self._decode, self.weights, self.cache, host.tokens, host.positions, host.block_tables,
                 slots, *common, host.bitmask, cfg=self.cfg, steps=self.steps_per_call, num_top=num_top)
         elif plan.kind == "verify":
-            self.cache, self.draft_state, ids, chosen, history, stopped = self._call(
+            self.cache, self.draft_state, ids, chosen, sent_log, stopped = self._call(
                 "verify", self._verify, self.weights, self.cache, self.draft_params, self.draft_state, host.tokens,
-                host.positions, host.num_drafts, host.block_tables, slots, *common, host.bitmask, cfg=self.cfg,
+                host.positions, host.num_drafts, host.host_drafted, host.history, host.block_tables, slots, *common,
+                host.bitmask, cfg=self.cfg,
                 num_top=num_top, rounds=self.spec_rounds)
         else:
             tokens, positions, tables, last, group_slots = zip(*host.groups)
@@ -219,13 +224,13 @@ class ModelRunner:
                 "prefill", self._prefill, self.weights, self.cache, self.draft_params, self.draft_state, tokens,
                 positions, tables, last, group_slots if self.recurrent else None, *common, host.prompt_targets,
                 host.bitmask, cfg=self.cfg, num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
-        ids, stopped, chosen, prompt, history = jax.device_get((ids, stopped, chosen, prompt, history))
+        ids, stopped, chosen, prompt, sent_log = jax.device_get((ids, stopped, chosen, prompt, sent_log))
         rows = np.asarray(host.rows)
         result = StepResult(token_ids=ids[rows], stopped=stopped[rows])
         if chosen is not None:
             result.logprobs, result.ranks, result.top_ids, result.top_logprobs = (x[rows] for x in chosen)
-        if history is not None:
-            result.num_drafts, result.num_accepted = (x[rows] for x in history)
+        if sent_log is not None:
+            result.num_drafts, result.num_accepted = (x[rows] for x in sent_log)
         if prompt is not None:  # prompt chunks only: the first num_prefill entries
             (result.prompt_logprobs, result.prompt_ranks, result.prompt_top_ids,
              result.prompt_top_logprobs) = (x[rows[:plan.num_prefill]] for x in prompt)

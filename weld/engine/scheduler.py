@@ -10,8 +10,9 @@ Policy (vLLM v1 style, with weld's fused decode):
   token per call (its grammar's token mask is recomputed on the host after every token).
 - With speculative decoding (`num_spec_tokens` k > 0), that call is a verification instead:
   every running sequence gets slots for `spec_rounds` rounds of k + 1 tokens (its last token
-  and up to k drafts each), and the engine gives back the slots of rejected drafts afterwards
-  (`BlockManager.trim`).
+  and up to k drafts each; a sequence with structured outputs one round, whose masks the host
+  computes along its drafts), and the engine gives back the slots of rejected drafts
+  afterwards (`BlockManager.trim`).
 - When pages run out for even one decode step, the newest running sequence is preempted by
   recompute (under data-parallel attention, the newest on the same rank: only its pages are
   of use): its pages are freed and it goes back to the waiting queue, keeping its tokens.
@@ -186,8 +187,10 @@ class Scheduler:
                 continue  # preempted to make room for an older sequence
             # k steps feed the last token and k - 1 sampled ones: k positions from num_tokens - 1,
             # and produce k tokens, no more than the sequence may still have.
-            # A constrained sequence decodes one token per call: its mask changes after each one.
-            limit = 1 if seq.params.structured_outputs is not None else max_steps
+            # A constrained sequence decodes one token per call (its mask changes after each one),
+            # or verifies one round of host drafts, whose masks the host computed along them.
+            one_round = self.num_spec_tokens + 1
+            limit = one_round if seq.params.structured_outputs is not None else max_steps
             steps = max(1, min(limit, seq.token_limit(self.max_model_len) - seq.num_tokens))
             point = bm.next_snapshot_point(seq, seq.num_tokens - 1)
             if point is not None:  # the call computes positions num_tokens - 1 .. num_tokens + steps - 2

@@ -4,7 +4,8 @@ Each step, a constrained sequence's matcher writes the set of tokens its grammar
 a bitmask (int32 words, bit j of word w = token 32 * w + j, the layout llguidance fills); the
 runner applies it to the logits on device before sampling, and the sampled token is fed back
 with `accept`. The scheduler gives a constrained sequence one token per device call, since its
-mask changes after every token.
+mask changes after every token; under speculative decoding, one round: the host drafts and
+`draft_bitmasks` writes the mask of every drafted position by walking the drafts and back.
 
 The llguidance tokenizer is built from weld's `tokenizers.Tokenizer` (its JSON serialisation)
 the first time a constrained request comes (~1 s for a 49k vocabulary), so engines that never
@@ -53,6 +54,20 @@ class GrammarMatcher:
             row[self._words - 1] &= np.int32((1 << self._tail_bits) - 1)
         if self._matcher.is_error():
             raise StructuredOutputError(f"the grammar matcher failed: {self._matcher.get_error()}")
+
+    def draft_bitmasks(self, drafts: list[int], out: np.ndarray) -> int:
+        """For the longest prefix of `drafts` the grammar accepts (n tokens, at most len(out) - 1),
+        writes into out[j] (int32 [slots, words]) the tokens allowed after drafts[:j], j = 0..n,
+        and returns n. The matcher ends where it began."""
+        n = min(self._matcher.validate_tokens([int(t) for t in drafts]), len(out) - 1)
+        for j in range(n + 1):
+            self.fill_bitmask(out[j])
+            if j < n:
+                self.accept(drafts[j])
+        if n and not self._matcher.rollback(n):
+            raise StructuredOutputError(f"the grammar matcher could not roll back {n} drafted tokens: "
+                                        f"{self._matcher.get_error()}")
+        return n
 
     def accept(self, token: int) -> None:
         """Advances past `token`; a token the grammar does not allow raises StructuredOutputError."""

@@ -1,22 +1,28 @@
-"""Device-side drafters for the runner: a separate draft model, and the DSpark block drafter.
+"""Device-side drafters for the runner: n-gram lookup, a separate draft model, and the DSpark
+block drafter. Each drafts inside the verification loop, so one device call runs several
+propose -> verify -> accept rounds.
 
-Both keep per-token state in page pools of their own, indexed by the target's block tables (same
-page size, same page count): a position's state lives where the target's K/V for it lives, so a
-sequence's pages, prefix-cache hits, rollback by length and freeing serve both at once. Rejected
-slots leave stale state past a row's length, overwritten before anything reads it (as the
-target's K/V).
+The model drafters keep per-token state in page pools of their own, indexed by the target's
+block tables (same page size, same page count): a position's state lives where the target's K/V
+for it lives, so a sequence's pages, prefix-cache hits, rollback by length and freeing serve
+both at once. Rejected slots leave stale state past a row's length, overwritten before anything
+reads it (as the target's K/V). n-gram lookup keeps no state: it reads each row's token history,
+which the host sends with the call and the loop extends with every accepted token.
 
 A drafter is a static object (hashable, closed over by the jitted programs) with:
   capture_layers           target layers whose residual streams `observe` needs (() = none)
-  cache_spec() -> CacheSpec   its per-token state, created by the runner over the target's pages
+  cache_spec() -> CacheSpec | None   its per-token state, created by the runner over the target's
+      pages (None: no state)
   observe(params, state, tokens, positions, tables, last_index, features) -> state
       after every target forward over row groups (tuples of [b, t] arrays; features: the target's
       captured streams per group); keeps the drafter's state in step with the target's cache.
-  propose(params, state, target_weights, last, positions, tables, budget, k) -> (state, drafts, num)
+  propose(params, state, target_weights, last, positions, tables, budget, k, history) -> (state, drafts, num)
       last [b]: each row's last token at positions [b]; budget [b]: slots the row owns from
-      there (drafting writes state only within them). Greedy drafts [b, k] (deterministic: verify
-      with draft_probs=None) and how many the drafter would send [b].
+      there (drafting writes state only within them); history: each row's tokens by position
+      [b, w] (the last one included) when `uses_history`, else None. Greedy drafts [b, k]
+      (deterministic: verify with draft_probs=None) and how many the drafter would send [b].
   observes_verify: whether `observe` must also see the verification forward.
+  uses_history: whether `propose` reads the rows' token histories.
 """
 
 from __future__ import annotations
@@ -27,11 +33,33 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from weld.engine.spec import dspark
+from weld.engine.spec import dspark, ngram
 from weld.models.common.attention import dense_attention, paged_attention, write_kv
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, PagedKV
-from weld.models.common.layers import rms_norm
+from weld.models.common.layers import linear, rms_norm
 from weld.models.family import output_matrix
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramDrafter:
+    """Prompt lookup (`ngram.lookup`): the tokens that followed the most recent earlier occurrence
+    of the row's last min_n..max_n tokens. No weights, no state."""
+
+    min_n: int = 1
+    max_n: int = 3
+    capture_layers: tuple[int, ...] = ()
+    observes_verify: bool = False
+    uses_history: bool = True
+
+    def cache_spec(self) -> None:
+        return None
+
+    def observe(self, params, state, tokens, positions, tables, last_index, features):
+        return state
+
+    def propose(self, params, state, target_weights, last, positions, tables, budget, k: int, history=None):
+        drafts, num = ngram.lookup(history, positions + 1, k, self.min_n, self.max_n)
+        return state, drafts, num
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +70,7 @@ class DraftModelDrafter:
     cfg: Any
     capture_layers: tuple[int, ...] = ()
     observes_verify: bool = False  # propose already fed every slot the target may keep
+    uses_history: bool = False
 
     def cache_spec(self) -> CacheSpec:
         return self.family.cache_spec(self.cfg)
@@ -52,7 +81,7 @@ class DraftModelDrafter:
                                           tuple(li[:, None] for li in last_index))
         return state
 
-    def propose(self, params, state, target_weights, last, positions, tables, budget, k: int):
+    def propose(self, params, state, target_weights, last, positions, tables, budget, k: int, history=None):
         """Feeds the last token and k drafts (k + 1 forwards), so the draft cache covers every
         slot the target may accept, the bonus token's predecessor included."""
         b = last.shape[0]
@@ -86,6 +115,7 @@ class DSparkDrafter:
         return self.cfg.target_layers
 
     observes_verify = True
+    uses_history = False
 
     def cache_spec(self) -> CacheSpec:
         return CacheSpec(tuple(PagedKV(self.cfg.num_kv_heads, self.cfg.head_dim) for _ in range(self.cfg.num_layers)))
@@ -98,7 +128,7 @@ class DSparkDrafter:
                 pages[i] = KVPages(*write_kv(pages[i].k, pages[i].v, k, v, pos, tab))
         return Cache(layers=pages)
 
-    def propose(self, params, state, target_weights, last, positions, tables, budget, k: int):
+    def propose(self, params, state, target_weights, last, positions, tables, budget, k: int, history=None):
         cfg = self.cfg
         b, s, d = last.shape[0], cfg.block_size + 1, cfg.hidden_size
         embed = target_weights["embed"]
@@ -119,11 +149,12 @@ class DSparkDrafter:
                 return w_ctx * out_ctx.astype(jnp.float32) + (1 - w_ctx) * out_blk
 
             x = dspark.layer(cfg, lw, x, slot_positions, attend)
-        hidden = rms_norm(x[:, 1:], params["final_norm"], cfg.rms_norm_eps)  # [b, s - 1, d]
-        head = output_matrix(target_weights)
+        hidden = rms_norm(x[:, 1:k + 1], params["final_norm"], cfg.rms_norm_eps)  # [b, k, d]
+        head_logits = linear(hidden, output_matrix(target_weights))  # [b, k, v]: the LM head read once per block
         prev, tokens, confidence = last, [], []
         for j in range(k):  # the Markov head reads the draft before each slot
-            logits, conf = dspark.slot_outputs(params, head, hidden[:, j], dspark.markov_features(params, embed, prev))
+            logits, conf = dspark.slot_outputs(params, head_logits[:, j], hidden[:, j],
+                                               dspark.markov_features(params, embed, prev))
             prev = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             tokens.append(prev)
             confidence.append(conf)
