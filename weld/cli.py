@@ -102,29 +102,41 @@ def _train_draft_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="PATH_OR_ID",
                    help="the target: GGUF file, HF directory, weld checkpoint or hub id (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--data", required=True, metavar="FILE", help="text file of prompts")
-    p.add_argument("--out", required=True, metavar="DIR", help="where to write the drafter")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="where to write the drafter; its data/ and checkpoint/ let an interrupted run resume")
     g = p.add_argument_group("data")
     g.add_argument("--max-prompts", type=int, default=None, metavar="N", help="use the first N prompts (default: all)")
-    g.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
-                   help="tokens the model generates per prompt (default: 128)")
-    g.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature of the model's outputs; 0 is greedy (default: 0)")
+    g.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
+                   help="tokens the model generates per answer at most (default: 256)")
+    g.add_argument("--samples", type=int, default=1, metavar="N",
+                   help="answers per prompt: the greedy one, then N - 1 at the sampling defaults (default: 1)")
     g.add_argument("--raw", action="store_true", help="use prompts as raw text instead of chat user messages")
-    g.add_argument("--eval-fraction", type=float, default=0.1, metavar="F",
-                   help="held-out share of sequences for the acceptance measurement (default: 0.1)")
+    g.add_argument("--eval-fraction", type=float, default=0.05, metavar="F",
+                   help="share of prompts held out to measure the drafter's acceptance (default: 0.05)")
+    g.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
+                   help="answers generated at once (default: 64)")
     g = p.add_argument_group("drafter")
-    g.add_argument("--k", type=int, default=4, help="drafts per block (default: 4)")
+    g.add_argument("--k", type=int, default=7, help="drafts per block (default: 7)")
     g.add_argument("--layers", type=int, default=1, help="drafter transformer layers (default: 1)")
     g.add_argument("--target-layers", default=None, metavar="I,J,..",
-                   help="target layers whose outputs feed the drafter (default: three spread over the model)")
-    g.add_argument("--markov-rank", type=int, default=32, metavar="R", help="rank of the Markov head (default: 32)")
+                   help="target layers whose outputs feed the drafter (default: 1, L/2 - 1, L - 4)")
+    g.add_argument("--markov-rank", type=int, default=64, metavar="R", help="rank of the Markov head (default: 64)")
+    g.add_argument("--intermediate-size", type=int, default=None, metavar="N",
+                   help="the drafter's MLP width (default: 8/3 of the target's width)")
     g.add_argument("--threshold", type=float, default=0.5,
                    help="default confidence (survival) threshold for sending drafts (default: 0.5)")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
+    g.add_argument("--steps", type=int, default=2000, help="optimizer steps (default: 2000)")
     g.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default: 1e-3)")
-    g.add_argument("--batch-size", type=int, default=4, metavar="B", help="sequences per step (default: 4)")
-    g.add_argument("--anchors", type=int, default=16, metavar="A", help="blocks per sequence per step (default: 16)")
+    g.add_argument("--batch-size", type=int, default=4, metavar="B", help="answers per step (default: 4)")
+    g.add_argument("--anchors", type=int, default=32, metavar="A", help="blocks per answer per step (default: 32)")
+    g.add_argument("--loss-vocab", type=int, default=0, metavar="N",
+                   help="candidate tokens of the drafter's softmax in the loss: the step's teacher tokens and labels, "
+                        "then random ones; 0 = the whole vocabulary (default: 0; a few thousand saves most of a "
+                        "CPU step)")
+    g.add_argument("--position-decay", type=float, default=4.0, metavar="D",
+                   help="drafted slot j weighs exp(-j / D) in the loss (default: 4)")
+    g.add_argument("--save-every", type=int, default=100, metavar="N", help="steps between checkpoints (default: 100)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
 
 
@@ -309,16 +321,22 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--target-layers takes comma-separated integers, got {args.target_layers!r}") from None
     if not 0.0 <= args.eval_fraction < 1.0:
         raise InvalidInputError(f"--eval-fraction must lie in [0, 1), got {args.eval_fraction}")
+    for flag, value in (("--samples", args.samples), ("--max-new-tokens", args.max_new_tokens),
+                        ("--max-num-seqs", args.max_num_seqs)):
+        if value < 1:
+            raise InvalidInputError(f"{flag} must be >= 1, got {value}")
     settings = TrainConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size, anchors=args.anchors,
-                           seed=args.seed)
+                           loss_vocab=args.loss_vocab, position_decay=args.position_decay,
+                           save_every=args.save_every, seed=args.seed)
     overrides = dict(block_size=args.k, num_layers=args.layers, target_layers=target_layers,
-                     markov_rank=args.markov_rank, confidence_threshold=args.threshold)
+                     markov_rank=args.markov_rank, intermediate_size=args.intermediate_size,
+                     confidence_threshold=args.threshold)
     summary = train_draft(args.model, args.data, args.out, train_cfg=settings, draft_overrides=overrides,
-                          max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, chat=not args.raw, eval_fraction=args.eval_fraction,
-                          progress=None, log=lambda line: print(f"weld: {line}", file=sys.stderr))
-    print(json.dumps({key: summary[key] for key in ("seconds", "final", "eval_before", "eval_after")}
-                     | {"out": args.out}, indent=2))
+                          max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, samples=args.samples,
+                          chat=not args.raw, eval_fraction=args.eval_fraction, progress=None,
+                          log=lambda line: print(f"weld: {line}", file=sys.stderr),
+                          engine_args={"max_num_seqs": args.max_num_seqs})
+    print(json.dumps({key: summary[key] for key in ("seconds", "final", "held_out")} | {"out": args.out}, indent=2))
     return 0
 
 

@@ -29,7 +29,8 @@ def greedy_continuations(weights, prompts, new_tokens):
 
 def train_and_measure(weights, data, steps, **kwargs):
     """Loss and metrics on a fixed batch of blocks before and after `steps` steps of training."""
-    fixed = train.sample_blocks(data, np.arange(len(data)), 8, CFG.block_size, np.random.default_rng(9))
+    fixed = train.sample_blocks(data, np.arange(len(data)), 8, CFG.block_size, np.random.default_rng(9),
+                                vocab_size=CFG.vocab_size)
     shared = train.shared_weights(weights)
     measure = jax.jit(lambda p: train.loss_and_metrics(p, fixed, shared, cfg=CFG, train=train.TrainConfig())[1])
     params = dspark.init_params(CFG, seed=0)
@@ -43,8 +44,8 @@ def test_a_few_steps_lower_the_loss():
     weights = random_weights(llama.weight_specs(TARGET), seed=0, scale=3.0)
     rng = np.random.default_rng(0)
     sequences = rng.integers(0, TARGET.vocab_size, (6, 24))  # any text: the target's distribution is the teacher
-    data = train.build_dataset(llama, weights, TARGET, CFG, sequences.tolist(), [5] * 6, progress=False)
-    assert data.features.shape == (6, 32, 3 * TARGET.hidden_size)
+    data = train.build_features(llama, weights, TARGET, CFG, sequences.tolist(), [5] * 6, progress=False)
+    assert data.features.shape == (6 * 24, 3 * TARGET.hidden_size)
     params = dspark.init_params(CFG, seed=0, target_weights=weights)  # as `weld train-draft` starts
     settings = train.TrainConfig(steps=60, lr=3e-3, warmup=5, batch_size=4, anchors=8)
     # Each step's metrics are of the params before its update: step 0 measures the fresh drafter.
@@ -61,7 +62,7 @@ def test_self_distillation_on_greedy_text_and_the_checkpoint_reloads(tmp_path):
     weights = random_weights(llama.weight_specs(TARGET), seed=0, scale=3.0)  # peaked, so greedy text has structure
     prompts = np.random.default_rng(0).integers(0, TARGET.vocab_size, (8, 5)).astype(np.int32)
     sequences = greedy_continuations(weights, prompts, 19)
-    data = train.build_dataset(llama, weights, TARGET, CFG, sequences.tolist(), [5] * 8, progress=False)
+    data = train.build_features(llama, weights, TARGET, CFG, sequences.tolist(), [5] * 8, progress=False)
     blocks = train.sample_blocks(data, np.arange(8), 8, CFG.block_size, np.random.default_rng(9))
     # The labels are the target's greedy tokens after each anchor, the previous tokens shifted by one.
     np.testing.assert_array_equal(blocks["prev_tokens"][..., 1:], blocks["labels"][..., :-1])
@@ -88,3 +89,94 @@ def test_read_prompts_takes_paragraphs_or_lines(tmp_path):
     lines.write_text("\n \n")
     with pytest.raises(Exception, match="no prompts"):
         train.read_prompts(lines)
+
+
+def tiny_data(tmp_path=None, seed=0):
+    weights = random_weights(llama.weight_specs(TARGET), seed=seed, scale=3.0)
+    rng = np.random.default_rng(seed)
+    sequences = [rng.integers(0, TARGET.vocab_size, n).tolist() for n in (24, 31, 17, 40, 22, 9)]
+    directory = None if tmp_path is None else tmp_path / "features"
+    return weights, sequences, train.build_features(llama, weights, TARGET, CFG, sequences, [5] * 6,
+                                                    directory=directory, progress=False)
+
+
+def test_features_and_teacher_are_the_targets_own_per_answer(tmp_path):
+    """Each answer's rows hold the target's features and its top next-token distribution over
+    that answer alone (answers of different lengths, batched with padding); a memory-mapped
+    build equals the in-memory one."""
+    weights, sequences, data = tiny_data()
+    assert len(data) == 6  # the 9-token answer has a continuation of 4 >= k + 1 = 4
+    head = np.asarray(output_matrix(weights), np.float64)
+    for i, seq in enumerate(sequences):
+        features, final = target_hidden_states(llama, weights, TARGET, jnp.asarray([seq]), CFG.target_layers)
+        np.testing.assert_allclose(data.features[data.offsets[i]:data.offsets[i] + len(seq)], features[0],
+                                   rtol=2e-2, atol=2e-2)  # stored as f16
+        logits = np.asarray(final[0], np.float64) @ head.T
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        rows = slice(data.offsets[i], data.offsets[i] + len(seq))
+        np.testing.assert_array_equal(data.teacher_ids[rows, 0], probs.argmax(-1))
+        np.testing.assert_allclose(data.teacher_probs[rows].astype(np.float64),
+                                   np.take_along_axis(probs, data.teacher_ids[rows], -1), atol=2e-3)
+    _, _, mapped = tiny_data(tmp_path)
+    np.testing.assert_array_equal(mapped.teacher_ids, data.teacher_ids)
+    np.testing.assert_array_equal(mapped.features, data.features)
+
+
+def test_candidate_vocabulary_holds_labels_and_teachers_and_matches_the_full_loss():
+    """The loss over candidates (labels, teacher tokens, random others) equals the full-vocabulary
+    loss when the candidates are every token, and places each id where it stands."""
+    weights, _, data = tiny_data()
+    rng = np.random.default_rng(4)
+    full = train.sample_blocks(data, np.arange(4), 6, CFG.block_size, np.random.default_rng(1))
+    every = train.sample_blocks(data, np.arange(4), 6, CFG.block_size, np.random.default_rng(1),
+                                loss_vocab=TARGET.vocab_size, vocab_size=TARGET.vocab_size)
+    assert sorted(every["candidates"]) == list(range(TARGET.vocab_size))
+    np.testing.assert_array_equal(every["candidates"][every["label_index"]], full["labels"])
+    params = dspark.init_params(CFG, seed=3, target_weights=weights)
+    shared = train.shared_weights(weights)
+    loss = lambda batch: float(train.loss_and_metrics(params, batch, shared, cfg=CFG, train=train.TrainConfig())[0])  # noqa: E731
+    assert loss(every) == pytest.approx(loss(full), rel=1e-5)
+    some = train.candidate_set(full["labels"], data.teacher_ids[:10], data.teacher_probs[:10], 20, TARGET.vocab_size, rng)
+    assert len(set(some["candidates"].tolist())) == 20
+    assert set(full["labels"].reshape(-1).tolist()) <= set(some["candidates"].tolist()) or len(
+        set(full["labels"].reshape(-1).tolist())) > 20
+    inside = some["label_index"] < 20
+    np.testing.assert_array_equal(some["candidates"][some["label_index"][inside]], full["labels"][inside])
+
+
+def test_slot_weights_decay_and_training_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """Slot j weighs exp(-j / 4); a run interrupted after its checkpoint and run again ends where
+    an uninterrupted run ends (same data order, same optimizer state and schedule)."""
+    w = train.TrainConfig().slot_weights(3)
+    np.testing.assert_allclose(w / w[0], np.exp(-np.arange(3) / 4.0), rtol=1e-6)
+    assert w.sum() == pytest.approx(1.0)
+    weights, _, data = tiny_data()
+    params = dspark.init_params(CFG, seed=0, target_weights=weights)
+    settings = train.TrainConfig(steps=6, lr=3e-3, warmup=2, batch_size=2, anchors=4, save_every=3)
+    whole, _ = train.train(params, CFG, weights, data, settings, progress=False)
+
+    make_step = train.make_train_step
+
+    def interrupted(*args):  # the 5th step is cut short, after the checkpoint at step 3
+        step, calls = make_step(*args), []
+
+        def run(*a):
+            calls.append(1)
+            if len(calls) == 5:
+                raise KeyboardInterrupt
+            return step(*a)
+        return run
+
+    checkpoint = train.Checkpoint(tmp_path / "ckpt")
+    monkeypatch.setattr(train, "make_train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(params, CFG, weights, data, settings, progress=False, checkpoint=checkpoint, settings={"run": 1})
+    monkeypatch.setattr(train, "make_train_step", make_step)
+    resumed, history = train.train(params, CFG, weights, data, settings, progress=False, checkpoint=checkpoint,
+                                   settings={"run": 1}, log_every=1)
+    assert [h["step"] for h in history][-3:] == [3, 4, 5]
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(Exception, match="other settings"):
+        train.train(params, CFG, weights, data, settings, progress=False, checkpoint=checkpoint, settings={"run": 2})

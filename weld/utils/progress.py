@@ -34,6 +34,11 @@ class Progress:
         if self._bar is not None:
             self._bar.update(n)
 
+    def set_postfix(self, **values) -> None:
+        """Shows values after the bar (e.g. a training loss)."""
+        if self._bar is not None:
+            self._bar.set_postfix(**values)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

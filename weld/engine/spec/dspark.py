@@ -49,11 +49,14 @@ FORMAT = "weld-dspark-draft"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def default_target_layers(num_layers: int, count: int = 3) -> tuple[int, ...]:
-    """`count` layers spread from the second to the second-to-last (low, middle, high features)."""
-    if num_layers <= count:
+def default_target_layers(num_layers: int) -> tuple[int, ...]:
+    """DeepSpec's choice of low, middle and high features: layers 1, L/2 - 1 and L - 4 (for
+    fewer than 8 layers, three spread from the second to the second-to-last)."""
+    if num_layers >= 8:
+        return (1, num_layers // 2 - 1, num_layers - 4)
+    if num_layers <= 3:
         return tuple(range(num_layers))
-    return tuple(sorted({int(round(x)) for x in np.linspace(1, num_layers - 2, count)}))
+    return tuple(sorted({int(round(x)) for x in np.linspace(1, num_layers - 2, 3)}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +72,8 @@ class DraftConfig:
     num_kv_heads: int = 8
     head_dim: int = 64
     intermediate_size: int = 1024
-    block_size: int = 4  # k: drafts per block
-    markov_rank: int = 32
+    block_size: int = 7  # k: drafts per block
+    markov_rank: int = 64
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     confidence_threshold: float = 0.5  # default survival threshold for how many drafts to send
@@ -248,12 +251,18 @@ def markov_features(params: dict, embed: jax.Array, prev_tokens: jax.Array) -> j
     return linear(embed[prev_tokens], params["markov_in"])
 
 
-def slot_outputs(params: dict, head: jax.Array, hidden: jax.Array, markov: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(logits f32 [..., v], confidence [...]) of slots with hidden [..., d] and Markov features [..., r]."""
-    logits = linear(hidden, head).astype(jnp.float32) + linear(markov, params["markov_out"]).astype(jnp.float32)
+def confidence(params: dict, hidden: jax.Array, markov: jax.Array) -> jax.Array:
+    """conf [...] of slots with hidden [..., d] and Markov features [..., r]."""
     features = jnp.concatenate([hidden, markov.astype(hidden.dtype)], axis=-1).astype(jnp.float32)
-    confidence = jax.nn.sigmoid(features @ params["confidence"] + params["confidence_bias"][0])
-    return logits, confidence
+    return jax.nn.sigmoid(features @ params["confidence"] + params["confidence_bias"][0])
+
+
+def slot_outputs(params: dict, head_logits: jax.Array, hidden: jax.Array,
+                 markov: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(logits f32 [..., v], confidence [...]) of slots with hidden [..., d], their LM-head logits
+    H h [..., v] (`head_logits`: one product for a whole block) and Markov features [..., r]."""
+    logits = head_logits.astype(jnp.float32) + linear(markov, params["markov_out"]).astype(jnp.float32)
+    return logits, confidence(params, hidden, markov)
 
 
 def teacher_forced(params: dict, cfg: DraftConfig, target_weights: dict, ctx_kv: list, ctx_positions: jax.Array,
@@ -264,7 +273,8 @@ def teacher_forced(params: dict, cfg: DraftConfig, target_weights: dict, ctx_kv:
     Returns (logits f32 [b, n, k, v], confidence [b, n, k])."""
     embed = target_weights["embed"]
     hidden = backbone(params, cfg, embed, ctx_kv, ctx_positions, anchor_tokens, anchor_positions)
-    return slot_outputs(params, output_matrix(target_weights), hidden, markov_features(params, embed, prev_tokens))
+    return slot_outputs(params, linear(hidden, output_matrix(target_weights)), hidden,
+                        markov_features(params, embed, prev_tokens))
 
 
 @jax.tree_util.register_dataclass
@@ -294,13 +304,14 @@ def propose(params: dict, cfg: DraftConfig, target_weights: dict, ctx_kv: list, 
     row's sampling parameters (`draft_sample`, noise apart from the target's) and draft_probs
     holds the q to verify against. threshold: default cfg.confidence_threshold; 0 sends all k.
     """
-    embed, head = target_weights["embed"], output_matrix(target_weights)
+    embed = target_weights["embed"]
     hidden = backbone(params, cfg, embed, ctx_kv, ctx_positions, anchor_tokens[:, None],
                       anchor_positions[:, None])[:, 0]  # [b, k, d]
+    head_logits = linear(hidden, output_matrix(target_weights))  # [b, k, v]: the LM head read once per block
     prev = anchor_tokens
     tokens, confidence, probs = [], [], []
     for j in range(cfg.block_size):  # the Markov head is sequential: slot j reads draft j-1
-        logits, conf = slot_outputs(params, head, hidden[:, j], markov_features(params, embed, prev))
+        logits, conf = slot_outputs(params, head_logits[:, j], hidden[:, j], markov_features(params, embed, prev))
         if sampling is None:
             prev = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:

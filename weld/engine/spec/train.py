@@ -1,23 +1,38 @@
-"""Self-distillation of the DSpark drafter on the target's own outputs (`weld train-draft`).
+"""Self-distillation of the DSpark drafter (`weld train-draft`), after DeepSpec's recipe.
 
-1. The target continues prompts from a text file (greedy by default) through the serving engine.
-2. `features.target_hidden_states` runs the target's own forward over each prompt + continuation once, keeping
-   the chosen layers' residual streams (the drafter's context) and the final hidden states.
-3. Each step draws sequences and anchor positions in their continuations; the drafter sees the
-   context before the anchor and predicts the k tokens after it, the Markov head reading the true
-   previous tokens (teacher forcing). The loss (weights after DeepSpec's recipe):
+Four stages, each resumable in the output directory (a rerun with the same settings picks up
+where the last one stopped):
+
+1. Answers (`distill.generate` -> data/sequences.jsonl): the target's own answers to a prompt
+   set, greedy and at its sampling defaults. A share of the prompts (`eval_fraction`) is held
+   out: their greedy answers only measure the drafter.
+2. Features (`build_features` -> data/features/): one pass of the target over every answer,
+   keeping per position the residual streams after the drafter's target layers (its context, f16)
+   and the target's next-token distribution as its `TEACHER_TOP` most likely tokens (the teacher).
+3. Training (`train` -> checkpoint/): each step draws answers and anchor positions in them; the
+   drafter sees the context before the anchor and predicts the k tokens after it, the Markov
+   head reading the true previous tokens (teacher forcing). The loss, per drafted slot j
+   (0-based) weighted by exp(-j / position_decay) (early slots decide most of the acceptance):
      ce_weight   * cross-entropy to the target's token
-   + tv_weight   * total variation 1/2 sum |p - q| to the target's distribution p (temperature 1)
+   + tv_weight   * total variation 1/2 sum |p - q| to the target's distribution p
    + conf_weight * BCE of the confidence against [argmax q == the target's token]
-   The target's logits come from its stored final hidden states through its LM head, per step.
-4. Held-out sequences measure the greedy acceptance length with the drafter drafting on its own
-   (`dspark.propose`): for greedy data it is exactly what greedy verification would accept.
+   q is the drafter's softmax over `loss_vocab` candidate tokens (every token the step's teachers
+   name, its labels, and random others; 0 = the whole vocabulary): on a CPU the full-vocabulary
+   softmax of every slot would cost more than the drafter. The optimizer state is saved every
+   `save_every` steps.
+4. Report (`evaluate`): on the held-out answers, the drafter drafts on its own (its Markov head
+   reading its own drafts) and greedy verification would keep the leading drafts equal to the
+   target's tokens: the mean acceptance length (1 + accepted drafts: tokens per round),
+   acceptance per position, and what the confidence head would send.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
+import os
 import pathlib
 import time
 from typing import Any, Sequence
@@ -26,12 +41,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from weld.engine.spec import dspark
+from weld.engine.spec import distill, dspark
+from weld.engine.spec.distill import read_prompts  # noqa: F401  (re-exported: `train.read_prompts`)
 from weld.engine.spec.features import target_hidden_states
 from weld.models.common.layers import linear
 from weld.models.family import output_matrix
 from weld.utils.errors import InvalidInputError
-from weld.utils.progress import progress_enabled
+from weld.utils.progress import Progress, progress_enabled
+
+TEACHER_TOP = 32  # teacher tokens kept per position (their share of its mass is recorded)
+FEATURES_DIR = "features"
+CHECKPOINT_DIR = "checkpoint"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,139 +59,234 @@ class TrainConfig:
     steps: int = 200
     lr: float = 1e-3
     warmup: int = 20
-    batch_size: int = 4  # sequences per step
-    anchors: int = 16  # blocks per sequence per step
+    batch_size: int = 4  # answers per step
+    anchors: int = 16  # blocks per answer per step
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     conf_weight: float = 1.0
+    position_decay: float = 4.0  # slot j weighs exp(-j / position_decay)
+    loss_vocab: int = 0  # candidate tokens of the drafter's softmax in the loss; 0 = the whole vocabulary
     clip_norm: float = 1.0
+    save_every: int = 100  # steps between checkpoints
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "anchors"):
+        for name in ("steps", "batch_size", "anchors", "save_every"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise InvalidInputError(f"the learning rate must be > 0, got {self.lr}")
+        if self.loss_vocab < 0:
+            raise InvalidInputError(f"loss_vocab must be >= 0 (0: the whole vocabulary), got {self.loss_vocab}")
+        if not self.position_decay > 0:
+            raise InvalidInputError(f"position_decay must be > 0, got {self.position_decay}")
 
+    def slot_weights(self, k: int) -> np.ndarray:
+        """[k]: exp(-j / position_decay), normalized to sum to 1."""
+        w = np.exp(-np.arange(k) / self.position_decay)
+        return (w / w.sum()).astype(np.float32)
+
+
+# ----- data -----
 
 @dataclasses.dataclass
 class Dataset:
-    """Sequences (prompt + the target's continuation) with the target's features, right-padded."""
+    """Answers (prompt + the target's continuation) with what the target computed over them.
 
-    tokens: np.ndarray  # int32 [N, T]
+    Per-position arrays are flat over every answer's positions ([total, ...]); answer i's rows
+    are offsets[i] .. offsets[i] + lengths[i]. They may be memory maps."""
+
+    tokens: np.ndarray  # int32 [total]
+    offsets: np.ndarray  # int64 [N]
     lengths: np.ndarray  # int32 [N]
     prompt_lengths: np.ndarray  # int32 [N]
-    features: np.ndarray  # f32 [N, T, len(target_layers) * d]: the drafter's context
-    final: np.ndarray  # f32 [N, T, d]: the target's final hidden states (LM head -> logits)
+    features: np.ndarray  # f16 [total, len(target_layers) * d]: the drafter's context
+    teacher_ids: np.ndarray  # int32 [total, K]: the target's most likely next tokens after each position
+    teacher_probs: np.ndarray  # f16 [total, K]: their probabilities (temperature 1)
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.lengths)
+
+    def answer(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i]:self.offsets[i] + self.lengths[i]]
 
     def subset(self, rows: np.ndarray) -> "Dataset":
-        return Dataset(*(getattr(self, f.name)[rows] for f in dataclasses.fields(self)))
+        """The answers `rows` (the per-position arrays are shared, not copied)."""
+        return dataclasses.replace(self, offsets=self.offsets[rows], lengths=self.lengths[rows],
+                                   prompt_lengths=self.prompt_lengths[rows])
 
 
-def read_prompts(path: str | pathlib.Path) -> list[str]:
-    """Prompts from a text file: paragraphs (separated by blank lines) if it has any, else lines."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise InvalidInputError(f"{path}: no such file (expected a text file of prompts)")
-    text = path.read_text(encoding="utf-8").strip()
-    if "\n\n" in text:  # a paragraph's lines are one prompt
-        prompts = [" ".join(paragraph.split()) for paragraph in text.split("\n\n")]
-    else:
-        prompts = [line.strip() for line in text.splitlines()]
-    prompts = [p for p in prompts if p]
-    if not prompts:
-        raise InvalidInputError(f"{path} holds no prompts")
-    return prompts
+def _teacher(family: Any, weights: dict, cfg: Any, tokens: jax.Array, *, layers: tuple[int, ...], top: int):
+    """Target features f16 [b, t, n * d] and the teacher's top tokens and probabilities [b, t, top]."""
+    features, final = target_hidden_states(family, weights, cfg, tokens, layers)
+    probs = jax.nn.softmax(family.lm_head(weights, cfg, final).astype(jnp.float32), axis=-1)
+    values, ids = jax.lax.top_k(probs, top)
+    return features.astype(jnp.float16), ids.astype(jnp.int32), values.astype(jnp.float16)
 
 
-def generate_sequences(llm: Any, prompts: Sequence[str], max_new_tokens: int, temperature: float = 0.0,
-                       seed: int = 0, chat: bool = True) -> tuple[list[list[int]], list[int]]:
-    """The target's continuations through the serving engine. Returns (prompt + output token ids,
-    prompt lengths). chat: wrap each prompt as a user message in the model's chat template."""
-    from weld.engine.sampling_params import SamplingParams
-
-    params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=1.0, top_k=0,
-                             seed=seed + i) for i in range(len(prompts))]
-    if chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-    else:
-        outs = llm.generate(list(prompts), params)
-    sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
-    return sequences, [len(o.prompt_token_ids) for o in outs]
+def _write_json(path: pathlib.Path, document: dict) -> None:
+    """Writes a JSON file atomically (a crash leaves the old one or the new one)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(document, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
-def build_dataset(family: Any, target_weights: dict, target_cfg: Any, cfg: dspark.DraftConfig,
-                  sequences: Sequence[Sequence[int]],
-                  prompt_lengths: Sequence[int], chunk: int = 4, progress: bool | None = None) -> Dataset:
-    """Runs the target over every sequence once and keeps what training reads. Sequences whose
-    continuation is shorter than k + 1 tokens (no room for one block) are dropped."""
-    from tqdm import tqdm
+def build_features(family: Any, target_weights: dict, target_cfg: Any, cfg: dspark.DraftConfig,
+                   sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+                   directory: str | pathlib.Path | None = None, batch_tokens: int = 4096,
+                   progress: bool | None = None) -> Dataset:
+    """Runs the target once over every answer and keeps what training reads. Answers whose
+    continuation is shorter than k + 1 tokens (no room for one block) are dropped.
 
+    directory: where the arrays live (memory maps; a rerun keeps the batches already done), or
+    None to keep them in memory. Answers go through in batches of similar length padded to a
+    multiple of 64 tokens, about batch_tokens tokens per batch."""
     k = cfg.block_size
     keep = [i for i, (s, p) in enumerate(zip(sequences, prompt_lengths)) if len(s) - p >= k + 1 and p >= 1]
     if not keep:
-        raise InvalidInputError(f"no sequence has a continuation of at least k + 1 = {k + 1} tokens")
-    sequences = [list(sequences[i]) for i in keep]
-    width = -(-max(len(s) for s in sequences) // 16) * 16
-    tokens = np.zeros((len(sequences), width), np.int32)
-    for i, s in enumerate(sequences):
-        tokens[i, :len(s)] = s
-    run = jax.jit(functools.partial(target_hidden_states, family), static_argnames=("cfg", "layers"))
-    features, final = [], []
-    for start in tqdm(range(0, len(tokens), chunk), desc="Target features", unit="batch",
-                      disable=not (progress_enabled() if progress is None else progress)):
-        rows = tokens[start:start + chunk]
-        padded = np.pad(rows, ((0, chunk - len(rows)), (0, 0)))  # one program shape for every chunk
-        stacked, last = jax.device_get(run(target_weights, cfg=target_cfg, tokens=jnp.asarray(padded),
-                                           layers=cfg.target_layers))
-        features.append(np.asarray(stacked[:len(rows)], np.float32))
-        final.append(np.asarray(last[:len(rows)], np.float32))
-    return Dataset(tokens=tokens, lengths=np.asarray([len(s) for s in sequences], np.int32),
-                   prompt_lengths=np.asarray([prompt_lengths[i] for i in keep], np.int32),
-                   features=np.concatenate(features), final=np.concatenate(final))
+        raise InvalidInputError(f"no answer has a continuation of at least k + 1 = {k + 1} tokens")
+    lengths = np.asarray([len(sequences[i]) for i in keep], np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    total, width = int(lengths.sum()), len(cfg.target_layers) * cfg.hidden_size
+    tokens = np.concatenate([np.asarray(sequences[i], np.int32) for i in keep])
+    fingerprint = hashlib.sha256(tokens.tobytes() + json.dumps(
+        [list(cfg.target_layers), TEACHER_TOP, target_cfg.num_layers, target_cfg.hidden_size]).encode()).hexdigest()
+    arrays = {"features": ((total, width), np.float16), "teacher_ids": ((total, TEACHER_TOP), np.int32),
+              "teacher_probs": ((total, TEACHER_TOP), np.float16)}
+    order = np.argsort(-lengths, kind="stable")  # longest first: batches of similar lengths
+    batches, start = [], 0
+    while start < len(order):
+        width_t = -(-int(lengths[order[start]]) // 64) * 64
+        count = max(1, batch_tokens // width_t)
+        batches.append((order[start:start + count], width_t))
+        start += count
+    done = 0
+    if directory is not None:
+        directory = pathlib.Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        index_path = directory / "index.json"
+        index = json.loads(index_path.read_text()) if index_path.is_file() else {}
+        if index.get("fingerprint") != fingerprint:  # other answers or another drafter: start over
+            index = {"fingerprint": fingerprint, "batches_done": 0}
+            _write_json(index_path, index)
+        done = index["batches_done"]
+        out = {name: np.lib.format.open_memmap(directory / f"{name}.npy", mode="r+" if done else "w+",
+                                               dtype=dtype, shape=shape) for name, (shape, dtype) in arrays.items()}
+    else:
+        out = {name: np.zeros(shape, dtype) for name, (shape, dtype) in arrays.items()}
+    run = jax.jit(functools.partial(_teacher, family), static_argnames=("cfg", "layers", "top"))
+    with Progress(len(batches), "Target features", unit="batch", enabled=progress) as bar:
+        bar.update(done)
+        for number, (rows, width_t) in enumerate(batches):
+            if number < done:
+                continue
+            batch = np.zeros((len(rows), width_t), np.int32)
+            for r, i in enumerate(rows):
+                batch[r, :lengths[i]] = tokens[offsets[i]:offsets[i] + lengths[i]]
+            got = jax.device_get(run(target_weights, cfg=target_cfg, tokens=jnp.asarray(batch),
+                                     layers=cfg.target_layers, top=TEACHER_TOP))
+            for name, value in zip(("features", "teacher_ids", "teacher_probs"), got):
+                for r, i in enumerate(rows):
+                    out[name][offsets[i]:offsets[i] + lengths[i]] = value[r, :lengths[i]]
+            if directory is not None:
+                for array in out.values():
+                    array.flush()
+                _write_json(index_path, {"fingerprint": fingerprint, "batches_done": number + 1})
+            bar.update(1)
+    return Dataset(tokens=tokens, offsets=offsets, lengths=lengths,
+                   prompt_lengths=np.asarray([prompt_lengths[i] for i in keep], np.int32), **out)
 
 
-def sample_blocks(data: Dataset, rows: np.ndarray, num_anchors: int, k: int, rng: np.random.Generator) -> dict:
-    """A batch of blocks: anchors drawn in each row's continuation so that the k tokens after the
-    anchor are the target's (anchor in [prompt_length - 1, length - 1 - k])."""
-    low = data.prompt_lengths[rows] - 1
-    high = data.lengths[rows] - 1 - k
+def sample_blocks(data: Dataset, rows: np.ndarray, num_anchors: int, k: int, rng: np.random.Generator,
+                  loss_vocab: int = 0, vocab_size: int | None = None, width: int | None = None) -> dict:
+    """A batch of blocks: answers `rows`, right-padded to `width` tokens (default: the longest,
+    rounded up to 64), and anchors drawn in each answer's continuation so that the k tokens after
+    the anchor are the target's (anchor in [prompt_length - 1, length - 1 - k]).
+
+    With loss_vocab > 0, `candidates` [loss_vocab] are the tokens the loss scores: every label
+    and teacher token of the batch (the most likely first, if they do not all fit) and random
+    others; teacher_index / label_index give each one's place among them (loss_vocab: not there).
+    With loss_vocab 0 there are no candidates: the loss scores the whole vocabulary."""
+    lengths, prompts = data.lengths[rows], data.prompt_lengths[rows]
+    width = width or -(-int(lengths.max()) // 64) * 64
+    low = prompts - 1
+    high = lengths - 1 - k
     anchors = low[:, None] + (rng.random((len(rows), num_anchors)) * (high - low + 1)[:, None]).astype(np.int64)
-    offsets = np.arange(k)
-    seq = data.tokens[rows]  # [B, T]
-    width = seq.shape[1]
-    take = lambda a, idx: np.take_along_axis(a, idx.reshape(len(rows), -1), axis=1).reshape(idx.shape)  # noqa: E731
-    window = anchors[..., None] + offsets  # [B, A, k]: the token before each slot
-    final = data.final[rows[:, None, None], window]  # [B, A, k, d]: the target's state predicting each slot
-    positions = np.where(np.arange(width)[None, :] < data.lengths[rows][:, None], np.arange(width)[None, :], -1)
-    return dict(features=data.features[rows], ctx_positions=positions.astype(np.int32),
-                anchor_tokens=take(seq, anchors).astype(np.int32), anchor_positions=anchors.astype(np.int32),
-                prev_tokens=take(seq, window).astype(np.int32), labels=take(seq, window + 1).astype(np.int32),
-                target_final=final)
+    window = anchors[..., None] + np.arange(k)  # [B, A, k]: the position before each slot
+    tokens = np.zeros((len(rows), width), np.int32)
+    features = np.zeros((len(rows), width, data.features.shape[1]), np.float32)
+    flat = np.zeros((len(rows), num_anchors, k), np.int64)  # flat index of each window position
+    for r, i in enumerate(rows):
+        start, n = data.offsets[i], lengths[r]
+        tokens[r, :n] = data.tokens[start:start + n]
+        features[r, :n] = data.features[start:start + n]
+        flat[r] = start + window[r]
+    positions = np.where(np.arange(width)[None, :] < lengths[:, None], np.arange(width)[None, :], -1)
+    take = lambda idx: np.take_along_axis(tokens, idx.reshape(len(rows), -1), axis=1).reshape(idx.shape)  # noqa: E731
+    labels = take(window + 1).astype(np.int32)
+    teacher_ids = data.teacher_ids[flat.reshape(-1)].reshape(flat.shape + (-1,))
+    teacher_probs = data.teacher_probs[flat.reshape(-1)].reshape(flat.shape + (-1,)).astype(np.float32)
+    batch = dict(features=features, ctx_positions=positions.astype(np.int32),
+                 anchor_tokens=take(anchors).astype(np.int32), anchor_positions=anchors.astype(np.int32),
+                 prev_tokens=take(window).astype(np.int32), labels=labels, teacher_probs=teacher_probs)
+    if loss_vocab == 0:  # the whole vocabulary: a token's place is its id
+        batch.update(teacher_index=teacher_ids, label_index=labels)
+        return batch
+    batch.update(candidate_set(labels, teacher_ids, teacher_probs, loss_vocab, vocab_size, rng))
+    return batch
 
+
+def candidate_set(labels: np.ndarray, teacher_ids: np.ndarray, teacher_probs: np.ndarray, size: int,
+                  vocab_size: int, rng: np.random.Generator) -> dict:
+    """The loss's candidate tokens (see `sample_blocks`): labels first, then teacher tokens by
+    probability, then random others, `size` in all (distinct)."""
+    if size > vocab_size:
+        raise InvalidInputError(f"loss_vocab ({size}) exceeds the vocabulary ({vocab_size})")
+    by_mass = teacher_ids.reshape(-1)[np.argsort(-teacher_probs.reshape(-1), kind="stable")]
+    wanted = np.concatenate([labels.reshape(-1), by_mass])
+    _, first = np.unique(wanted, return_index=True)
+    chosen = wanted[np.sort(first)][:size]  # distinct, in order of preference
+    if len(chosen) < size:
+        others = np.setdiff1d(np.arange(vocab_size), chosen, assume_unique=False)
+        chosen = np.concatenate([chosen, rng.choice(others, size - len(chosen), replace=False)])
+    place = np.full(vocab_size, size, np.int32)
+    place[chosen] = np.arange(size, dtype=np.int32)
+    return dict(candidates=chosen.astype(np.int32), teacher_index=place[teacher_ids], label_index=place[labels])
+
+
+# ----- the loss -----
 
 def loss_and_metrics(params: dict, batch: dict, target_weights: dict, *, cfg: dspark.DraftConfig,
                      train: TrainConfig) -> tuple[jax.Array, dict]:
-    """The weighted loss of one batch of blocks, and its parts."""
+    """The weighted loss of one batch of blocks (`sample_blocks`), and its parts."""
     context = dspark.project_context(params, cfg, batch["features"])
     kv = dspark.context_kv(params, cfg, context, batch["ctx_positions"])
-    logits, confidence = dspark.teacher_forced(params, cfg, target_weights, kv, batch["ctx_positions"],
-                                               batch["anchor_tokens"], batch["anchor_positions"],
-                                               batch["prev_tokens"])  # [B, A, k, v], [B, A, k]
-    target_logits = linear(batch["target_final"], output_matrix(target_weights)).astype(jnp.float32)
-    p = jax.lax.stop_gradient(jax.nn.softmax(target_logits, axis=-1))
-    log_q = jax.nn.log_softmax(logits, axis=-1)
-    labels = batch["labels"]
-    ce = -jnp.take_along_axis(log_q, labels[..., None], axis=-1)[..., 0]
+    embed = target_weights["embed"]
+    hidden = dspark.backbone(params, cfg, embed, kv, batch["ctx_positions"], batch["anchor_tokens"],
+                             batch["anchor_positions"])  # [B, A, k, d]
+    markov = dspark.markov_features(params, embed, batch["prev_tokens"])  # [B, A, k, r]
+    candidates = batch.get("candidates")  # [c], or None: the whole vocabulary
+    head = output_matrix(target_weights)
+    if candidates is None:
+        logits = linear(hidden, head).astype(jnp.float32) + linear(markov, params["markov_out"]).astype(jnp.float32)
+    else:
+        logits = (jnp.einsum("...d,cd->...c", hidden.astype(jnp.float32), head[candidates].astype(jnp.float32))
+                  + jnp.einsum("...r,cr->...c", markov.astype(jnp.float32), params["markov_out"][candidates]))
+    confidence = dspark.confidence(params, hidden, markov)
+    log_q = jax.nn.log_softmax(logits, axis=-1)  # [B, A, k, c]
+    # The teacher's top tokens scattered onto the candidates (those not among them are dropped).
+    p = jnp.zeros(logits.shape, jnp.float32)
+    lead = tuple(i[..., None] for i in jnp.indices(batch["teacher_index"].shape[:-1], sparse=True))
+    p = p.at[lead + (batch["teacher_index"],)].add(batch["teacher_probs"], mode="drop")
+    labels = batch["label_index"]
+    ce = -jnp.take_along_axis(log_q, labels[..., None], axis=-1)[..., 0]  # [B, A, k]
     tv = 0.5 * jnp.sum(jnp.abs(p - jnp.exp(log_q)), axis=-1)
     hit = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     conf = jnp.clip(confidence, 1e-6, 1 - 1e-6)
     bce = -(hit * jnp.log(conf) + (1 - hit) * jnp.log(1 - conf))
-    loss = train.ce_weight * ce.mean() + train.tv_weight * tv.mean() + train.conf_weight * bce.mean()
+    w = jnp.asarray(train.slot_weights(cfg.block_size))  # [k]
+    per_slot = lambda x: jnp.sum(jnp.mean(x, axis=(0, 1)) * w)  # noqa: E731
+    loss = train.ce_weight * per_slot(ce) + train.tv_weight * per_slot(tv) + train.conf_weight * per_slot(bce)
     metrics = dict(loss=loss, ce=ce.mean(), tv=tv.mean(), conf_bce=bce.mean(), top1=hit.mean(),
                    # teacher-forced acceptance: leading slots the argmax gets right / expected under sampling
                    greedy_len=jnp.sum(jnp.cumprod(hit, axis=-1), axis=-1).mean(),
@@ -214,6 +329,88 @@ def shared_weights(target_weights: dict) -> dict:
     return {name: target_weights[name] for name in ("embed", "lm_head") if name in target_weights}
 
 
+# ----- checkpoints -----
+
+class Checkpoint:
+    """Training state in `directory`: params and optimizer state (npz of their leaves), the step
+    reached, the data order's random state and the settings that must match to resume."""
+
+    def __init__(self, directory: str | pathlib.Path):
+        self.directory = pathlib.Path(directory)
+
+    def save(self, step: int, params: Any, opt_state: Any, rng: np.random.Generator, settings: dict,
+             history: list[dict]) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        leaves = {f"{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves((params, opt_state)))}
+        tmp = self.directory / "state.tmp.npz"
+        np.savez(tmp, **leaves)
+        os.replace(tmp, self.directory / "state.npz")
+        _write_json(self.directory / "state.json", {"step": step, "rng": rng.bit_generator.state,
+                                                    "settings": settings, "history": history})
+
+    def load(self, params: Any, opt_state: Any, settings: dict):
+        """(step, params, opt_state, rng, history) saved here, shaped as the given trees; None if
+        nothing is saved. Raises InvalidInputError when it was saved with other settings."""
+        meta_path, state_path = self.directory / "state.json", self.directory / "state.npz"
+        if not (meta_path.is_file() and state_path.is_file()):
+            return None
+        meta = json.loads(meta_path.read_text())
+        if meta["settings"] != settings:
+            changed = sorted(k for k in set(settings) | set(meta["settings"])
+                             if settings.get(k) != meta["settings"].get(k))
+            raise InvalidInputError(f"{self.directory} holds a run with other settings ({', '.join(changed)}): "
+                                    "use the same settings to resume, or another --out")
+        template, tree = jax.tree.flatten((params, opt_state))
+        with np.load(state_path) as saved:
+            leaves = [saved[f"{i}"] for i in range(len(template))]
+        for i, (a, b) in enumerate(zip(leaves, template)):
+            if a.shape != np.shape(b):
+                raise InvalidInputError(f"{state_path}: leaf {i} has shape {a.shape}, expected {np.shape(b)}")
+        params, opt_state = jax.tree.unflatten(tree, [jnp.asarray(x) for x in leaves])
+        rng = np.random.default_rng()
+        rng.bit_generator.state = meta["rng"]
+        return meta["step"], params, opt_state, rng, meta["history"]
+
+
+# ----- training and evaluation -----
+
+def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dataset, train_cfg: TrainConfig,
+          progress: bool | None = None, log_every: int = 10, checkpoint: Checkpoint | None = None,
+          settings: dict | None = None) -> tuple[dict, list[dict]]:
+    """Runs train_cfg.steps optimizer steps (resuming from `checkpoint` when it holds a run of
+    the same `settings`); returns the trained params and the logged metrics."""
+    target_weights = shared_weights(target_weights)
+    params = jax.tree.map(jnp.copy, params)  # the step donates its params: keep the caller's
+    optimizer = make_optimizer(train_cfg)
+    opt_state = optimizer.init(params)
+    step = make_train_step(cfg, train_cfg, optimizer)
+    rng = np.random.default_rng(train_cfg.seed)
+    history, start = [], 0
+    settings = settings or {}
+    if checkpoint is not None:
+        resumed = checkpoint.load(params, opt_state, settings)
+        if resumed is not None:
+            start, params, opt_state, rng, history = resumed
+    width = -(-int(data.lengths.max()) // 64) * 64  # one program shape for every step
+    with Progress(train_cfg.steps, "Training drafter", unit="step",
+                  enabled=progress_enabled() if progress is None else progress) as bar:
+        bar.update(start)
+        for i in range(start, train_cfg.steps):
+            rows = rng.choice(len(data), size=train_cfg.batch_size, replace=len(data) < train_cfg.batch_size)
+            batch = sample_blocks(data, rows, train_cfg.anchors, cfg.block_size, rng, train_cfg.loss_vocab,
+                                  cfg.vocab_size, width)
+            params, opt_state, metrics = step(params, opt_state, {k: jnp.asarray(v) for k, v in batch.items()},
+                                              target_weights)
+            if i % log_every == 0 or i == train_cfg.steps - 1:
+                metrics = {k: round(float(v), 4) for k, v in jax.device_get(metrics).items()}
+                history.append({"step": i, **metrics})
+                bar.set_postfix(loss=metrics["loss"], top1=metrics["top1"], len=metrics["greedy_len"])
+            bar.update(1)
+            if checkpoint is not None and ((i + 1) % train_cfg.save_every == 0 or i + 1 == train_cfg.steps):
+                checkpoint.save(i + 1, params, opt_state, rng, settings, history)
+    return params, history
+
+
 def _draft_blocks(params: dict, target_weights: dict, features: jax.Array, ctx_positions: jax.Array,
                   anchor_tokens: jax.Array, anchor_positions: jax.Array, *, cfg: dspark.DraftConfig) -> dspark.Proposal:
     """Greedy proposals for rows [b] of features [b, t, n * d]: the serving path end to end."""
@@ -224,14 +421,18 @@ def _draft_blocks(params: dict, target_weights: dict, features: jax.Array, ctx_p
 
 def evaluate(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dataset, num_anchors: int = 16,
              seed: int = 1) -> dict:
-    """Greedy acceptance on `data` with the drafter drafting on its own (Markov head on its drafts):
-    accept_len = leading drafts equal to the target's tokens (of k), sent = drafts the confidence
-    threshold would send, accepted_of_sent = accepted among those."""
+    """Greedy acceptance on `data` (greedy answers) with the drafter drafting on its own (Markov
+    head on its drafts): accepted = leading drafts equal to the target's tokens (of k).
+    Returns accept_len (mean accepted drafts), mean_acceptance_length (1 + accept_len: tokens
+    per verification round), per_position (share of blocks whose first j + 1 drafts are all
+    right), sent (drafts the confidence threshold would send) and accepted_of_sent."""
+    if not len(data):
+        return {}
     rng = np.random.default_rng(seed)
     target_weights = shared_weights(target_weights)
     run = jax.jit(functools.partial(_draft_blocks, cfg=cfg))
     accepted, sent = [], []
-    for row in range(len(data)):  # one sequence's anchors at a time: a row per anchor
+    for row in range(len(data)):  # one answer's anchors at a time: a row per anchor
         batch = sample_blocks(data, np.asarray([row]), num_anchors, cfg.block_size, rng)
         proposal = run(params, target_weights, np.repeat(batch["features"], num_anchors, axis=0),
                        np.repeat(batch["ctx_positions"], num_anchors, axis=0), batch["anchor_tokens"][0],
@@ -240,73 +441,69 @@ def evaluate(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: 
         accepted.append(np.cumprod(tokens == batch["labels"][0], axis=-1).sum(-1))
         sent.append(num)
     accepted, sent = np.concatenate(accepted), np.concatenate(sent)
-    return dict(accept_len=float(accepted.mean()), sent=float(sent.mean()),
-                accepted_of_sent=float(np.minimum(accepted, sent).sum() / max(sent.sum(), 1)))
+    per_position = [round(float(np.mean(accepted > j)), 4) for j in range(cfg.block_size)]
+    return dict(blocks=int(len(accepted)), accept_len=round(float(accepted.mean()), 4),
+                mean_acceptance_length=round(1 + float(accepted.mean()), 4), per_position=per_position,
+                sent=round(float(sent.mean()), 4),
+                accepted_of_sent=round(float(np.minimum(accepted, sent).sum() / max(sent.sum(), 1)), 4))
 
 
-def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dataset, train_cfg: TrainConfig,
-          progress: bool | None = None, log_every: int = 10) -> tuple[dict, list[dict]]:
-    """Runs train_cfg.steps optimizer steps; returns the trained params and the logged metrics."""
-    from tqdm import tqdm
-
-    target_weights = shared_weights(target_weights)
-    params = jax.tree.map(jnp.copy, params)  # the step donates its params: keep the caller's
-    optimizer = make_optimizer(train_cfg)
-    opt_state = optimizer.init(params)
-    step = make_train_step(cfg, train_cfg, optimizer)
-    rng = np.random.default_rng(train_cfg.seed)
-    history = []
-    bar = tqdm(range(train_cfg.steps), desc="Training drafter", unit="step",
-               disable=not (progress_enabled() if progress is None else progress))
-    for i in bar:
-        rows = rng.choice(len(data), size=train_cfg.batch_size, replace=len(data) < train_cfg.batch_size)
-        batch = {k: jnp.asarray(v) for k, v in sample_blocks(data, rows, train_cfg.anchors, cfg.block_size,
-                                                            rng).items()}
-        params, opt_state, metrics = step(params, opt_state, batch, target_weights)
-        if i % log_every == 0 or i == train_cfg.steps - 1:
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            history.append({"step": i, **metrics})
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}",
-                            len=f"{metrics['greedy_len']:.2f}")
-    bar.close()
-    return params, history
+def split_prompts(num_prompts: int, eval_fraction: float, seed: int) -> np.ndarray:
+    """bool [num_prompts]: which prompts are held out (their answers only measure the drafter)."""
+    held = np.zeros(num_prompts, bool)
+    count = int(round(num_prompts * eval_fraction)) if num_prompts > 1 else 0
+    held[np.random.default_rng(seed).permutation(num_prompts)[:count]] = True
+    return held
 
 
 def train_draft(model: str | None, data_path: str, out: str, *, train_cfg: TrainConfig, draft_overrides: dict,
-                max_prompts: int | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
-                chat: bool = True, eval_fraction: float = 0.1, progress: bool | None = None,
-                log=print) -> dict:
-    """`weld train-draft`: generate, extract features, train, evaluate, save. Returns a summary."""
+                max_prompts: int | None = None, max_new_tokens: int = 256, samples: int = 1, chat: bool = True,
+                eval_fraction: float = 0.05, progress: bool | None = None, log=print,
+                engine_args: dict | None = None) -> dict:
+    """`weld train-draft`: answers, features, training, report, the drafter; every stage resumes
+    from what `out` already holds. Returns a summary (also saved with the drafter)."""
     from weld.engine.llm import LLM
 
     started = time.perf_counter()
     _optax()  # fail before the slow part
+    out_dir = pathlib.Path(out)
     prompts = read_prompts(data_path)[:max_prompts]
-    llm = LLM(model, dtype="float32", max_model_len=None, kv_cache_memory_gb=0.25, progress=progress)
+    engine = dict(max_model_len=None, max_num_seqs=64, kv_cache_memory_gb=1.0)
+    llm = LLM(model, progress=progress, **{**engine, **(engine_args or {})})
     try:
         cfg = dspark.DraftConfig.for_target(llm.cfg, **draft_overrides)
     except ValueError as err:  # a drafter this target cannot feed, e.g. target layers out of range
         raise InvalidInputError(str(err)) from None
-    log(f"generating {max_new_tokens} tokens for {len(prompts)} prompts "
-        f"({'greedy' if temperature == 0 else f'temperature {temperature}'})")
-    sequences, prompt_lengths = generate_sequences(llm, prompts, max_new_tokens, temperature, train_cfg.seed, chat)
-    target_weights, target_cfg = llm.model.weights, llm.cfg
+    data_dir = out_dir / "data"
+    log(f"answers: {len(prompts)} prompts x {samples} (greedy{', then sampled' if samples > 1 else ''}), "
+        f"up to {max_new_tokens} new tokens -> {data_dir / distill.SEQUENCES_FILE}")
+    answers = distill.generate(llm, prompts, data_dir, max_new_tokens=max_new_tokens, samples=samples, chat=chat,
+                               seed=train_cfg.seed, progress=progress, log=log)
+    target_weights, target_cfg, family = llm.model.weights, llm.cfg, llm.model.family
+    source = llm.model.source.name
     del llm.engine  # the KV cache is not needed any more
-    data = build_dataset(llm.model.family, target_weights, target_cfg, cfg, sequences, prompt_lengths,
-                         progress=progress)
+    held = split_prompts(len(prompts), eval_fraction, train_cfg.seed)
+    answers = [a for a in answers if not held[a.prompt_index] or a.sample == 0]  # held out: greedy only
+    data = build_features(family, target_weights, target_cfg, cfg, [a.tokens for a in answers],
+                          [a.prompt_length for a in answers], directory=data_dir / FEATURES_DIR, progress=progress)
+    kept = [a for a in answers if len(a.tokens) - a.prompt_length >= cfg.block_size + 1 and a.prompt_length >= 1]
+    is_eval = np.asarray([bool(held[a.prompt_index]) for a in kept])
+    train_data, eval_data = data.subset(np.flatnonzero(~is_eval)), data.subset(np.flatnonzero(is_eval))
     generated = int((data.lengths - data.prompt_lengths).sum())
-    order = np.random.default_rng(train_cfg.seed).permutation(len(data))
-    num_eval = int(round(len(data) * eval_fraction)) if len(data) > 1 else 0
-    eval_data, train_data = data.subset(order[:num_eval]), data.subset(order[num_eval:])
-    log(f"{len(train_data)} training / {len(eval_data)} held-out sequences, {generated} generated tokens; "
-        f"drafter: {cfg.num_layers} layer(s), k={cfg.block_size}, target layers {list(cfg.target_layers)}")
+    log(f"{len(train_data)} training / {len(eval_data)} held-out answers, {generated} generated tokens; drafter: "
+        f"{cfg.num_layers} layer(s), k={cfg.block_size}, target layers {list(cfg.target_layers)}, "
+        f"Markov rank {cfg.markov_rank}")
     params = dspark.init_params(cfg, seed=train_cfg.seed, target_weights=target_weights)
-    before = evaluate(params, cfg, target_weights, eval_data) if num_eval else {}
-    params, history = train(params, cfg, target_weights, train_data, train_cfg, progress=progress)
-    after = evaluate(params, cfg, target_weights, eval_data) if num_eval else {}
-    summary = dict(model=llm.model.source.name, data=str(data_path), prompts=len(prompts),
-                   generated_tokens=generated, train_sequences=len(train_data), eval_sequences=len(eval_data),
-                   train=dataclasses.asdict(train_cfg), final=history[-1], eval_before=before, eval_after=after,
+    settings = {"draft": cfg.to_dict(), "train": dataclasses.asdict(train_cfg), "answers": len(answers),
+                "tokens": int(data.lengths.sum())}
+    params, history = train(params, cfg, target_weights, train_data, train_cfg, progress=progress,
+                            checkpoint=Checkpoint(out_dir / CHECKPOINT_DIR), settings=settings)
+    report = evaluate(params, cfg, target_weights, eval_data)
+    summary = dict(model=source, data=str(data_path), prompts=len(prompts), held_out_prompts=int(held.sum()),
+                   samples_per_prompt=samples, max_new_tokens=max_new_tokens, answers=len(answers),
+                   generated_tokens=generated, train_answers=len(train_data), eval_answers=len(eval_data),
+                   train=dataclasses.asdict(train_cfg), final=history[-1] if history else {}, held_out=report,
                    seconds=round(time.perf_counter() - started, 1))
-    dspark.save(out, params, cfg, metadata=summary)
+    dspark.save(out_dir, params, cfg, metadata=summary)
+    _write_json(out_dir / "report.json", summary)
     return summary

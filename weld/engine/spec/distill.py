@@ -1,0 +1,137 @@
+"""The drafter's training data: the target's own answers to a prompt set, on disk, resumable.
+
+DeepSpec's recipe trains a drafter on self-distilled data: the target answers each prompt (as a
+chat user message, or raw text) at its sampling settings, and the drafter learns to predict
+those answers from the target's hidden states. `generate` writes one JSON line per answer
+(`sequences.jsonl`: prompt index, sample index, prompt length, token ids) as answers finish, in
+batches; a rerun reads the file, keeps every complete line and generates only what is missing,
+so an interrupted run loses at most one batch. `read_sequences` reads the file back.
+
+Samples: sample 0 is greedy, the others are drawn at `SAMPLED` (llama.cpp's and weld's CLI
+defaults), each with its own seed, so a prompt's answers differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any, Iterator, Sequence
+
+from weld.utils.errors import InvalidInputError
+from weld.utils.progress import Progress
+
+SEQUENCES_FILE = "sequences.jsonl"
+# The sampling of samples 1, 2, ...: the CLI's defaults (sample 0 is greedy).
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+
+
+def read_prompts(path: str | pathlib.Path) -> list[str]:
+    """Prompts from a text file: paragraphs (separated by blank lines) if it has any, else lines."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise InvalidInputError(f"{path}: no such file (expected a text file of prompts)")
+    text = path.read_text(encoding="utf-8").strip()
+    if "\n\n" in text:  # a paragraph's lines are one prompt
+        prompts = [" ".join(paragraph.split()) for paragraph in text.split("\n\n")]
+    else:
+        prompts = [line.strip() for line in text.splitlines()]
+    prompts = [p for p in prompts if p]
+    if not prompts:
+        raise InvalidInputError(f"{path} holds no prompts")
+    return prompts
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """One of the target's answers: prompt + continuation as token ids."""
+
+    prompt_index: int
+    sample: int
+    prompt_length: int
+    tokens: tuple[int, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"prompt": self.prompt_index, "sample": self.sample, "prompt_length": self.prompt_length,
+                           "tokens": list(self.tokens)}, separators=(",", ":"))
+
+
+def read_sequences(path: str | pathlib.Path) -> list[Answer]:
+    """Every complete line of a sequences file (a torn last line, from an interrupted run, is skipped)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return []
+    answers = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.endswith("\n"):
+                break  # the write was cut off: it is generated again
+            try:
+                row = json.loads(line)
+                answer = Answer(int(row["prompt"]), int(row["sample"]), int(row["prompt_length"]),
+                                tuple(int(t) for t in row["tokens"]))
+            except (ValueError, KeyError, TypeError) as err:
+                raise InvalidInputError(f"{path}:{number}: not a sequence record ({err})") from None
+            answers.append(answer)
+    return answers
+
+
+def _truncate_torn_line(path: pathlib.Path) -> None:
+    """Drops a last line without its newline, so that appending starts on a fresh line."""
+    if not path.is_file():
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end != len(data):
+            f.truncate(end)
+
+
+def sampling_for(sample: int, seed: int, max_new_tokens: int):
+    """The SamplingParams of answer `sample` (0: greedy) of a prompt, seeded by `seed`."""
+    from weld.engine.sampling_params import SamplingParams
+
+    if sample == 0:
+        return SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+    return SamplingParams(max_tokens=max_new_tokens, seed=seed, **SAMPLED)
+
+
+def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def generate(llm: Any, prompts: Sequence[str], out_dir: str | pathlib.Path, *, max_new_tokens: int,
+             samples: int = 1, chat: bool = True, seed: int = 0, batch_size: int = 256,
+             progress: bool | None = None, log=print) -> list[Answer]:
+    """The target's answers to every prompt (samples per prompt), appended to
+    out_dir/sequences.jsonl as each batch finishes; answers already in the file are kept.
+    Returns every answer, in (prompt, sample) order."""
+    if samples < 1:
+        raise InvalidInputError(f"samples per prompt must be >= 1, got {samples}")
+    path = pathlib.Path(out_dir) / SEQUENCES_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _truncate_torn_line(path)
+    done = {(a.prompt_index, a.sample): a for a in read_sequences(path)}
+    todo = [(i, s) for i in range(len(prompts)) for s in range(samples) if (i, s) not in done]
+    if done:
+        log(f"{path}: {len(done)} answers already generated, {len(todo)} to go")
+    with Progress(len(todo), "Generating answers", unit="answer", enabled=progress) as bar, \
+            open(path, "a", encoding="utf-8") as f:
+        for batch in _batches(todo, batch_size):
+            requests = [prompts[i] for i, _ in batch]
+            params = [sampling_for(s, seed * 1_000_003 + i * 31 + s, max_new_tokens) for i, s in batch]
+            if chat:
+                outs = llm.chat([[{"role": "user", "content": p}] for p in requests], params, use_tqdm=False)
+            else:
+                outs = llm.generate(list(requests), params, use_tqdm=False)
+            for (i, s), out in zip(batch, outs):
+                answer = Answer(i, s, len(out.prompt_token_ids),
+                                tuple(out.prompt_token_ids) + tuple(out.outputs[0].token_ids))
+                done[(i, s)] = answer
+                f.write(answer.to_json() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(batch))
+    return [done[key] for key in sorted(done) if key[0] < len(prompts) and key[1] < samples]
