@@ -123,6 +123,9 @@ def _train_draft_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--markov-rank", type=int, default=64, metavar="R", help="rank of the Markov head (default: 64)")
     g.add_argument("--intermediate-size", type=int, default=None, metavar="N",
                    help="the drafter's MLP width (default: 8/3 of the target's width)")
+    g.add_argument("--draft-vocab", type=int, default=8192, metavar="N",
+                   help="the drafter drafts among the N tokens most frequent in its training answers, which cuts its "
+                        "LM head's cost; 0, or at least the vocabulary's size, for every token (default: 8192)")
     g.add_argument("--threshold", type=float, default=0.5,
                    help="default confidence (survival) threshold for sending drafts (default: 0.5)")
     g = p.add_argument_group("training")
@@ -130,10 +133,6 @@ def _train_draft_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default: 1e-3)")
     g.add_argument("--batch-size", type=int, default=4, metavar="B", help="answers per step (default: 4)")
     g.add_argument("--anchors", type=int, default=32, metavar="A", help="blocks per answer per step (default: 32)")
-    g.add_argument("--loss-vocab", type=int, default=0, metavar="N",
-                   help="candidate tokens of the drafter's softmax in the loss: the step's teacher tokens and labels, "
-                        "then random ones; 0 = the whole vocabulary (default: 0; a few thousand saves most of a "
-                        "CPU step)")
     g.add_argument("--position-decay", type=float, default=4.0, metavar="D",
                    help="drafted slot j weighs exp(-j / D) in the loss (default: 4)")
     g.add_argument("--save-every", type=int, default=100, metavar="N", help="steps between checkpoints (default: 100)")
@@ -326,11 +325,13 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         if value < 1:
             raise InvalidInputError(f"{flag} must be >= 1, got {value}")
     settings = TrainConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size, anchors=args.anchors,
-                           loss_vocab=args.loss_vocab, position_decay=args.position_decay,
+                           position_decay=args.position_decay,
                            save_every=args.save_every, seed=args.seed)
+    if args.draft_vocab < 0:
+        raise InvalidInputError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
     overrides = dict(block_size=args.k, num_layers=args.layers, target_layers=target_layers,
                      markov_rank=args.markov_rank, intermediate_size=args.intermediate_size,
-                     confidence_threshold=args.threshold)
+                     draft_vocab_size=args.draft_vocab, confidence_threshold=args.threshold)
     summary = train_draft(args.model, args.data, args.out, train_cfg=settings, draft_overrides=overrides,
                           max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, samples=args.samples,
                           chat=not args.raw, eval_fraction=args.eval_fraction, progress=None,

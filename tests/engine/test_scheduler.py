@@ -621,3 +621,27 @@ def test_random_requests_keep_every_state_slot_right(prefix):
     assert bm.num_free_pages == bm.num_pages and bm.num_free_slots == bm.num_slots
     assert device.continued > 0 and sched.num_preemptions > 0
     assert (bm.prefix_hits > 0 and bm.num_snapshots == 5) if prefix else (bm.prefix_hits == 0)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_n_siblings_wait_one_step_for_the_prompt_pages_then_start_together(caching):
+    """n = 6 siblings of one prompt: with prefix caching the first computes the prompt, and the
+    other five start together in the next step (each on the cached pages); without it, all six
+    start at once (nothing to wait for). Before, the siblings started one per step."""
+    sched = Scheduler(BlockManager(num_pages=64, page_size=4, enable_prefix_caching=caching), max_num_seqs=8,
+                      max_num_batched_tokens=64)
+    params = SamplingParams(n=6, max_tokens=4)
+    siblings = [Sequence("r", list(range(10)), params, index=i) for i in range(6)]
+    for s in siblings:
+        sched.add(s)
+    starts = []
+    while sched.waiting:
+        plan = sched.schedule()
+        starts.append(sorted(e.seq.index for e in plan.entries[:plan.num_prefill]))
+        for e in plan.entries:
+            e.seq.num_computed_tokens = e.start + e.num_tokens
+            if e.sample:
+                e.seq.output_token_ids.append(1)
+        sched.update_from_output(plan, [int(e.sample) for e in plan.entries])
+    assert starts == ([[0], [1, 2, 3, 4, 5]] if caching else [[0, 1, 2, 3, 4, 5]])
+    assert sched.block_manager.prefix_hits == (5 * 8 if caching else 0)  # two full prompt pages each

@@ -218,8 +218,15 @@ def test_checkpoint_round_trip_and_loud_failures(tmp_path):
     dspark.save(tmp_path / "d", params, DRAFT, metadata={"note": "test"})
     loaded, cfg = dspark.load(tmp_path / "d")
     assert cfg == DRAFT
-    for (a, b) in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
-        np.testing.assert_array_equal(a, b)
+    for (a, b) in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):  # stored as f16
+        np.testing.assert_array_equal(np.asarray(a, np.float16).astype(np.float32), b)
+    small = dataclasses.replace(DRAFT, draft_vocab_size=5)
+    vocab = jnp.asarray([1, 4, 9, 16, 25], jnp.int32)
+    dspark.save(tmp_path / "v", {**random_weights(dspark.weight_specs(small)), "draft_vocab": vocab}, small)
+    assert np.array_equal(dspark.load(tmp_path / "v")[0]["draft_vocab"], vocab)
+    dspark.save(tmp_path / "w", {**random_weights(dspark.weight_specs(small)), "draft_vocab": vocab[::-1]}, small)
+    with pytest.raises(ValueError, match="ascending"):
+        dspark.load(tmp_path / "w")
     other = dataclasses.replace(DRAFT, markov_rank=7)
     dspark.save(tmp_path / "bad", random_weights(dspark.weight_specs(other)), other)
     config = (tmp_path / "d" / "config.json").read_text()

@@ -29,8 +29,7 @@ def greedy_continuations(weights, prompts, new_tokens):
 
 def train_and_measure(weights, data, steps, **kwargs):
     """Loss and metrics on a fixed batch of blocks before and after `steps` steps of training."""
-    fixed = train.sample_blocks(data, np.arange(len(data)), 8, CFG.block_size, np.random.default_rng(9),
-                                vocab_size=CFG.vocab_size)
+    fixed = train.sample_blocks(data, np.arange(len(data)), 8, CFG.block_size, np.random.default_rng(9))
     shared = train.shared_weights(weights)
     measure = jax.jit(lambda p: train.loss_and_metrics(p, fixed, shared, cfg=CFG, train=train.TrainConfig())[1])
     params = dspark.init_params(CFG, seed=0)
@@ -123,26 +122,38 @@ def test_features_and_teacher_are_the_targets_own_per_answer(tmp_path):
     np.testing.assert_array_equal(mapped.features, data.features)
 
 
-def test_candidate_vocabulary_holds_labels_and_teachers_and_matches_the_full_loss():
-    """The loss over candidates (labels, teacher tokens, random others) equals the full-vocabulary
-    loss when the candidates are every token, and places each id where it stands."""
+def test_a_draft_vocabulary_scores_its_own_tokens_and_equals_the_full_loss_when_whole():
+    """The draft vocabulary is the most frequent continuation tokens; the loss over it places each
+    label and teacher token on its row, and equals the full-vocabulary loss when it holds every
+    token; drafts under a small one come from it."""
+    import dataclasses
+
     weights, _, data = tiny_data()
-    rng = np.random.default_rng(4)
-    full = train.sample_blocks(data, np.arange(4), 6, CFG.block_size, np.random.default_rng(1))
-    every = train.sample_blocks(data, np.arange(4), 6, CFG.block_size, np.random.default_rng(1),
-                                loss_vocab=TARGET.vocab_size, vocab_size=TARGET.vocab_size)
-    assert sorted(every["candidates"]) == list(range(TARGET.vocab_size))
-    np.testing.assert_array_equal(every["candidates"][every["label_index"]], full["labels"])
+    counts = np.bincount(np.concatenate([data.answer(i)[5:] for i in range(len(data))]), minlength=TARGET.vocab_size)
+    vocab = train.draft_vocabulary(data, 10, TARGET.vocab_size)
+    assert np.all(np.diff(vocab) > 0) and len(vocab) == 10
+    assert counts[vocab].min() >= np.delete(counts, vocab).max()  # the most frequent ones
+    every = np.arange(TARGET.vocab_size, dtype=np.int32)
+    whole = dataclasses.replace(CFG, draft_vocab_size=TARGET.vocab_size)
     params = dspark.init_params(CFG, seed=3, target_weights=weights)
-    shared = train.shared_weights(weights)
-    loss = lambda batch: float(train.loss_and_metrics(params, batch, shared, cfg=CFG, train=train.TrainConfig())[0])  # noqa: E731
-    assert loss(every) == pytest.approx(loss(full), rel=1e-5)
-    some = train.candidate_set(full["labels"], data.teacher_ids[:10], data.teacher_probs[:10], 20, TARGET.vocab_size, rng)
-    assert len(set(some["candidates"].tolist())) == 20
-    assert set(full["labels"].reshape(-1).tolist()) <= set(some["candidates"].tolist()) or len(
-        set(full["labels"].reshape(-1).tolist())) > 20
-    inside = some["label_index"] < 20
-    np.testing.assert_array_equal(some["candidates"][some["label_index"][inside]], full["labels"][inside])
+    full = train.sample_blocks(data, np.arange(4), 6, CFG.block_size, np.random.default_rng(1))
+    placed = train.sample_blocks(data, np.arange(4), 6, CFG.block_size, np.random.default_rng(1),
+                                 vocab_place=train.vocab_places(every[::-1].copy(), TARGET.vocab_size))
+    np.testing.assert_array_equal(placed["label_index"], TARGET.vocab_size - 1 - full["labels"])
+    reversed_params = {**params, "markov_out": params["markov_out"][::-1]}
+    loss = lambda p, batch, cfg, vocab: float(train.loss_and_metrics(  # noqa: E731
+        p, batch, train.shared_weights(weights, vocab), cfg=cfg, train=train.TrainConfig())[0])
+    assert loss(reversed_params, placed, whole, every[::-1].copy()) == pytest.approx(
+        loss(params, full, CFG, None), rel=1e-5)
+    small = dataclasses.replace(CFG, draft_vocab_size=10)
+    trained, _ = train.train(dspark.init_params(small, seed=0, target_weights=weights), small, weights, data,
+                             train.TrainConfig(steps=3, batch_size=2, anchors=4), progress=False, draft_vocab=vocab)
+    served = dspark.serving_params({**trained, "draft_vocab": jnp.asarray(vocab)}, small, weights)
+    batch = train.sample_blocks(data, np.asarray([0]), 4, CFG.block_size, np.random.default_rng(2))
+    proposal = train._draft_blocks(served, train.shared_weights(weights), np.repeat(batch["features"], 4, axis=0),
+                                   np.repeat(batch["ctx_positions"], 4, axis=0), batch["anchor_tokens"][0],
+                                   batch["anchor_positions"][0], cfg=small)
+    assert set(np.asarray(proposal.tokens).reshape(-1).tolist()) <= set(vocab.tolist())
 
 
 def test_slot_weights_decay_and_training_resumes_from_its_checkpoint(tmp_path, monkeypatch):

@@ -442,6 +442,10 @@ class DataParallelBlockManager:
     def num_ranks(self) -> int:
         return len(self.ranks)
 
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.ranks[0].enable_prefix_caching
+
     def rank_of(self, seq: Sequence) -> BlockManager:
         if seq.dp_rank < 0:
             seq.dp_rank = self._place(seq)

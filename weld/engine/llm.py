@@ -291,6 +291,7 @@ class LLM:
             raise InvalidInputError(f"num_speculative_tokens ({spec.k}) exceeds the drafter's block size "
                                     f"({dcfg.block_size})")
         threshold = dcfg.confidence_threshold if spec.confidence_threshold is None else spec.confidence_threshold
+        params = dspark.serving_params(params, dcfg, self.model.weights)
         return (drafters.DSparkDrafter(dcfg, float(threshold)), params,
                 dataclasses.replace(spec, k=spec.k or dcfg.block_size))
 

@@ -144,7 +144,7 @@ class Scheduler:
         partial = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) + partial < self.max_num_seqs:
             seq = self.waiting[i]
-            if seq.index > 0 and any(e.seq.request_id == seq.request_id for e in entries):
+            if seq.index > 0 and self._sibling_computes_prompt(seq, entries):
                 break  # next step, n > 1 siblings reuse the prompt pages this step computes
             bm.match_prefix(seq)  # a fresh (or recomputed) sequence skips its cached prefix
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -178,6 +178,16 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         return entries
+
+    def _sibling_computes_prompt(self, seq: Sequence, entries: list[ScheduledSeq]) -> bool:
+        """Whether an entry of this step computes prompt pages that `seq` (a sibling of an n > 1
+        request) could take from the prefix cache from the next step on. Siblings that hit the
+        cache go together in one step."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return False
+        shareable = (seq.num_prompt_tokens - 1) // bm.page_size * bm.page_size
+        return any(e.seq.request_id == seq.request_id and e.start < shareable for e in entries)
 
     def _schedule_decode(self, max_steps: int) -> list[ScheduledSeq]:
         bm = self.block_manager

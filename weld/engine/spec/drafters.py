@@ -37,7 +37,6 @@ from weld.engine.spec import dspark, ngram
 from weld.models.common.attention import dense_attention, paged_attention, write_kv
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, PagedKV
 from weld.models.common.layers import linear, rms_norm
-from weld.models.family import output_matrix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,12 +149,12 @@ class DSparkDrafter:
 
             x = dspark.layer(cfg, lw, x, slot_positions, attend)
         hidden = rms_norm(x[:, 1:k + 1], params["final_norm"], cfg.rms_norm_eps)  # [b, k, d]
-        head_logits = linear(hidden, output_matrix(target_weights))  # [b, k, v]: the LM head read once per block
+        head_logits = linear(hidden, dspark.draft_head(params, target_weights))  # [b, k, n]: once per block
         prev, tokens, confidence = last, [], []
         for j in range(k):  # the Markov head reads the draft before each slot
             logits, conf = dspark.slot_outputs(params, head_logits[:, j], hidden[:, j],
                                                dspark.markov_features(params, embed, prev))
-            prev = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            prev = dspark.draft_ids(params, jnp.argmax(logits, axis=-1).astype(jnp.int32))
             tokens.append(prev)
             confidence.append(conf)
         num = dspark.num_to_verify(jnp.stack(confidence, axis=1), self.threshold)

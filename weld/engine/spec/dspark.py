@@ -23,6 +23,12 @@ Outputs, left to right (prev_1 = anchor, prev_j = draft_{j-1}):
   conf_j   = sigmoid(w . [h_j; m_j] + b)   (P(draft j accepted | drafts before it accepted))
 E and H are the target's embedding and LM head, shared and never trained. A request sends the
 leading drafts whose survival prod_{i<=j} conf_i stays >= a threshold.
+
+Draft vocabulary (as FR-Spec and EAGLE-3 do): a drafter may draft only among the
+`draft_vocab_size` tokens most frequent in its training answers (`draft_vocab`, ids in
+ascending order); then H and W_out have those rows only, which cuts the head's cost by
+vocab_size / draft_vocab_size, and the loss's softmax runs over the same tokens. 0 = the whole
+vocabulary. `serving_params` gathers those rows of the target's head once, at load.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from weld.models.common.spec import WeightSpec, iter_specs, map_specs, path_str
 
 FORMAT = "weld-dspark-draft"
 WEIGHTS_FILE = "model.safetensors"
+VOCAB_TENSOR = "draft_vocab"  # int32 [draft_vocab_size]: the token id of each row of the drafter's head
 
 
 def default_target_layers(num_layers: int) -> tuple[int, ...]:
@@ -74,6 +81,7 @@ class DraftConfig:
     intermediate_size: int = 1024
     block_size: int = 7  # k: drafts per block
     markov_rank: int = 64
+    draft_vocab_size: int = 0  # tokens the drafter may draft (the most frequent in training); 0: all
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     confidence_threshold: float = 0.5  # default survival threshold for how many drafts to send
@@ -89,6 +97,8 @@ class DraftConfig:
                      "head_dim", "intermediate_size", "block_size", "markov_rank"):
             value = getattr(self, name)
             check(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        check(isinstance(self.draft_vocab_size, int) and 0 <= self.draft_vocab_size <= self.vocab_size,
+              f"draft_vocab_size must lie in [0, vocab_size={self.vocab_size}], got {self.draft_vocab_size!r}")
         check(len(self.target_layers) > 0, "target_layers is empty")
         check(len(set(self.target_layers)) == len(self.target_layers), f"target_layers repeat: {self.target_layers}")
         check(all(0 <= i < self.target_num_layers for i in self.target_layers),
@@ -109,7 +119,10 @@ class DraftConfig:
         fields = dict(vocab_size=target.vocab_size, hidden_size=d, target_num_layers=target.num_layers,
                       target_layers=default_target_layers(target.num_layers), num_heads=heads, num_kv_heads=heads,
                       head_dim=64, intermediate_size=max(64, round(d * 8 / 3 / 64) * 64))
-        return cls(**{**fields, **{k: v for k, v in overrides.items() if v is not None}})
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        if fields.get("draft_vocab_size", 0) >= target.vocab_size:  # as many as there are: the whole vocabulary
+            fields["draft_vocab_size"] = 0
+        return cls(**fields)
 
     def check_target(self, target: ModelConfig) -> None:
         """Raises ValueError when this drafter was not made for `target`'s shapes."""
@@ -149,7 +162,7 @@ def weight_specs(cfg: DraftConfig) -> dict:
         "layers": llama.weight_specs(_layer_config(cfg))["layers"],
         "final_norm": WeightSpec((d,), ("embed",), init="ones"),
         "markov_in": WeightSpec((r, d), ("markov", "embed")),
-        "markov_out": WeightSpec((cfg.vocab_size, r), ("vocab", "markov"), init="zeros"),
+        "markov_out": WeightSpec((cfg.draft_vocab_size or cfg.vocab_size, r), ("vocab", "markov"), init="zeros"),
         "confidence": WeightSpec((d + r,), (None,), init="zeros"),
         "confidence_bias": WeightSpec((1,), (None,), init="zeros"),
     }
@@ -179,6 +192,26 @@ def init_params(cfg: DraftConfig, seed: int = 0, dtype: Any = jnp.float32, targe
         scale = 1.0 / (np.sqrt(cfg.hidden_size) * np.sqrt(np.mean(head * head)))
         params["final_norm"] = jnp.full((cfg.hidden_size,), scale, dtype)
     return params
+
+
+def draft_head(params: dict, target_weights: dict) -> Any:
+    """The rows of the LM head the drafter scores [n, d]: `serving_params`' gathered rows of the
+    draft vocabulary, or the target's whole head."""
+    return params["draft_head"] if "draft_head" in params else output_matrix(target_weights)
+
+
+def serving_params(params: dict, cfg: DraftConfig, target_weights: dict) -> dict:
+    """params with, under a draft vocabulary, the target head's rows of it (f32 [n, d]) gathered
+    once ("draft_head"), so that no round gathers them again."""
+    if not cfg.draft_vocab_size:
+        return params
+    rows = output_matrix(target_weights)[params["draft_vocab"]]
+    return {**params, "draft_head": jnp.asarray(rows, jnp.float32)}
+
+
+def draft_ids(params: dict, index: jax.Array) -> jax.Array:
+    """Token ids of places `index` among the scored rows (the draft vocabulary, or the identity)."""
+    return params["draft_vocab"][index] if "draft_vocab" in params else index
 
 
 # ----- forward -----
@@ -270,10 +303,10 @@ def teacher_forced(params: dict, cfg: DraftConfig, target_weights: dict, ctx_kv:
                    prev_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Training's forward: the Markov head reads the true previous tokens prev_tokens [b, n, k]
     (the anchor, then the target's tokens) instead of the drafts, so all slots run at once.
-    Returns (logits f32 [b, n, k, v], confidence [b, n, k])."""
+    Returns (logits f32 [b, n, k, v] (v: the draft vocabulary's size), confidence [b, n, k])."""
     embed = target_weights["embed"]
     hidden = backbone(params, cfg, embed, ctx_kv, ctx_positions, anchor_tokens, anchor_positions)
-    return slot_outputs(params, linear(hidden, output_matrix(target_weights)), hidden,
+    return slot_outputs(params, linear(hidden, draft_head(params, target_weights)), hidden,
                         markov_features(params, embed, prev_tokens))
 
 
@@ -307,15 +340,18 @@ def propose(params: dict, cfg: DraftConfig, target_weights: dict, ctx_kv: list, 
     embed = target_weights["embed"]
     hidden = backbone(params, cfg, embed, ctx_kv, ctx_positions, anchor_tokens[:, None],
                       anchor_positions[:, None])[:, 0]  # [b, k, d]
-    head_logits = linear(hidden, output_matrix(target_weights))  # [b, k, v]: the LM head read once per block
+    head_logits = linear(hidden, draft_head(params, target_weights))  # [b, k, n]: the head read once per block
     prev = anchor_tokens
     tokens, confidence, probs = [], [], []
     for j in range(cfg.block_size):  # the Markov head is sequential: slot j reads draft j-1
         logits, conf = slot_outputs(params, head_logits[:, j], hidden[:, j], markov_features(params, embed, prev))
         if sampling is None:
-            prev = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            prev = draft_ids(params, jnp.argmax(logits, axis=-1).astype(jnp.int32))
         else:
-            prev, q = draft_sample(logits, dataclasses.replace(sampling, position=anchor_positions + 1 + j))
+            index, q = draft_sample(logits, dataclasses.replace(sampling, position=anchor_positions + 1 + j))
+            prev = draft_ids(params, index)
+            if "draft_vocab" in params:  # q over the whole vocabulary, for rejection sampling
+                q = jnp.zeros((q.shape[0], cfg.vocab_size), q.dtype).at[:, params["draft_vocab"]].set(q)
             probs.append(q)
         tokens.append(prev)
         confidence.append(conf)
@@ -334,13 +370,16 @@ def _leaf(tree: Any, path: tuple) -> Any:
 
 
 def save(directory: str | pathlib.Path, params: dict, cfg: DraftConfig, metadata: dict | None = None) -> None:
-    """Writes config.json and model.safetensors (one tensor per declared weight, f32)."""
+    """Writes config.json and model.safetensors (one tensor per declared weight, f16, and the
+    draft vocabulary's ids under a draft vocabulary)."""
     from safetensors.numpy import save_file
 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {path_str(path): np.asarray(_leaf(params, path), np.float32)
+    tensors = {path_str(path): np.asarray(_leaf(params, path), np.float16)
                for path, _ in iter_specs(weight_specs(cfg))}
+    if cfg.draft_vocab_size:
+        tensors[VOCAB_TENSOR] = np.asarray(params[VOCAB_TENSOR], np.int32)
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": FORMAT})
     document = {"format": FORMAT, "version": 1, "config": cfg.to_dict(), **({"training": metadata} if metadata else {})}
     (directory / "config.json").write_text(json.dumps(document, indent=2) + "\n")
@@ -360,7 +399,7 @@ def load(directory: str | pathlib.Path, dtype: Any = jnp.float32) -> tuple[dict,
     cfg = DraftConfig.from_dict(document["config"])
     tensors = load_file(str(directory / WEIGHTS_FILE))
     specs = weight_specs(cfg)
-    expected = {path_str(path) for path, _ in iter_specs(specs)}
+    expected = {path_str(path) for path, _ in iter_specs(specs)} | ({VOCAB_TENSOR} if cfg.draft_vocab_size else set())
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
         raise ValueError(f"{directory / WEIGHTS_FILE}: missing tensors {missing}, unexpected tensors {unexpected}")
@@ -371,4 +410,12 @@ def load(directory: str | pathlib.Path, dtype: Any = jnp.float32) -> tuple[dict,
             raise ValueError(f"{path_str(path)} has shape {array.shape}, expected {spec.shape}")
         return jnp.asarray(array, dtype)
 
-    return map_specs(read, specs), cfg
+    params = map_specs(read, specs)
+    if cfg.draft_vocab_size:
+        ids = np.asarray(tensors[VOCAB_TENSOR])
+        if (ids.shape != (cfg.draft_vocab_size,) or ids.dtype != np.int32 or np.any(np.diff(ids) <= 0)
+                or ids.min() < 0 or ids.max() >= cfg.vocab_size):
+            raise ValueError(f"{VOCAB_TENSOR} must hold {cfg.draft_vocab_size} ascending int32 token ids below "
+                             f"{cfg.vocab_size}, got {ids.dtype} {ids.shape}")
+        params[VOCAB_TENSOR] = jnp.asarray(ids)
+    return params, cfg

@@ -16,10 +16,10 @@ where the last one stopped):
      ce_weight   * cross-entropy to the target's token
    + tv_weight   * total variation 1/2 sum |p - q| to the target's distribution p
    + conf_weight * BCE of the confidence against [argmax q == the target's token]
-   q is the drafter's softmax over `loss_vocab` candidate tokens (every token the step's teachers
-   name, its labels, and random others; 0 = the whole vocabulary): on a CPU the full-vocabulary
-   softmax of every slot would cost more than the drafter. The optimizer state is saved every
-   `save_every` steps.
+   q is the drafter's softmax over its draft vocabulary (`dspark.DraftConfig.draft_vocab_size`:
+   the tokens most frequent in the training answers, `draft_vocabulary`; the whole vocabulary
+   when 0); teacher mass and labels outside it are out of its reach. The optimizer state is
+   saved every `save_every` steps.
 4. Report (`evaluate`): on the held-out answers, the drafter drafts on its own (its Markov head
    reading its own drafts) and greedy verification would keep the leading drafts equal to the
    target's tokens: the mean acceptance length (1 + accepted drafts: tokens per round),
@@ -65,7 +65,6 @@ class TrainConfig:
     tv_weight: float = 0.9
     conf_weight: float = 1.0
     position_decay: float = 4.0  # slot j weighs exp(-j / position_decay)
-    loss_vocab: int = 0  # candidate tokens of the drafter's softmax in the loss; 0 = the whole vocabulary
     clip_norm: float = 1.0
     save_every: int = 100  # steps between checkpoints
     seed: int = 0
@@ -76,8 +75,6 @@ class TrainConfig:
                 raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise InvalidInputError(f"the learning rate must be > 0, got {self.lr}")
-        if self.loss_vocab < 0:
-            raise InvalidInputError(f"loss_vocab must be >= 0 (0: the whole vocabulary), got {self.loss_vocab}")
         if not self.position_decay > 0:
             raise InvalidInputError(f"position_decay must be > 0, got {self.position_decay}")
 
@@ -198,15 +195,14 @@ def build_features(family: Any, target_weights: dict, target_cfg: Any, cfg: dspa
 
 
 def sample_blocks(data: Dataset, rows: np.ndarray, num_anchors: int, k: int, rng: np.random.Generator,
-                  loss_vocab: int = 0, vocab_size: int | None = None, width: int | None = None) -> dict:
+                  vocab_place: np.ndarray | None = None, width: int | None = None) -> dict:
     """A batch of blocks: answers `rows`, right-padded to `width` tokens (default: the longest,
     rounded up to 64), and anchors drawn in each answer's continuation so that the k tokens after
     the anchor are the target's (anchor in [prompt_length - 1, length - 1 - k]).
 
-    With loss_vocab > 0, `candidates` [loss_vocab] are the tokens the loss scores: every label
-    and teacher token of the batch (the most likely first, if they do not all fit) and random
-    others; teacher_index / label_index give each one's place among them (loss_vocab: not there).
-    With loss_vocab 0 there are no candidates: the loss scores the whole vocabulary."""
+    teacher_index / label_index: each teacher token's and label's row in the drafter's head:
+    vocab_place[id] (`draft_vocabulary`; its size where the id is outside it), or the id itself
+    when there is no draft vocabulary (vocab_place None)."""
     lengths, prompts = data.lengths[rows], data.prompt_lengths[rows]
     width = width or -(-int(lengths.max()) // 64) * 64
     low = prompts - 1
@@ -225,53 +221,45 @@ def sample_blocks(data: Dataset, rows: np.ndarray, num_anchors: int, k: int, rng
     take = lambda idx: np.take_along_axis(tokens, idx.reshape(len(rows), -1), axis=1).reshape(idx.shape)  # noqa: E731
     labels = take(window + 1).astype(np.int32)
     teacher_ids = data.teacher_ids[flat.reshape(-1)].reshape(flat.shape + (-1,))
-    teacher_probs = data.teacher_probs[flat.reshape(-1)].reshape(flat.shape + (-1,)).astype(np.float32)
-    batch = dict(features=features, ctx_positions=positions.astype(np.int32),
-                 anchor_tokens=take(anchors).astype(np.int32), anchor_positions=anchors.astype(np.int32),
-                 prev_tokens=take(window).astype(np.int32), labels=labels, teacher_probs=teacher_probs)
-    if loss_vocab == 0:  # the whole vocabulary: a token's place is its id
-        batch.update(teacher_index=teacher_ids, label_index=labels)
-        return batch
-    batch.update(candidate_set(labels, teacher_ids, teacher_probs, loss_vocab, vocab_size, rng))
-    return batch
+    place = (lambda ids: ids) if vocab_place is None else (lambda ids: vocab_place[ids])  # noqa: E731
+    return dict(features=features, ctx_positions=positions.astype(np.int32),
+                anchor_tokens=take(anchors).astype(np.int32), anchor_positions=anchors.astype(np.int32),
+                prev_tokens=take(window).astype(np.int32), labels=labels, label_index=place(labels),
+                teacher_index=place(teacher_ids),
+                teacher_probs=data.teacher_probs[flat.reshape(-1)].reshape(flat.shape + (-1,)).astype(np.float32))
 
 
-def candidate_set(labels: np.ndarray, teacher_ids: np.ndarray, teacher_probs: np.ndarray, size: int,
-                  vocab_size: int, rng: np.random.Generator) -> dict:
-    """The loss's candidate tokens (see `sample_blocks`): labels first, then teacher tokens by
-    probability, then random others, `size` in all (distinct)."""
-    if size > vocab_size:
-        raise InvalidInputError(f"loss_vocab ({size}) exceeds the vocabulary ({vocab_size})")
-    by_mass = teacher_ids.reshape(-1)[np.argsort(-teacher_probs.reshape(-1), kind="stable")]
-    wanted = np.concatenate([labels.reshape(-1), by_mass])
-    _, first = np.unique(wanted, return_index=True)
-    chosen = wanted[np.sort(first)][:size]  # distinct, in order of preference
-    if len(chosen) < size:
-        others = np.setdiff1d(np.arange(vocab_size), chosen, assume_unique=False)
-        chosen = np.concatenate([chosen, rng.choice(others, size - len(chosen), replace=False)])
-    place = np.full(vocab_size, size, np.int32)
-    place[chosen] = np.arange(size, dtype=np.int32)
-    return dict(candidates=chosen.astype(np.int32), teacher_index=place[teacher_ids], label_index=place[labels])
+def draft_vocabulary(data: Dataset, size: int, vocab_size: int) -> np.ndarray:
+    """The `size` tokens most frequent in the answers' continuations (then the lowest ids),
+    ascending: a drafter's draft vocabulary."""
+    counts = np.zeros(vocab_size, np.int64)
+    for i in range(len(data)):
+        np.add.at(counts, data.answer(i)[data.prompt_lengths[i]:], 1)
+    order = np.lexsort((np.arange(vocab_size), -counts))
+    return np.sort(order[:size]).astype(np.int32)
+
+
+def vocab_places(ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """int32 [vocab_size]: each token's row among `ids`, len(ids) for tokens outside them."""
+    place = np.full(vocab_size, len(ids), np.int32)
+    place[ids] = np.arange(len(ids), dtype=np.int32)
+    return place
 
 
 # ----- the loss -----
 
 def loss_and_metrics(params: dict, batch: dict, target_weights: dict, *, cfg: dspark.DraftConfig,
                      train: TrainConfig) -> tuple[jax.Array, dict]:
-    """The weighted loss of one batch of blocks (`sample_blocks`), and its parts."""
+    """The weighted loss of one batch of blocks (`sample_blocks`), and its parts. target_weights:
+    `shared_weights` (with the draft vocabulary's head rows under one)."""
     context = dspark.project_context(params, cfg, batch["features"])
     kv = dspark.context_kv(params, cfg, context, batch["ctx_positions"])
     embed = target_weights["embed"]
     hidden = dspark.backbone(params, cfg, embed, kv, batch["ctx_positions"], batch["anchor_tokens"],
                              batch["anchor_positions"])  # [B, A, k, d]
     markov = dspark.markov_features(params, embed, batch["prev_tokens"])  # [B, A, k, r]
-    candidates = batch.get("candidates")  # [c], or None: the whole vocabulary
-    head = output_matrix(target_weights)
-    if candidates is None:
-        logits = linear(hidden, head).astype(jnp.float32) + linear(markov, params["markov_out"]).astype(jnp.float32)
-    else:
-        logits = (jnp.einsum("...d,cd->...c", hidden.astype(jnp.float32), head[candidates].astype(jnp.float32))
-                  + jnp.einsum("...r,cr->...c", markov.astype(jnp.float32), params["markov_out"][candidates]))
+    head = target_weights["draft_head"] if "draft_head" in target_weights else output_matrix(target_weights)
+    logits = linear(hidden, head).astype(jnp.float32) + linear(markov, params["markov_out"]).astype(jnp.float32)
     confidence = dspark.confidence(params, hidden, markov)
     log_q = jax.nn.log_softmax(logits, axis=-1)  # [B, A, k, c]
     # The teacher's top tokens scattered onto the candidates (those not among them are dropped).
@@ -279,7 +267,9 @@ def loss_and_metrics(params: dict, batch: dict, target_weights: dict, *, cfg: ds
     lead = tuple(i[..., None] for i in jnp.indices(batch["teacher_index"].shape[:-1], sparse=True))
     p = p.at[lead + (batch["teacher_index"],)].add(batch["teacher_probs"], mode="drop")
     labels = batch["label_index"]
-    ce = -jnp.take_along_axis(log_q, labels[..., None], axis=-1)[..., 0]  # [B, A, k]
+    reachable = labels < logits.shape[-1]  # a label outside the draft vocabulary cannot be drafted
+    ce = jnp.where(reachable, -jnp.take_along_axis(log_q, jnp.minimum(labels, logits.shape[-1] - 1)[..., None],
+                                                    axis=-1)[..., 0], 0.0)  # [B, A, k]
     tv = 0.5 * jnp.sum(jnp.abs(p - jnp.exp(log_q)), axis=-1)
     hit = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     conf = jnp.clip(confidence, 1e-6, 1 - 1e-6)
@@ -324,9 +314,13 @@ def make_train_step(cfg: dspark.DraftConfig, train: TrainConfig, optimizer):
     return step
 
 
-def shared_weights(target_weights: dict) -> dict:
-    """The only target weights the drafter reads: its embedding and LM head."""
-    return {name: target_weights[name] for name in ("embed", "lm_head") if name in target_weights}
+def shared_weights(target_weights: dict, draft_vocab: np.ndarray | None = None) -> dict:
+    """The only target weights the drafter reads: its embedding and LM head, and under a draft
+    vocabulary the head's rows of it ("draft_head", gathered once)."""
+    shared = {name: target_weights[name] for name in ("embed", "lm_head") if name in target_weights}
+    if draft_vocab is not None:
+        shared["draft_head"] = jnp.asarray(output_matrix(target_weights)[jnp.asarray(draft_vocab)], jnp.float32)
+    return shared
 
 
 # ----- checkpoints -----
@@ -376,10 +370,14 @@ class Checkpoint:
 
 def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dataset, train_cfg: TrainConfig,
           progress: bool | None = None, log_every: int = 10, checkpoint: Checkpoint | None = None,
-          settings: dict | None = None) -> tuple[dict, list[dict]]:
+          settings: dict | None = None, draft_vocab: np.ndarray | None = None) -> tuple[dict, list[dict]]:
     """Runs train_cfg.steps optimizer steps (resuming from `checkpoint` when it holds a run of
-    the same `settings`); returns the trained params and the logged metrics."""
-    target_weights = shared_weights(target_weights)
+    the same `settings`); returns the trained params and the logged metrics. draft_vocab: the
+    draft vocabulary's ids (`draft_vocabulary`) when cfg has one."""
+    if bool(cfg.draft_vocab_size) != (draft_vocab is not None):
+        raise ValueError(f"draft_vocab_size is {cfg.draft_vocab_size}: pass draft_vocab exactly when it is not 0")
+    place = None if draft_vocab is None else vocab_places(draft_vocab, cfg.vocab_size)
+    target_weights = shared_weights(target_weights, draft_vocab)
     params = jax.tree.map(jnp.copy, params)  # the step donates its params: keep the caller's
     optimizer = make_optimizer(train_cfg)
     opt_state = optimizer.init(params)
@@ -397,8 +395,7 @@ def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dat
         bar.update(start)
         for i in range(start, train_cfg.steps):
             rows = rng.choice(len(data), size=train_cfg.batch_size, replace=len(data) < train_cfg.batch_size)
-            batch = sample_blocks(data, rows, train_cfg.anchors, cfg.block_size, rng, train_cfg.loss_vocab,
-                                  cfg.vocab_size, width)
+            batch = sample_blocks(data, rows, train_cfg.anchors, cfg.block_size, rng, place, width)
             params, opt_state, metrics = step(params, opt_state, {k: jnp.asarray(v) for k, v in batch.items()},
                                               target_weights)
             if i % log_every == 0 or i == train_cfg.steps - 1:
@@ -422,13 +419,15 @@ def _draft_blocks(params: dict, target_weights: dict, features: jax.Array, ctx_p
 def evaluate(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dataset, num_anchors: int = 16,
              seed: int = 1) -> dict:
     """Greedy acceptance on `data` (greedy answers) with the drafter drafting on its own (Markov
-    head on its drafts): accepted = leading drafts equal to the target's tokens (of k).
+    head on its drafts; params as `save` takes them, with the draft vocabulary's ids under one):
+    accepted = leading drafts equal to the target's tokens (of k).
     Returns accept_len (mean accepted drafts), mean_acceptance_length (1 + accept_len: tokens
     per verification round), per_position (share of blocks whose first j + 1 drafts are all
     right), sent (drafts the confidence threshold would send) and accepted_of_sent."""
     if not len(data):
         return {}
     rng = np.random.default_rng(seed)
+    params = dspark.serving_params(params, cfg, target_weights)
     target_weights = shared_weights(target_weights)
     run = jax.jit(functools.partial(_draft_blocks, cfg=cfg))
     accepted, sent = [], []
@@ -493,11 +492,19 @@ def train_draft(model: str | None, data_path: str, out: str, *, train_cfg: Train
     log(f"{len(train_data)} training / {len(eval_data)} held-out answers, {generated} generated tokens; drafter: "
         f"{cfg.num_layers} layer(s), k={cfg.block_size}, target layers {list(cfg.target_layers)}, "
         f"Markov rank {cfg.markov_rank}")
+    vocab = draft_vocabulary(train_data, cfg.draft_vocab_size, cfg.vocab_size) if cfg.draft_vocab_size else None
+    if vocab is not None:
+        covered = float(np.mean(vocab_places(vocab, cfg.vocab_size)[np.concatenate(
+            [eval_data.answer(i)[eval_data.prompt_lengths[i]:] for i in range(len(eval_data))] or [vocab[:1]])]
+            < len(vocab)))
+        log(f"draft vocabulary: the {len(vocab)} most frequent tokens, {covered:.1%} of the held-out answers' tokens")
     params = dspark.init_params(cfg, seed=train_cfg.seed, target_weights=target_weights)
     settings = {"draft": cfg.to_dict(), "train": dataclasses.asdict(train_cfg), "answers": len(answers),
                 "tokens": int(data.lengths.sum())}
     params, history = train(params, cfg, target_weights, train_data, train_cfg, progress=progress,
-                            checkpoint=Checkpoint(out_dir / CHECKPOINT_DIR), settings=settings)
+                            checkpoint=Checkpoint(out_dir / CHECKPOINT_DIR), settings=settings, draft_vocab=vocab)
+    if vocab is not None:
+        params = {**params, dspark.VOCAB_TENSOR: jnp.asarray(vocab)}
     report = evaluate(params, cfg, target_weights, eval_data)
     summary = dict(model=source, data=str(data_path), prompts=len(prompts), held_out_prompts=int(held.sum()),
                    samples_per_prompt=samples, max_new_tokens=max_new_tokens, answers=len(answers),
