@@ -185,7 +185,7 @@ class SpeculativeConfig:
         lo, hi = config.get("prompt_lookup_min", 1), config.get("prompt_lookup_max", 3)
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 64):
             raise InvalidInputError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got {lo!r} and {hi!r}")
-        if method in ("draft_model", "dspark") and not config.get("model"):
+        if method == "draft_model" and not config.get("model"):
             raise InvalidInputError(f"speculative method {method!r} needs a draft model: give 'model'")
         threshold = config.get("confidence_threshold")
         if threshold is not None and not (isinstance(threshold, (int, float)) and 0 <= threshold <= 1):
@@ -413,9 +413,10 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec", default=None, choices=list(SPEC_FLAGS),
                    help="draft tokens cheaply and verify them in one step of the model: ngram (look up the "
                         "context's last n-gram earlier in the context), draft (a smaller model with the same "
-                        "tokenizer: --draft), dspark (a DSpark drafter from weld train-draft: --draft) (default: off)")
+                        "tokenizer: --draft), dspark (a DSpark drafter from weld train-draft: --draft; the bundled "
+                        "model has one built in) (default: off)")
     g.add_argument("--spec-k", type=int, default=None, metavar="N",
-                   help=f"most drafted tokens per step (default: {DEFAULT_SPEC_K})")
+                   help=f"most drafted tokens per step (default: {DEFAULT_SPEC_K}; dspark: the drafter's block)")
     g.add_argument("--draft", default=None, metavar="PATH",
                    help="--spec draft: the draft model (GGUF file or HF directory); --spec dspark: the drafter "
                         "directory")
@@ -449,10 +450,12 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
         if short:
             raise InvalidInputError(f"{short[0]} needs --spec ngram, draft or dspark")
         return None
-    k = DEFAULT_SPEC_K if args.spec_k is None else args.spec_k
-    if k < 1:
+    k = (None if args.spec == "dspark" else DEFAULT_SPEC_K) if args.spec_k is None else args.spec_k
+    if k is not None and k < 1:
         raise InvalidInputError(f"--spec-k must be >= 1, got {k}")
-    config: dict[str, Any] = {"method": SPEC_FLAGS[args.spec], "num_speculative_tokens": k}
+    config: dict[str, Any] = {"method": SPEC_FLAGS[args.spec]}
+    if k is not None:  # dspark: the drafter's block size unless given
+        config["num_speculative_tokens"] = k
     if args.spec == "ngram":
         if args.draft is not None:
             raise InvalidInputError("--draft is for --spec draft or --spec dspark; --spec ngram drafts from the "
@@ -465,6 +468,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
     if ngram_flags:
         raise InvalidInputError(f"{ngram_flags[0]} is for --spec ngram, not --spec {args.spec}")
     if args.draft is None:
-        what = "a draft model (GGUF file or HF directory)" if args.spec == "draft" else "a DSpark drafter directory"
-        raise InvalidInputError(f"--spec {args.spec} needs --draft PATH: {what}")
+        if args.spec == "dspark":
+            return config  # the drafter that ships for the model, if one does
+        raise InvalidInputError("--spec draft needs --draft PATH: a draft model (GGUF file or HF directory)")
     return config | {"model": args.draft}

@@ -21,7 +21,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 HELD_OUT_SUBJECTS = (
     "weather", "climate", "houseplant", "celsius", "fahrenheit", "birthday", "sky", "tuple", "bakery",
     "minutes", "week", "cat ", "cats", "hiking", "riding hood", "leap year", "soup", "guitar", "noun",
-    "verb", "adjective", "ocean", "lighthouse", "bread", "committee", "typo",
+    "verb", "adjective", "ocean", "lighthouse", "bread", "committee", "typo", "print button", "monday",
 )
 
 SCIENCE = """photosynthesis; gravity; electricity; magnetism; volcanoes; earthquakes; the water cycle; rainbows;

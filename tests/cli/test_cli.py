@@ -176,6 +176,7 @@ def parse(command: str, *flags: str):
      {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 5}),
     (["--spec", "draft", "--draft", "small.gguf"], {"method": "draft_model", "num_speculative_tokens": 4,
                                                     "model": "small.gguf"}),
+    (["--spec", "dspark"], {"method": "dspark"}),  # the bundled model's own drafter, k its block size
     (["--spec", "dspark", "--draft", "drafter/", "--spec-k", "8"], {"method": "dspark", "num_speculative_tokens": 8,
                                                                     "model": "drafter/"}),
 ])
@@ -188,7 +189,6 @@ def test_flags_map_to_speculative_config(command, flags, expected):
     (["--spec-k", "3"], "--spec-k needs --spec"),
     (["--spec-ngram-max", "4"], "--spec-ngram-max needs --spec"),
     (["--spec", "draft"], "--spec draft needs --draft PATH"),
-    (["--spec", "dspark"], "--spec dspark needs --draft PATH"),
     (["--spec", "ngram", "--draft", "small.gguf"], "--draft is for --spec draft or --spec dspark"),
     (["--spec", "draft", "--draft", "x", "--spec-ngram-min", "2"], "--spec-ngram-min is for --spec ngram"),
     (["--spec", "ngram", "--spec-ngram-min", "4"], "got 4 and 3"),

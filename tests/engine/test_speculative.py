@@ -163,6 +163,25 @@ def test_sampled_speculation_is_seed_reproducible(ngram, prompts):
     assert [o.outputs[0].token_ids for o in one[:2]] == [o.outputs[0].token_ids for o in two]
 
 
+@pytest.mark.parametrize("engine", ["ngram", "self_draft"])
+def test_sampled_speculation_gives_the_very_tokens_of_plain_sampling(engine, request, plain, prompts):
+    """Each slot's token is the target's own seeded draw there, drafts only decide how many come
+    per round: a seeded sampled request says exactly what it says without speculation (while
+    drafts are accepted and rejected)."""
+    llm = request.getfixturevalue(engine)
+    before = llm.engine.stats()
+    params = [SamplingParams(max_tokens=20, temperature=t, top_p=p, seed=s, ignore_eos=True)
+              for s, (t, p) in enumerate([(0.2, 1.0), (1.0, 0.9), (0.3, 1.0), (0.5, 0.8), (0.25, 1.0), (1.1, 0.95)])]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    spec = [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)]
+    assert spec == [o.outputs[0].token_ids for o in plain.generate(requests, params, use_tqdm=False)]
+    after = llm.engine.stats()
+    drafted = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    assert 0 < accepted < drafted
+    assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("config, message", [
     ({"method": "medusa"}, "method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
@@ -170,6 +189,7 @@ def test_sampled_speculation_is_seed_reproducible(ngram, prompts):
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),
     ({"method": "ngram", "k": 3}, "unknown"),
     ({"method": "ngram", "rounds_per_call": 0}, "rounds_per_call"),
+    ({"method": "dspark"}, "no DSpark drafter ships for"),  # only the bundled model has one built in
 ])
 def test_bad_speculative_config(tiny_llama_dir, config, message):
     with pytest.raises(InvalidInputError, match=message):

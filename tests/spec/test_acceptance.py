@@ -181,3 +181,38 @@ def test_draft_sample_draws_from_the_returned_distribution(temperature):
     # Its noise is not the target's: the same (seed, position) picks differently from `sample`.
     target_draw = np.asarray(sample(jnp.asarray(np.broadcast_to(logits, (n, V)), jnp.float32), params))
     assert np.mean(target_draw == tokens) < 0.6
+
+
+def test_coupled_acceptance_emits_the_plain_draws_and_accepts_a_draft_with_its_probability():
+    """coupled_accept: every emitted token is what `sample` draws at that slot's position (so
+    speculation never changes a seeded output), the accepted drafts are the leading ones equal
+    to those draws, and a deterministic draft is accepted with probability p(draft)."""
+    from weld.engine.spec.acceptance import coupled_accept
+
+    n = 4000
+    rng = np.random.default_rng(11)
+    logits = jnp.asarray(np.tile(rng.standard_normal((1, K + 1, V)) * 1.5, (n, 1, 1)), jnp.float32)
+    drafts = jnp.asarray(np.tile(rng.integers(0, V, (1, K)), (n, 1)), jnp.int32)
+    num_drafts = jnp.asarray(rng.integers(0, K + 1, n), jnp.int32)
+    params = params_for(n, temperature=0.9, top_k=5)
+    accepted, tokens = jax.jit(coupled_accept)(logits, drafts, num_drafts, params)
+    accepted, tokens = np.asarray(accepted), np.asarray(tokens)
+    for j in range(K + 1):  # slot j's draw, as plain sampling at position + j
+        draws = np.asarray(sample(logits[:, j], SamplingArrays(params.temperature, params.top_k, params.top_p,
+                                                               params.min_p, params.seed_hi, params.seed_lo,
+                                                               params.position + j)))
+        emitted = accepted >= j
+        np.testing.assert_array_equal(tokens[emitted, j], draws[emitted])
+        assert np.all(tokens[~emitted, j] == -1)
+        if j < K:  # a sent draft at j is accepted iff the ones before were and it equals the draw
+            sent = (num_drafts > j) & (accepted >= j)
+            np.testing.assert_array_equal(accepted[sent] > j, draws[sent] == np.asarray(drafts)[sent, j])
+    p0 = reference_probs(np.asarray(logits[0, 0]), temperature=0.9, top_k=5)[int(drafts[0, 0])]
+    sent0 = np.asarray(num_drafts) > 0
+    rate = np.mean(accepted[sent0] > 0)
+    assert abs(rate - p0) < 4 * np.sqrt(p0 * (1 - p0) / sent0.sum()) + 1e-9, (rate, p0)
+    greedy = params_for(n, temperature=0.0)
+    accepted, tokens = jax.jit(coupled_accept)(logits, drafts, num_drafts, greedy)
+    expect_accepted, expect_tokens = greedy_accept(logits, drafts, num_drafts)
+    np.testing.assert_array_equal(accepted, expect_accepted)
+    np.testing.assert_array_equal(tokens, expect_tokens)

@@ -282,6 +282,12 @@ class LLM:
             return None, None, spec
         from weld.engine.spec import dspark
 
+        if spec.model is None:  # the drafter that ships for this target, if one does
+            shipped = dspark.shipped_drafter(self.model.source.path)
+            if shipped is None:
+                raise InvalidInputError(f"no DSpark drafter ships for {self.model.source.name}: give one with --draft "
+                                        "DIR (speculative_config 'model'); `weld train-draft` trains one")
+            spec = dataclasses.replace(spec, model=str(shipped))
         try:
             params, dcfg = dspark.load(spec.model, dtype=self.dtype)
             dcfg.check_target(self.cfg)

@@ -166,9 +166,9 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
     pages hold that many slots).
 
     A round scores each row's last token and drafts in one forward and accepts on device
-    (`acceptance.rejection_accept`: greedy rows keep the prefix equal to the target's argmax,
-    sampled rows use exact rejection sampling, so outputs are distributed as without
-    speculation). Rejected slots leave K/V past the row's new length, overwritten before read.
+    (`acceptance.coupled_accept`: each slot's token is the target's own draw there, as plain
+    decoding draws it, and the drafts equal to those draws are kept, so a row's tokens are
+    exactly those of plain decoding, greedy or sampled). Rejected slots leave K/V past the row's new length, overwritten before read.
     A recurrent state cannot be cut back like that: the forward advances it over every fed
     token, so when any row rejected a draft, each row's state is restored from before the
     forward and recomputed over the `count` tokens the row keeps (a second forward, with the
@@ -177,7 +177,7 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
     Returns (cache, draft_state, ids [b, rounds * (k+1)] (the row's tokens, then -1), logprobs
     or None, (drafts sent, accepted) [b, rounds] each (-1: not in that round), stopped [b]).
     """
-    from weld.engine.spec.acceptance import rejection_accept
+    from weld.engine.spec.acceptance import coupled_accept
 
     b, s = tokens.shape
     width = rounds * s
@@ -223,7 +223,7 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
             scores = scores.at[:, 0].set(constrain(logits[:, 0], stop, num_out, pen))
         if allowed is not None:  # the host's masks hold for its drafts, in round 0
             scores = jnp.where(from_host[:, None, None], apply_allowed(scores, allowed), scores)
-        accepted, emitted = rejection_accept(scores, feed[:, 1:], sent, dataclasses.replace(sampling, position=pos + 1))
+        accepted, emitted = coupled_accept(scores, feed[:, 1:], sent, dataclasses.replace(sampling, position=pos + 1))
         # The row emits its accepted drafts and one more token, within its budget, up to and
         # including its first stop.
         count = jnp.minimum(accepted + 1, budget)

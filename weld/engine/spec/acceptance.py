@@ -1,4 +1,15 @@
-"""Acceptance of drafted tokens, on device: greedy, and exact rejection sampling.
+"""Acceptance of drafted tokens, on device: by the target's own draws (what the engine uses),
+greedy, and exact rejection sampling.
+
+The engine's drafters all draft deterministically (n-gram lookup, a drafter's argmax), and for
+deterministic drafts `coupled_accept` is the simplest exact rule: every slot's token is the
+target's own draw at that position (`sample`: Gumbel-max keyed by the row's seed and the
+position, argmax when greedy), the leading drafts equal to those draws are accepted, and the
+draw at the first mismatch is emitted. A draft d is then accepted with probability p(d), as
+under rejection sampling, but the tokens are the very tokens plain decoding draws: speculation
+changes how fast a seeded request runs, never what it says, whatever the drafts and the number
+of drafts per round. `rejection_accept` (below) is the general rule, for drafts drawn from a
+distribution q.
 
 Speculative decoding (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
 Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative
@@ -35,7 +46,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from weld.engine.sampler import SamplingArrays, filter_logits, gumbel_noise
+from weld.engine.sampler import SamplingArrays, filter_logits, gumbel_noise, sample
 
 _NEG = -1e30
 _DRAFT_SALT = 0x5BD1E995  # xored into seed_hi: a drafter's noise stream, apart from the target's
@@ -116,6 +127,21 @@ def greedy_accept(target_logits: jax.Array, draft_tokens: jax.Array,
     num_accepted = _leading((draft_tokens == target_ids[:, :k]) & _sent(num_drafts, k))
     last = jnp.take_along_axis(target_ids, num_accepted[:, None], axis=1)[:, 0]
     return num_accepted, _emit(draft_tokens, num_accepted, last)
+
+
+def coupled_accept(scores: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,
+                   params: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+    """Verification of deterministic drafts by the target's own draws (see the module docstring).
+
+    scores f32 [b, k+1, v]: each slot's logits after penalties, bans and masks (what `sample`
+    takes); draft_tokens i32 [b, k]; num_drafts i32 [b]; params.position: the position of the
+    token slot 0 decides. Returns (num_accepted i32 [b], tokens i32 [b, k+1] padded with -1), as
+    `greedy_accept`: the row's tokens are its first num_accepted + 1 draws.
+    """
+    b, s, v = scores.shape
+    draws = sample(scores.reshape(b * s, v), _per_slot(params, s)).reshape(b, s)  # [b, k+1]
+    num_accepted = _leading((draft_tokens == draws[:, :s - 1]) & _sent(num_drafts, s - 1))
+    return num_accepted, jnp.where(jnp.arange(s)[None, :] <= num_accepted[:, None], draws, -1).astype(jnp.int32)
 
 
 def rejection_accept(target_logits: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,

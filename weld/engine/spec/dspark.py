@@ -52,6 +52,8 @@ from weld.models.family import ModelConfig, output_matrix
 from weld.models.common.spec import WeightSpec, iter_specs, map_specs, path_str
 
 FORMAT = "weld-dspark-draft"
+# Drafters that ship with weld (in weld/drafters/), by the file name of the target they were trained on.
+SHIPPED = {"SmolLM2-135M-Instruct.Q4_1.gguf": "smollm2-135m-instruct"}
 WEIGHTS_FILE = "model.safetensors"
 VOCAB_TENSOR = "draft_vocab"  # int32 [draft_vocab_size]: the token id of each row of the drafter's head
 
@@ -362,6 +364,15 @@ def propose(params: dict, cfg: DraftConfig, target_weights: dict, ctx_kv: list, 
 
 
 # ----- checkpoints -----
+
+def shipped_drafter(target_path: str | pathlib.Path) -> pathlib.Path | None:
+    """The directory of the drafter weld ships for the model at target_path, or None."""
+    name = SHIPPED.get(pathlib.Path(target_path).name)
+    if name is None:
+        return None
+    directory = pathlib.Path(__file__).resolve().parents[2] / "drafters" / name
+    return directory if (directory / "config.json").is_file() else None
+
 
 def _leaf(tree: Any, path: tuple) -> Any:
     for key in path:

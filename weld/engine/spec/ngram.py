@@ -5,7 +5,7 @@ last n tokens occurred before in the prompt or the output, the tokens that follo
 a good guess for what follows now (code edits, quoting, summaries, repeated structure).
 The longest matching suffix wins (n from max_n down to min_n); among its occurrences the most
 recent one, whose continuation is the freshest. Drafts are deterministic: verify them with
-`rejection_accept(..., draft_probs=None)` or `greedy_accept`.
+`coupled_accept` (what the engine does), `rejection_accept(..., draft_probs=None)` or `greedy_accept`.
 
 `lookup` is the same rule on the device, over a batch of token histories, so that drafting runs
 inside the verification loop (`drafters.NgramDrafter`); `propose_ngram` (numpy) is its reference
