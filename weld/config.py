@@ -159,9 +159,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3
     confidence_threshold: float | None = None  # DSpark: None = the drafter's own default
     rounds_per_call: int | None = None  # propose -> verify rounds per device call (None: steps_per_call)
+    # weld's own key: choose each call's drafts per round (up to k, or none) by measured throughput
+    adaptive: bool = True
 
     KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-            "confidence_threshold", "rounds_per_call")
+            "confidence_threshold", "rounds_per_call", "adaptive")
 
     @classmethod
     def parse(cls, config: dict[str, Any] | None) -> "SpeculativeConfig":
@@ -193,7 +195,10 @@ class SpeculativeConfig:
         rounds = config.get("rounds_per_call")
         if rounds is not None:
             _int_in("rounds_per_call", rounds, 1, 64)
-        return cls(method, k, config.get("model"), lo, hi, threshold, rounds)
+        adaptive = config.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise InvalidInputError(f"speculative_config 'adaptive' must be true or false, got {adaptive!r}")
+        return cls(method, k, config.get("model"), lo, hi, threshold, rounds, adaptive)
 
     def rounds(self, steps_per_call: int) -> int:
         """Rounds per device call (every method drafts inside the device loop): as given, or
@@ -201,6 +206,16 @@ class SpeculativeConfig:
         if self.method is None:
             return 1
         return self.rounds_per_call or max(1, steps_per_call)
+
+    def widths(self) -> tuple[int, ...]:
+        """The drafts per round a call may verify (0: a plain decode call): k alone, or with
+        `adaptive` the candidates `policy.WidthPolicy` chooses among. () when not speculating."""
+        if self.method is None:
+            return ()
+        if not self.adaptive:
+            return (self.k,)
+        # a plain decode, one draft, three, and k: each width is a program of its own to compile
+        return tuple(sorted({0, 1, min(3, self.k), self.k}))
 
     def tokens_per_call(self, steps_per_call: int) -> int:
         """The most tokens a sequence may produce in one decode call (the slots it is given)."""
@@ -214,7 +229,8 @@ class SpeculativeConfig:
             return None
         out = {"method": self.method, "num_speculative_tokens": self.k, "model": self.model,
                "prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max,
-               "confidence_threshold": self.confidence_threshold, "rounds_per_call": self.rounds_per_call}
+               "confidence_threshold": self.confidence_threshold, "rounds_per_call": self.rounds_per_call,
+               "adaptive": None if self.adaptive else False}
         return {key: value for key, value in out.items() if value is not None}
 
 
@@ -420,6 +436,9 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", default=None, metavar="PATH",
                    help="--spec draft: the draft model (GGUF file or HF directory); --spec dspark: the drafter "
                         "directory")
+    g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose each call's drafts per round (up to --spec-k, or none) by the throughput measured "
+                        "so far; outputs are the same either way (default: on)")
     g.add_argument("--spec-ngram-min", type=int, default=None, metavar="N",
                    help=f"--spec ngram: shortest n-gram looked up (default: {DEFAULT_NGRAM_MIN})")
     g.add_argument("--spec-ngram-max", type=int, default=None, metavar="N",
@@ -433,7 +452,8 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
     `SpeculativeConfig.parse` (before anything loads)."""
     ngram_flags = [flag for flag, value in (("--spec-ngram-min", args.spec_ngram_min),
                                             ("--spec-ngram-max", args.spec_ngram_max)) if value is not None]
-    short = [flag for flag, value in (("--spec", args.spec), ("--spec-k", args.spec_k), ("--draft", args.draft))
+    short = [flag for flag, value in (("--spec", args.spec), ("--spec-k", args.spec_k), ("--draft", args.draft),
+                                      ("--spec-adaptive", getattr(args, "spec_adaptive", None)))
              if value is not None] + ngram_flags
     if getattr(args, "speculative_config", None) is not None:
         if short:
@@ -456,6 +476,8 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
     config: dict[str, Any] = {"method": SPEC_FLAGS[args.spec]}
     if k is not None:  # dspark: the drafter's block size unless given
         config["num_speculative_tokens"] = k
+    if getattr(args, "spec_adaptive", None) is not None:
+        config["adaptive"] = args.spec_adaptive
     if args.spec == "ngram":
         if args.draft is not None:
             raise InvalidInputError("--draft is for --spec draft or --spec dspark; --spec ngram drafts from the "

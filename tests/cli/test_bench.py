@@ -162,7 +162,8 @@ COPY_PROMPTS = [
     "Copy: def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b".replace("\n", " "),
     "Once upon a time there was a small model that wrote tests. Once upon a time there was a small model",
 ]
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "adaptive": False}
 
 
 def test_speculative_run_reports_both_engines_and_the_engine_acceptance(tiny_llama_dir, tmp_path):
@@ -177,7 +178,7 @@ def test_speculative_run_reports_both_engines_and_the_engine_acceptance(tiny_lla
     prompts.write_text("\n".join(COPY_PROMPTS) + "\n\n")  # the blank line is skipped
     out = tmp_path / "bench.json"
     # --prefill-len 24 falls in the prompts' token bucket (32): no extra program to compile
-    proc = weld("bench", "--model", str(directory), "--spec", "ngram", "--spec-k", "3", "--prompts", str(prompts),
+    proc = weld("bench", "--model", str(directory), "--spec", "ngram", "--spec-k", "3", "--no-spec-adaptive", "--prompts", str(prompts),
                 "--batch-sizes", "1", "--output-len", "16", "--prefill-len", "24", "--runs", "1",
                 "--bandwidth-gb", "0.05", "--out", str(out))
     assert proc.returncode == 0, proc.stderr

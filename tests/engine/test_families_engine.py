@@ -115,7 +115,8 @@ def test_n_samples_and_structured_outputs(case):
 
 def test_ngram_speculation_equals_plain(case):
     variant, directory, llm, _, batched = case
-    spec = LLM(str(directory), **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    spec = LLM(str(directory), **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                 "adaptive": False})
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     outs = spec.generate(PROMPTS, greedy)
     assert [list(o.outputs[0].token_ids) for o in outs] == batched, variant
@@ -153,7 +154,7 @@ def test_dspark_speculation_equals_plain(case, drafter_dir):
     variants run DSpark in tests/engine/test_speculative.py.)"""
     variant, directory, _, _, batched = case
     spec = LLM(str(directory), **ENGINE, speculative_config={"method": "dspark", "model": str(drafter_dir),
-                                                           "confidence_threshold": 0.0})
+                                                           "confidence_threshold": 0.0, "adaptive": False})
     outs = spec.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     assert [list(o.outputs[0].token_ids) for o in outs] == batched, variant
     assert spec.engine.spec_stats()["spec_num_draft_tokens"] > 0

@@ -234,7 +234,8 @@ def test_speculative_verification_equals_plain_greedy(model, llm, batched):
     """Verification feeds the last token and the drafts; where a draft is rejected the state is
     recomputed from before the forward over the tokens kept. n-gram drafts from prompts that
     repeat a phrase (this random model rejects them all), then drafts partly right."""
-    spec = LLM(str(model[0]), **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    spec = LLM(str(model[0]), **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                  "adaptive": False})
     assert ids(spec.generate(PROMPTS, GREEDY)) == batched
     rng = random.Random(0)
     phrases = [[rng.randrange(3, llm.cfg.vocab_size) for _ in range(rng.randrange(3, 9))] for _ in range(3)]

@@ -48,7 +48,7 @@ def reference(plain, prompts):
 @pytest.fixture(scope="module")
 def ngram(tiny_llama_dir):
     """One n-gram engine for the module (each test leaves it empty)."""
-    return LLM(model=str(tiny_llama_dir[0]), speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    return LLM(model=str(tiny_llama_dir[0]), speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
                **ENGINE)
 
 
@@ -74,7 +74,7 @@ def test_draft_model_equal_to_target_accepts_everything(tiny_llama_dir, prompts,
     accepted (which proves the draft cache stays in step with the target's), outputs unchanged."""
     llm = LLM(model=str(tiny_llama_dir[0]),
               speculative_config={"method": "draft_model", "model": str(tiny_llama_dir[0]),
-                                  "num_speculative_tokens": 3, "rounds_per_call": 3}, **ENGINE)
+                                  "num_speculative_tokens": 3, "rounds_per_call": 3, "adaptive": False}, **ENGINE)
     assert greedy_ids(llm, prompts) == reference
     stats = llm.engine.stats()
     assert stats["spec_num_draft_tokens"] > 0
@@ -85,7 +85,8 @@ def test_draft_model_equal_to_target_accepts_everything(tiny_llama_dir, prompts,
 
 def test_different_draft_model_keeps_outputs(tiny_llama_dir, tiny_draft_dir, prompts, reference):
     llm = LLM(model=str(tiny_llama_dir[0]),
-              speculative_config={"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 2},
+              speculative_config={"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 2,
+                                  "adaptive": False},
               **ENGINE)
     assert greedy_ids(llm, prompts) == reference
     stats = llm.engine.stats()
@@ -99,7 +100,7 @@ def self_draft(tiny_llama_dir):
     and budgets must cut inside accepted blocks, on device."""
     return LLM(model=str(tiny_llama_dir[0]),
                speculative_config={"method": "draft_model", "model": str(tiny_llama_dir[0]),
-                                   "num_speculative_tokens": 3, "rounds_per_call": 3}, **ENGINE)
+                                   "num_speculative_tokens": 3, "rounds_per_call": 3, "adaptive": False}, **ENGINE)
 
 
 @pytest.mark.parametrize("engine", ["ngram", "self_draft"])
@@ -214,7 +215,8 @@ def dspark_dir(tmp_path_factory, plain):
 
 def test_dspark_greedy_equals_plain(tiny_llama_dir, dspark_dir, prompts, reference):
     llm = LLM(model=str(tiny_llama_dir[0]), speculative_config={"method": "dspark", "model": str(dspark_dir),
-                                                                 "confidence_threshold": 0.0, "rounds_per_call": 2},
+                                                                 "confidence_threshold": 0.0, "rounds_per_call": 2,
+                                                                 "adaptive": False},
               **ENGINE)
     assert llm.engine.scheduler.num_spec_tokens == 3  # the drafter's block size
     assert greedy_ids(llm, prompts) == reference
@@ -225,21 +227,28 @@ def test_dspark_greedy_equals_plain(tiny_llama_dir, dspark_dir, prompts, referen
     assert_no_leak(llm)
 
 
-def test_dspark_paged_drafts_match_dense_reference(tiny_llama_dir, dspark_dir, plain):
-    """After the engine prefilled a prompt, the drafter's paged context (written by the target's
-    forward, page by page) drafts exactly what the dense reference drafts from the same prefix."""
+@pytest.mark.parametrize("plain_call", [False, True])
+def test_dspark_paged_drafts_match_dense_reference(tiny_llama_dir, dspark_dir, plain, plain_call):
+    """After the engine prefilled a prompt (and, with plain_call, ran a plain fused decode call,
+    as an adaptive engine may), the drafter's paged context (written by the target's forwards,
+    page by page) drafts exactly what the dense reference drafts from the same prefix."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from weld.engine.spec import dspark
     from weld.engine.spec.features import target_hidden_states
+    from weld.engine.spec.policy import WidthPolicy
 
     llm = LLM(model=str(tiny_llama_dir[0]), speculative_config={"method": "dspark", "model": str(dspark_dir)},
               **ENGINE)
     prompt = copy_prompts(llm.cfg.vocab_size, random.Random(9), 1)[0]
     llm.engine.add_request("r", prompt, SamplingParams(max_tokens=50, temperature=0))
     llm.engine.step()  # the prefill (samples the first token)
+    if plain_call:
+        llm.engine.width_policy = WidthPolicy((0,))
+        llm.engine.step()
+        assert llm.engine.requests["r"].completions[0].seq.num_output_tokens == 1 + ENGINE["steps_per_call"]
     seq = llm.engine.requests["r"].completions[0].seq
     runner, drafter = llm.engine.runner, llm.engine.runner.drafter
     tokens = seq.token_ids()
@@ -266,7 +275,7 @@ def test_dspark_paged_drafts_match_dense_reference(tiny_llama_dir, dspark_dir, p
 def test_ngram_on_megakernel_verify_block(tiny_llama_dir, prompts, reference):
     """backend='megakernel' verifies drafts with the kernel's verify block (Pallas interpret mode)."""
     llm = LLM(model=str(tiny_llama_dir[0]), backend="megakernel",
-              speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **ENGINE)
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "adaptive": False}, **ENGINE)
     assert greedy_ids(llm, prompts[:2], max_tokens=10) == [r[:10] for r in reference[:2]]
     assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
     assert_no_leak(llm)
@@ -282,7 +291,7 @@ def test_ngram_drafts_several_rounds_in_one_device_call(tiny_llama_dir, prompts,
     """n-gram lookup runs on the device inside the loop: one call verifies several rounds per
     row (more tokens than one round could give), and greedy outputs stay those of plain decoding."""
     llm = LLM(model=str(tiny_llama_dir[0]), speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3, "rounds_per_call": 4}, **ENGINE)
+        "method": "ngram", "num_speculative_tokens": 3, "rounds_per_call": 4, "adaptive": False}, **ENGINE)
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
@@ -297,4 +306,24 @@ def test_ngram_drafts_several_rounds_in_one_device_call(tiny_llama_dir, prompts,
                 most = max(most, s.num_output_tokens - before[s.seq_id])
     assert [outputs[str(i)] for i in range(len(prompts))] == reference
     assert most > 4, "a call should have produced more than one round's k + 1 tokens for some row"
+    assert_no_leak(llm)
+
+
+def test_adaptive_widths_are_all_tried_and_change_nothing_but_speed(tiny_llama_dir, prompts, reference):
+    """The default adaptive engine tries every width (plain decode included) and keeps the
+    greedy outputs of plain decoding."""
+    llm = LLM(model=str(tiny_llama_dir[0]), speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              **ENGINE)
+    kinds = []
+    execute = llm.engine.runner.execute
+
+    def traced(plan, **kwargs):
+        kinds.append((plan.kind, plan.spec_width))
+        return execute(plan, **kwargs)
+
+    llm.engine.runner.execute = traced
+    for _ in range(3):  # the policy carries over from run to run
+        assert greedy_ids(llm, prompts) == reference
+    assert {("decode", 0), ("verify", 1), ("verify", 3)} <= set(kinds)
+    assert set(llm.engine.stats()["spec_width_rates"]) >= {"b8_w0", "b8_w1", "b8_w3"}
     assert_no_leak(llm)

@@ -116,14 +116,15 @@ def test_plain_sampling_matches_the_exact_distribution(plain, lookup_prompt):
 
 def test_ngram_sampling_keeps_the_distribution(tiny_llama_dir, plain, lookup_prompt):
     llm = LLM(model=str(tiny_llama_dir[0]), speculative_config={
-        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1}, **ENGINE)
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1, "adaptive": False}, **ENGINE)
     check(llm, plain, lookup_prompt)
 
 
 def test_draft_model_sampling_keeps_the_distribution(tiny_llama_dir, plain, lookup_prompt):
     """The target as its own draft model drafts its argmax: often accepted, sometimes not."""
     llm = LLM(model=str(tiny_llama_dir[0]), speculative_config={
-        "method": "draft_model", "model": str(tiny_llama_dir[0]), "num_speculative_tokens": 2}, **ENGINE)
+        "method": "draft_model", "model": str(tiny_llama_dir[0]), "num_speculative_tokens": 2,
+        "adaptive": False}, **ENGINE)
     check(llm, plain, lookup_prompt)
 
 
@@ -145,5 +146,5 @@ def test_dspark_sampling_keeps_the_distribution(tiny_llama_dir, plain, lookup_pr
     params = {**random_weights(dspark.weight_specs(cfg), seed=3), "draft_vocab": jnp.asarray(vocab)}
     dspark.save(tmp_path / "drafter", params, cfg)
     llm = LLM(model=str(tiny_llama_dir[0]), speculative_config={
-        "method": "dspark", "model": str(tmp_path / "drafter"), "confidence_threshold": 0.0}, **ENGINE)
+        "method": "dspark", "model": str(tmp_path / "drafter"), "confidence_threshold": 0.0, "adaptive": False}, **ENGINE)
     check(llm, plain, lookup_prompt)

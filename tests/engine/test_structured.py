@@ -260,7 +260,7 @@ def test_constrained_rows_speculate_with_a_mask_per_drafted_slot(tiny_llama_dir,
     the grammar's mask after the drafts before it: drafts are sent and accepted, greedy outputs
     equal plain constrained decoding, and sampled ones still match the grammar."""
     spec = LLM(model=str(tiny_llama_dir[0]), dtype="float32", max_model_len=256, kv_cache_memory_gb=0.01,
-               steps_per_call=4, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+               steps_per_call=4, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
     regex = r"(ab|cd|ef){12}"  # repeats its own phrases: lookup finds drafts the grammar takes
     greedy = [constrained(0, temperature=0, regex=regex), constrained(0, temperature=0, json=SCHEMAS["array"]),
               constrained(0, temperature=0, choice=["fox jumps over", "Paris"])]

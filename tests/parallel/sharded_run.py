@@ -23,7 +23,7 @@ ENGINE = dict(dtype="float32", max_model_len=96, page_size=4, kv_cache_memory_gb
               steps_per_call=4)
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n\ndef add(a, b):",
            "Paris is the capital of France. Paris is"]
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "adaptive": False}
 
 
 def device0_share(tree) -> float:

@@ -13,7 +13,8 @@ from weld.server.metrics import Metrics
 
 MAX_MODEL_LEN = 256
 ENGINE_ARGS = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory_gb=0.01, steps_per_call=4)
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "adaptive": False}
 # Text the tiny tokenizer was trained on, repeated: n-gram lookup finds the continuation in the prompt.
 COPY_PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3 + "The quick brown fox",
                 "def add(a, b):\n    return a + b\n\n" * 3 + "def add(a,"]
@@ -26,6 +27,7 @@ def server(tiny_llama_dir, tmp_path_factory):
     directory, _ = tiny_llama_dir
     with run_server("--model", str(directory), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-gb",
                     "0.01", "--steps-per-call", "4", "--served-model-name", "tiny", "--spec", "ngram", "--spec-k", "3",
+                    "--no-spec-adaptive",
                     tmp_path=tmp_path_factory.mktemp("srv-spec")) as srv:
         yield srv
 

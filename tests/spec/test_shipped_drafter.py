@@ -51,7 +51,7 @@ def test_the_bundled_model_has_a_drafter_and_it_matches():
 
 @pytest.fixture(scope="module")
 def speculative():
-    return LLM(speculative_config={"method": "dspark"}, max_model_len=1024, max_num_seqs=4, progress=False)
+    return LLM(speculative_config={"method": "dspark", "adaptive": False}, max_model_len=1024, max_num_seqs=4, progress=False)
 
 
 def test_shipped_drafter_is_accepted_on_held_out_prompts(speculative):

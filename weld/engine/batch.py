@@ -292,10 +292,10 @@ def sampling_arrays(entries: list[ScheduledSeq], rows: list[int], b: int) -> Sam
 
 
 def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
-                 speculative: bool = False, num_page_groups: int = 1, num_slots: int = 0,
+                 spec_widths: tuple[int, ...] = (), num_page_groups: int = 1, num_slots: int = 0,
                  num_ranks: int = 1) -> list[SchedulerOutput]:
-    """One dummy plan per bucketed shape the scheduler can produce: fused decodes (or, with
-    `speculative`, verification steps) of bd rows,
+    """One dummy plan per bucketed shape the scheduler can produce: fused decodes and, for each
+    speculation width w > 0 in `spec_widths`, verification steps of w drafts a round, of bd rows,
     and prefills of bp rows x tp tokens with bd decode rows riding along (bd = 0: none). The
     dummies of a plan use recurrent-state slots 0, 1, ... (modulo num_slots; none if it is 0), as
     they use pages 0, 1, ...: run them while no sequence holds any.
@@ -329,8 +329,11 @@ def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
             e.seq.state_slot = i % num_slots if num_slots else -1
         return SchedulerOutput(kind, entries, num_prefill)
 
-    kind = "verify" if speculative else "decode"
-    plans = [plan(kind, [dummy(2, 1, True) for _ in range(least_rows(bd))]) for bd in row_buckets]
+    plans = []
+    for width in sorted(set(spec_widths) | {0}):
+        for bd in row_buckets:
+            plans.append(plan("verify" if width else "decode", [dummy(2, 1, True) for _ in range(least_rows(bd))]))
+            plans[-1].spec_width = width
     for tp in token_buckets:
         for bp in row_buckets:
             for bd in [0] + row_buckets:

@@ -9,6 +9,7 @@ decoding (every other row drafts on the device) and counts acceptance.
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from weld.engine.runner import ModelRunner, StepResult
 from weld.engine.sampling_params import SamplingParams
 from weld.engine.scheduler import Scheduler, SchedulerOutput
 from weld.engine.sequence import Sequence
+from weld.engine.spec.policy import WidthPolicy
 from weld.engine.structured import GrammarCompiler, bitmask_width
 from weld.tokenizer import IncrementalDetokenizer, Tokenizer
 from weld.utils.errors import InvalidInputError
@@ -41,6 +43,8 @@ class EngineCore:
         self.outputs = OutputProcessor(tokenizer, max_model_len)
         self.grammars = GrammarCompiler(tokenizer, tuple(eos_token_ids))
         self.proposer = proposer
+        # how many drafts per round each speculative call verifies, from the throughput measured
+        self.width_policy = WidthPolicy(runner.spec_widths or (scheduler.num_spec_tokens,))
         k = scheduler.num_spec_tokens
         self.spec_steps = 0  # row-steps that verified at least one draft
         self.spec_drafted_per_position = [0] * k  # drafts sent in slot j
@@ -119,13 +123,20 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Runs one model call; returns the current output of every request it touched."""
         finished = self.outputs.collect_finished()
+        if self.scheduler.num_spec_tokens:
+            self.scheduler.spec_width = self.width_policy.choose(len(self.scheduler.running))
         plan = self.scheduler.schedule()
         if plan is None:
             if self.scheduler.has_unfinished():
                 raise RuntimeError(f"scheduler is stuck: {self.stats()} waiting={list(self.scheduler.waiting)}")
             return finished
+        compiles, start = self.runner.num_compiles, time.perf_counter()
         result, with_prompt_logprobs = self._run(plan)
-        return finished + self._postprocess(plan, result, with_prompt_logprobs)
+        seconds = time.perf_counter() - start
+        outputs = self._postprocess(plan, result, with_prompt_logprobs)
+        if plan.kind in ("decode", "verify") and self.runner.num_compiles == compiles:  # a compile is no measure
+            self.width_policy.record(len(plan.entries), plan.spec_width, int(np.sum(result.token_ids >= 0)), seconds)
+        return finished + outputs
 
     def _run(self, plan: SchedulerOutput) -> tuple[StepResult, bool]:
         """The device call of a plan, with what its requests ask for (logprobs, grammar masks,
@@ -228,4 +239,5 @@ class EngineCore:
                 "spec_num_accepted_tokens": accepted,
                 "spec_accepted_per_position": list(self.spec_accepted_per_position),
                 "spec_drafted_per_position": list(self.spec_drafted_per_position),
-                "spec_mean_acceptance_length": 1 + accepted / self.spec_steps if self.spec_steps else None}
+                "spec_mean_acceptance_length": 1 + accepted / self.spec_steps if self.spec_steps else None,
+                "spec_width_rates": self.width_policy.table()}

@@ -99,8 +99,9 @@ def prefill(forward: Callable, drafter: Any, weights, cache, draft_params, draft
     return cache, draft_state, ids[:, None], chosen, prompt, stopped
 
 
-def decode(forward: Callable, weights, cache, tokens, positions, block_tables, state_slots, sampling: SamplingArrays,
-           stop: StopArrays, penalties, token_bitmask, *, cfg, steps: int, num_top: int):
+def decode(forward: Callable, drafter: Any, weights, cache, draft_params, draft_state, tokens, positions, block_tables,
+           state_slots, sampling: SamplingArrays, stop: StopArrays, penalties, token_bitmask, *, cfg, steps: int,
+           num_top: int):
     """Up to `steps` decode steps in one device call.
 
     tokens, positions [b]: each row's last token (not yet in the cache) and its position.
@@ -109,25 +110,32 @@ def decode(forward: Callable, weights, cache, tokens, positions, block_tables, s
     row on `stop_hit` or its step budget; a finished row feeds padding (writes nothing) for the
     rest of the call, and the loop ends early when every row has finished. token_bitmask masks
     the first step only: a constrained row has a step budget of 1 (its next mask is computed on
-    the host). A finished row's padding leaves its recurrent state too as it was.
-    Returns (cache, ids [b, steps] (-1 after a row ended), logprobs or None, stopped [b]).
+    the host). A finished row's padding leaves its recurrent state too as it was. A drafter
+    (an engine that speculates, running a plain call) observes every step, so its state covers
+    every position when the next call drafts.
+    Returns (cache, draft_state, ids [b, steps] (-1 after a row ended), logprobs or None, stopped [b]).
     """
     b = tokens.shape[0]
     batch = AttentionBatch(block_tables=block_tables, state_slots=state_slots)
+    capture = drafter.capture_layers if drafter is not None else ()
     first_allowed = _allowed(token_bitmask, cfg.vocab_size)  # [b, v]
     out_ids = jnp.full((b, steps), -1, jnp.int32)
     out_lp = (jnp.zeros((b, steps), jnp.float32), jnp.zeros((b, steps), jnp.int32),
               jnp.zeros((b, steps, num_top), jnp.int32), jnp.zeros((b, steps, num_top), jnp.float32))
 
     def cond(carry):
-        i, done = carry[0], carry[4]
+        i, done = carry[0], carry[5]
         return (i < steps) & ~jnp.all(done)
 
     def body(carry):
-        i, cache, tok, pos, done, num_out, out_ids, out_lp, pen, stopped = carry
+        i, cache, draft_state, tok, pos, done, num_out, out_ids, out_lp, pen, stopped = carry
         live = ~done
-        logits, _, cache = forward(weights, cfg, tok[:, None], jnp.where(live, pos, -1)[:, None], cache, batch,
-                                   jnp.zeros((b, 1), jnp.int32))
+        fed = jnp.where(live, pos, -1)[:, None]
+        logits, features, cache = forward(weights, cfg, tok[:, None], fed, cache, batch, jnp.zeros((b, 1), jnp.int32),
+                                          capture_layers=capture)
+        if drafter is not None:
+            draft_state = drafter.observe(draft_params, draft_state, (tok[:, None],), (fed,), (block_tables,),
+                                          (jnp.zeros((b,), jnp.int32),), (features,))
         logits = logits[:, 0]  # [b, v]
         allowed = None if first_allowed is None else first_allowed | (i > 0)
         new = sample(constrain(logits, stop, num_out, pen, allowed), dataclasses.replace(sampling, position=pos + 1))
@@ -141,12 +149,13 @@ def decode(forward: Callable, weights, cache, tokens, positions, block_tables, s
             pen = dataclasses.replace(pen, counts=pen.counts.at[jnp.arange(b), new].add(live.astype(jnp.int32)))
         tok = jnp.where(live, new, tok)
         pos = jnp.where(live, pos + 1, pos)
-        return i + 1, cache, tok, pos, done | (live & ended), num_out, out_ids, out_lp, pen, stopped | hit
+        return (i + 1, cache, draft_state, tok, pos, done | (live & ended), num_out, out_ids, out_lp, pen,
+                stopped | hit)
 
-    carry = (jnp.int32(0), cache, tokens, positions, stop.max_steps <= 0, stop.num_output, out_ids, out_lp,
-             penalties, jnp.zeros((b,), bool))
-    _, cache, _, _, _, _, out_ids, out_lp, _, stopped = jax.lax.while_loop(cond, body, carry)
-    return cache, out_ids, (out_lp if num_top else None), stopped
+    carry = (jnp.int32(0), cache, draft_state, tokens, positions, stop.max_steps <= 0, stop.num_output, out_ids,
+             out_lp, penalties, jnp.zeros((b,), bool))
+    _, cache, draft_state, _, _, _, _, out_ids, out_lp, _, stopped = jax.lax.while_loop(cond, body, carry)
+    return cache, draft_state, out_ids, (out_lp if num_top else None), stopped
 
 
 def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_state, tokens, positions, num_drafts,

@@ -83,7 +83,7 @@ class ModelRunner:
     def __init__(self, family: ModuleType, cfg: Any, weights: Any, *, num_pages: int | tuple[int, ...], page_size: int,
                  kv_dtype: Any, max_model_len: int, steps_per_call: int = 8, eos_token_ids: tuple[int, ...] = (),
                  backend: str = "xla", drafter: Any = None, draft_params: Any = None, num_spec_tokens: int = 0,
-                 spec_rounds: int = 1, num_state_slots: int = 0, mesh: Any = None):
+                 spec_widths: tuple[int, ...] = (), spec_rounds: int = 1, num_state_slots: int = 0, mesh: Any = None):
         self.family = family
         self.mesh = mesh  # a device mesh (`weld.models.common.sharding`), or None: one device
         # data-parallel attention: each rank's rows and its own shard of the pools (num_pages in all)
@@ -110,7 +110,8 @@ class ModelRunner:
             self.draft_params = sharding.place(draft_params, jax.tree_util.tree_map(
                 lambda _: sharding.replicated(mesh), draft_params))
         self.num_spec_tokens = num_spec_tokens
-        self.spec_rounds = spec_rounds  # speculative rounds per device call (host drafts: 1)
+        self.spec_widths = spec_widths  # the drafts per round a verification may take (each its own program)
+        self.spec_rounds = spec_rounds  # speculative rounds per device call
         self.steps_per_call = steps_per_call
         self.eos_token_ids = np.asarray(sorted(set(eos_token_ids)) or [-1], np.int32)
         self._programs: set[tuple] = set()
@@ -122,15 +123,15 @@ class ModelRunner:
             whole = sharding.replicated(mesh)
             caches = (self._cache_shardings, self._draft_shardings)
             out = {"prefill": (*caches, whole, whole, whole, whole), "verify": (*caches, whole, whole, whole, whole),
-                   "decode": (caches[0], whole, whole, whole), "copy": caches[0]}
+                   "decode": (*caches, whole, whole, whole), "copy": caches[0]}
         jit = lambda fn, name, **kw: jax.jit(fn, **kw, **({"out_shardings": out[name]} if out else {}))  # noqa: E731
         self._prefill = jit(functools.partial(programs.prefill, prefill_fwd, drafter), "prefill",
                             static_argnames=("cfg", "num_top", "with_prompt_logprobs"),
                             donate_argnames=("cache", "draft_state"))
         self._verify = jit(functools.partial(programs.verify, decode_fwd, drafter), "verify",
                            static_argnames=("cfg", "num_top", "rounds"), donate_argnames=("cache", "draft_state"))
-        self._decode = jit(functools.partial(programs.decode, decode_fwd), "decode",
-                           static_argnames=("cfg", "steps", "num_top"), donate_argnames=("cache",))
+        self._decode = jit(functools.partial(programs.decode, decode_fwd, drafter), "decode",
+                           static_argnames=("cfg", "steps", "num_top"), donate_argnames=("cache", "draft_state"))
         self._copy = jit(programs.copy_slots, "copy", donate_argnames=("cache",))
 
     @property
@@ -183,8 +184,6 @@ class ModelRunner:
         out = self._call(name, program, *args, **static)
         if name == "copy":
             self.cache = out
-        elif name == "decode":
-            self.cache = out[0]
         else:
             self.cache, self.draft_state = out[0], out[1]
 
@@ -198,7 +197,7 @@ class ModelRunner:
         num_top = MAX_LOGPROBS if want_logprobs or want_prompt_logprobs else 0
         host = host_batch.build(plan, max_pages_per_seq=self.max_pages_per_seq, num_page_groups=self.num_page_groups,
                                 num_ranks=self.num_ranks, vocab_size=self.cfg.vocab_size,
-                                eos_ids=self.eos_token_ids, num_spec_tokens=self.num_spec_tokens,
+                                eos_ids=self.eos_token_ids, num_spec_tokens=plan.spec_width,
                                 want_prompt_logprobs=want_prompt_logprobs, token_bitmask=token_bitmask,
                                 drafts=drafts, num_drafts=num_drafts, host_drafted=host_drafted,
                                 history_width=self.history_width if plan.kind == "verify" else 0)
@@ -209,9 +208,10 @@ class ModelRunner:
         slots = host.state_slots if self.recurrent else None
         prompt = sent_log = None
         if plan.kind == "decode":
-            self.cache, ids, chosen, stopped = self._call(
-                "decode", self._decode, self.weights, self.cache, host.tokens, host.positions, host.block_tables,
-                slots, *common, host.bitmask, cfg=self.cfg, steps=self.steps_per_call, num_top=num_top)
+            self.cache, self.draft_state, ids, chosen, stopped = self._call(
+                "decode", self._decode, self.weights, self.cache, self.draft_params, self.draft_state, host.tokens,
+                host.positions, host.block_tables, slots, *common, host.bitmask, cfg=self.cfg,
+                steps=self.steps_per_call, num_top=num_top)
         elif plan.kind == "verify":
             self.cache, self.draft_state, ids, chosen, sent_log, stopped = self._call(
                 "verify", self._verify, self.weights, self.cache, self.draft_params, self.draft_state, host.tokens,
@@ -254,8 +254,8 @@ class ModelRunner:
         programs compiled.
         """
         num_slots = self.cache.num_slots
-        plans = host_batch.warmup_plans(max_num_seqs, max_num_batched_tokens, self.page_size,
-                                        self.num_spec_tokens > 0, self.num_page_groups, num_slots, self.num_ranks)
+        plans = host_batch.warmup_plans(max_num_seqs, max_num_batched_tokens, self.page_size, self.spec_widths,
+                                        self.num_page_groups, num_slots, self.num_ranks)
         copies = [1 << i for i in range(bucket(2 * max_num_seqs).bit_length())] if num_slots else []
         before = self.num_compiles
         with Progress(len(plans) + len(copies), "Compiling", unit="program", enabled=progress) as bar:

@@ -62,6 +62,7 @@ class SchedulerOutput:
     kind: str  # "prefill" | "mixed" | "decode" | "verify"
     entries: list[ScheduledSeq]
     num_prefill: int = 0
+    spec_width: int = 0  # verify: drafts each row may send per round
     # recurrent-state slot copies (source, destination) to make before the call, wave after wave
     # (`BlockManager.take_copies`)
     slot_copies: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
@@ -85,6 +86,9 @@ class Scheduler:
         self.steps_per_call = steps_per_call
         self.num_spec_tokens = num_spec_tokens
         self.spec_rounds = spec_rounds
+        # Drafts per round of the next decode call (at most num_spec_tokens; 0: a plain fused
+        # decode). The engine sets it before each call (`weld.engine.spec.policy`).
+        self.spec_width = num_spec_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -113,10 +117,11 @@ class Scheduler:
                 prefill = self._schedule_prefill(self.max_num_batched_tokens - len(decode))
             if prefill:
                 return SchedulerOutput("mixed" if decode else "prefill", prefill + decode, len(prefill))
-        if self.num_spec_tokens:
-            decode = self._schedule_decode(max_steps=self.spec_rounds * (self.num_spec_tokens + 1))
+        width = min(self.spec_width, self.num_spec_tokens)
+        if width:
+            decode = self._schedule_decode(max_steps=self.spec_rounds * (width + 1), constrained_steps=width + 1)
             if decode:
-                return SchedulerOutput("verify", decode)
+                return SchedulerOutput("verify", decode, spec_width=width)
         else:
             decode = self._schedule_decode(max_steps=self.steps_per_call)
             if decode:
@@ -189,7 +194,9 @@ class Scheduler:
         shareable = (seq.num_prompt_tokens - 1) // bm.page_size * bm.page_size
         return any(e.seq.request_id == seq.request_id and e.start < shareable for e in entries)
 
-    def _schedule_decode(self, max_steps: int) -> list[ScheduledSeq]:
+    def _schedule_decode(self, max_steps: int, constrained_steps: int = 1) -> list[ScheduledSeq]:
+        """Decode rows for every running sequence, with up to max_steps tokens each
+        (constrained_steps for a sequence with structured outputs)."""
         bm = self.block_manager
         scheduled: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
@@ -199,8 +206,7 @@ class Scheduler:
             # and produce k tokens, no more than the sequence may still have.
             # A constrained sequence decodes one token per call (its mask changes after each one),
             # or verifies one round of host drafts, whose masks the host computed along them.
-            one_round = self.num_spec_tokens + 1
-            limit = one_round if seq.params.structured_outputs is not None else max_steps
+            limit = constrained_steps if seq.params.structured_outputs is not None else max_steps
             steps = max(1, min(limit, seq.token_limit(self.max_model_len) - seq.num_tokens))
             point = bm.next_snapshot_point(seq, seq.num_tokens - 1)
             if point is not None:  # the call computes positions num_tokens - 1 .. num_tokens + steps - 2
