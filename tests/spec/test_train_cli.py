@@ -17,6 +17,13 @@ def test_bad_input_is_reported_before_loading_the_model(tmp_path, capsys):
     assert "--target-layers" in capsys.readouterr().err
     assert main(["train-draft", "--data", str(prompts), "--out", str(tmp_path / "d"), "--steps", "0"]) == 1
     assert "steps must be >= 1" in capsys.readouterr().err
+    for flag, value, needle in (("--samples", "0", "--samples must be >= 1"),
+                                ("--draft-vocab", "-1", "--draft-vocab must be >= 0"),
+                                ("--max-new-tokens", "0", "--max-new-tokens must be >= 1"),
+                                ("--position-decay", "0", "position_decay must be > 0")):
+        assert main(["train-draft", "--data", str(prompts), "--out", str(tmp_path / "d"), flag, value]) == 1
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err
 
 
 @pytest.mark.slow
@@ -28,13 +35,19 @@ def test_train_draft_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys
     prompts.write_text("\n".join(["The quick brown fox", "Paris is the capital of", "def add(a, b):",
                                   "Once upon a time", "Numbers: 0 1 2 3"]) + "\n")
     out = tmp_path / "drafter"
-    code = main(["train-draft", "--model", str(directory), "--data", str(prompts), "--out", str(out),
-                 "--steps", "8", "--max-new-tokens", "16", "--k", "3", "--target-layers", "0,1",
-                 "--batch-size", "2", "--anchors", "4", "--eval-fraction", "0.2"])
-    assert code == 0
+    args = ["train-draft", "--model", str(directory), "--data", str(prompts), "--out", str(out), "--steps", "8",
+            "--max-new-tokens", "16", "--k", "3", "--target-layers", "0,1", "--batch-size", "2", "--anchors", "4",
+            "--eval-fraction", "0.2", "--save-every", "4", "--draft-vocab", "64"]
+    assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["final"]["step"] == 7 and report["eval_after"]["accept_len"] >= 0
+    assert report["final"]["step"] == 7 and len(report["held_out"]["per_position"]) == 3
     params, cfg = dspark.load(out)
-    assert cfg.block_size == 3 and cfg.target_layers == (0, 1)
+    assert cfg.block_size == 3 and cfg.target_layers == (0, 1) and cfg.draft_vocab_size == 64
     cfg.check_target(Config.from_hf(json.loads((directory / "config.json").read_text())))
     assert json.loads((out / "config.json").read_text())["training"]["prompts"] == 5
+    assert (out / "data" / "sequences.jsonl").read_text().count("\n") == 5
+    # A rerun finds every stage done: the same drafter, nothing generated or trained again.
+    first = (out / "model.safetensors").read_bytes()
+    assert main(args) == 0
+    assert "5 answers already generated, 0 to go" in capsys.readouterr().err
+    assert (out / "model.safetensors").read_bytes() == first

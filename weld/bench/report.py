@@ -83,8 +83,10 @@ def format_speculative(spec: dict) -> list[str]:
     """The speculative section: speedup over plain decoding and acceptance, per batch size."""
     config = spec["config"]
     method = config["method"] + (f" {config['prompt_lookup_min']}..{config['prompt_lookup_max']}-grams"
-                                 if config["method"] == "ngram" else f" {config.get('model')}")
-    lines = [f"speculative decoding: {method}, k={config['num_speculative_tokens']}, vs the same engine without it",
+                                 if config["method"] == "ngram" else f" {config.get('model') or '(the shipped drafter)'}")
+    k = config.get("num_speculative_tokens") or "the drafter's block"
+    widths = "adaptive widths" if config.get("adaptive", True) else "k drafts every round"
+    lines = [f"speculative decoding: {method}, k={k}, {widths}, vs the same engine without it",
              f"{'batch':>6}{'plain tok/s':>13}{'spec tok/s':>12}{'speedup':>9}{'mean accepted len':>19}"
              f"{'accepted':>10}   per position (accepted / drafted in slot j)"]
     for b, row in spec["per_batch"].items():

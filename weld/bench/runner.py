@@ -22,6 +22,7 @@ from weld.bench.engines import SPEC_ENGINE, HFEngine, LlamaCppEngine, WeldEngine
 from weld.bench.flags import DEFAULT_PREFILL_LEN, BenchConfig, read_prompts
 from weld.bench.roofline import machine_info, measure_bandwidth, versions
 from weld.bench.summary import ratios, spec_add, spec_delta, speculative_summary, summarize_engine
+from weld.engine.spec.policy import bucket
 from weld.utils.errors import InvalidInputError
 from weld.utils.progress import Progress, progress_enabled, status
 
@@ -132,8 +133,9 @@ def load_engines(cfg: BenchConfig, source, text_prompts: list[list[int]] | None,
 
 def warm_up(loaded: Loaded, groups: dict[int, list[list[list[int]]]], cfg: BenchConfig, show: bool) -> dict:
     """Untimed runs; returns their seconds per engine. weld compiles a program per bucket, so it
-    runs every batch size (every group of text prompts: their lengths fall in different buckets);
-    the others warm their allocators and caches at batch 1."""
+    runs every batch size (every group of text prompts: their lengths fall in different buckets),
+    and an adaptive speculative weld until it has run every speculation width at each (its first
+    call of a width compiles it); the others warm their allocators and caches at batch 1."""
     warmup_s: dict[str, float] = {}
     for e in loaded.engines:
         with status(f"Warming up {e.label}", enabled=show):
@@ -145,6 +147,12 @@ def warm_up(loaded: Loaded, groups: dict[int, list[list[list[int]]]], cfg: Bench
             for group in warm:
                 e.generate(group, min(cfg.output_len, 24))
                 e.generate(group, 1)
+                if isinstance(e, WeldEngine):  # an adaptive speculative engine: compile every width too
+                    policy = e.llm.engine.width_policy
+                    for _ in range(2 * len(policy.widths)):
+                        if all((bucket(len(group)), w) in policy.rates for w in policy.widths) or len(policy.widths) == 1:
+                            break
+                        e.generate(group, min(cfg.output_len, 24))
             e.generate(loaded.prefill_prompt, 1)
             warmup_s[e.name] = time.perf_counter() - start
     return warmup_s
