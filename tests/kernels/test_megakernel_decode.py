@@ -217,7 +217,7 @@ def test_planted_stream_bug_is_caught(interpret, bug):
     weights, cache, bt, tok, pos = _setup(cfg, batch=1)
     spec = megakernel.spec_for(cfg, batch=1, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32,
                                pages_per_kv_tile=2)
-    logits, ids, _, _ = mk.decode_step(spec, megakernel.kernel_params(cfg, weights), tok[:, None], pos[:, None], bt,
+    logits, ids, *_ = mk.decode_step(spec, megakernel.kernel_params(cfg, weights), tok[:, None], pos[:, None], bt,
                                        [p.k for p in cache.layers], [p.v for p in cache.layers], tile_rows=16, vocab_tile_rows=32, ring_depth=3,
                                        interpret=interpret, _bug=bug)
     ref, _, _ = _xla_step(cfg)(weights, tok[:, None], pos[:, None], cache, bt)

@@ -19,19 +19,24 @@ from jax.experimental.pallas import tpu as pltpu
 from weld.kernels.megakernel.decode import MATRICES, Int8Matrix, decode_step
 from weld.kernels.megakernel.plan import MegakernelSpec
 from weld.models import llama
+from weld.models.common import moe as moe_lib
 from weld.models.common.cache import AttentionBatch, Cache, KVPages
 from weld.models.common.quant import QuantWeight
 
-# the kernel's matrix names -> the family's weight names
+# the kernel's matrix names -> the family's weight names (a sparse layer's under lw["moe"]: the
+# expert stacks under the same names, the shared expert's under "shared")
 _WEIGHT_NAMES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
+_SHARED_NAMES = {"shared_gate": "w_gate", "shared_up": "w_up", "shared_down": "w_down"}
 
 
 def check_supported(cfg) -> None:
     """Raises ValueError for what the megakernel does not cover."""
     if not isinstance(cfg, llama.Config):
         raise ValueError(f"the megakernel runs the llama family only, got a {type(cfg).__module__} config")
-    if cfg.moe is not None:
-        raise ValueError(f"the megakernel has no mixture-of-experts layers ({cfg.architecture}); use backend='xla'")
+    moe = cfg.moe
+    if moe is not None and (moe.expert_bias or moe.activation != "swiglu"):
+        raise ValueError(f"the megakernel's experts are SwiGLU without biases ({cfg.architecture} has "
+                         f"activation {moe.activation!r}, expert biases {moe.expert_bias}); use backend='xla'")
     if any(cfg.window_for(i) is not None for i in range(cfg.num_layers)):
         raise ValueError(f"the megakernel has no sliding-window attention (sliding_window={cfg.sliding_window}); "
                          "use backend='xla'")
@@ -42,13 +47,18 @@ def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight
     """The kernel's spec for `cfg` at this batch shape."""
     check_supported(cfg)
     _, mscale = cfg.rope.tables()
+    moe = cfg.moe
+    experts = {} if moe is None or not cfg.sparse_layers else dict(
+        sparse_layers=tuple(cfg.sparse_layers), num_experts=moe.num_experts, top_k=moe.top_k,
+        expert_intermediate=moe.intermediate_size, shared_intermediate=moe.shared_intermediate_size,
+        shared_expert_gate=moe.shared_gate, router_bias=moe.router_bias or moe.score_bias)
     return MegakernelSpec(
         hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size, num_layers=cfg.num_layers,
         weight_bytes=1 if int8 else jnp.dtype(weight_dtype).itemsize, kv_bytes=jnp.dtype(kv_dtype).itemsize,
         batch=batch, tokens_per_row=tokens_per_row, page_size=page_size, pages_per_kv_tile=pages_per_kv_tile,
         scale_bytes=4 if int8 else 0, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm,
-        rms_norm_eps=cfg.rms_norm_eps, rope_mscale=float(mscale))
+        rms_norm_eps=cfg.rms_norm_eps, rope_mscale=float(mscale), **experts)
 
 
 def kernel_params(cfg, weights: dict) -> dict:
@@ -61,7 +71,7 @@ def kernel_params(cfg, weights: dict) -> dict:
     params = {
         "embed": weights.get("embed_table", weights["embed"]),
         "lm_head": _matrix(weights.get("lm_head", weights["embed"])),
-        "layers": [{name: _matrix(lw[_WEIGHT_NAMES[name]]) for name in MATRICES} for lw in layers],
+        "layers": [_layer_params(lw) for lw in layers],
         "attn_norm": jnp.stack([lw["attn_norm"] for lw in layers]),
         "mlp_norm": jnp.stack([lw["mlp_norm"] for lw in layers]),
         "final_norm": weights["final_norm"],
@@ -74,7 +84,36 @@ def kernel_params(cfg, weights: dict) -> dict:
     if cfg.qk_norm:
         params["q_norm"] = jnp.stack([lw["q_norm"] for lw in layers])
         params["k_norm"] = jnp.stack([lw["k_norm"] for lw in layers])
+    moe = cfg.moe
+    if moe is not None and cfg.sparse_layers:  # per-layer vectors of the sparse layers (zeros elsewhere)
+        def per_layer(key, width, pick):
+            return jnp.stack([pick(lw["moe"][key]).astype(jnp.float32) if "moe" in lw else jnp.zeros((width,), jnp.float32)
+                              for lw in layers])
+        if moe.router_bias or moe.score_bias:
+            key = "router_bias" if moe.router_bias else "score_bias"
+            params["router_bias"] = per_layer(key, moe.num_experts, lambda a: a)
+        if moe.shared_gate:
+            params["shared_expert_gate"] = per_layer("shared_gate", cfg.hidden_size, lambda a: a.reshape(-1))
     return params
+
+
+def _layer_params(lw: dict) -> dict:
+    """One layer's matrices under the kernel's names: a sparse layer's expert stacks, router
+    and shared expert from lw["moe"]."""
+    out = {name: _matrix(lw[_WEIGHT_NAMES[name]]) for name in MATRICES[:4]}
+    mlp = lw.get("moe", lw)
+    out.update({name: _matrix(mlp[_WEIGHT_NAMES[name]]) for name in MATRICES[4:]})
+    if "moe" in lw:
+        out["router"] = mlp["router"]
+        out.update({name: _matrix(mlp["shared"][key]) for name, key in _SHARED_NAMES.items() if "shared" in mlp})
+    return out
+
+
+def router(cfg):
+    """The kernel's `route` for cfg: the family's own routing rule (`moe.route`)."""
+    if cfg.moe is None:
+        return None
+    return lambda scores, bias: moe_lib.route(cfg.moe, scores, None if bias is None else bias[0])
 
 
 def _matrix(w):
@@ -84,7 +123,7 @@ def _matrix(w):
     if w.fmt != "int8_channel":
         raise ValueError(f"the megakernel streams float or int8 per-channel matrices, not {w.fmt} blocks: "
                          "load with quantization 'int8_channel' or 'none'")
-    return Int8Matrix(w.codes, w.scales)
+    return Int8Matrix(w.codes, w.scales)  # an expert stack's: [E, out, in] codes, [E, out] scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,15 +140,15 @@ class KernelOptions:
 
 def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: AttentionBatch, logits_indices=None,
             capture_layers: tuple[int, ...] = (), *, options: KernelOptions = KernelOptions()):
-    """`llama.forward`'s contract for one group of rows with few tokens each, on the megakernel
-    (no capture_layers: the kernel returns no hidden states).
+    """`llama.forward`'s contract for one group of rows with few tokens each, on the megakernel.
 
     tokens, positions: int32 [b, t] (t = 1 for decode, k + 1 for a verify block; -1 = padding).
     logits_indices: int32 [b, n] picks which of the t tokens get logits (None: all).
-    Returns (logits f32 [b, n, v], None (no hidden states), the cache updated in place).
+    capture_layers: the residual streams after those layers come back concatenated (a
+    drafter's features), as `llama.forward` gives them.
+    Returns (logits f32 [b, n, v], hidden states [b, t, len(capture_layers) d] or None, the
+    cache updated in place).
     """
-    if capture_layers:
-        raise ValueError("the megakernel returns no hidden states: capture_layers must be empty")
     b, t = tokens.shape
     interpret = options.interpret
     if interpret is None:
@@ -118,11 +157,13 @@ def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: Attentio
     spec = spec_for(cfg, batch=b, tokens_per_row=t, page_size=cache.page_size, weight_dtype=params["embed"].dtype,
                     kv_dtype=cache.layers[0].k.dtype, pages_per_kv_tile=options.pages_per_kv_tile,
                     int8=isinstance(params["lm_head"], Int8Matrix))
-    logits, _, k, v = decode_step(spec, params, tokens, positions,
-                                  batch.block_tables, [p.k for p in cache.layers], [p.v for p in cache.layers],
-                                  tile_rows=options.tile_rows,
-                                  vocab_tile_rows=options.vocab_tile_rows, ring_depth=options.ring_depth,
-                                  generation=options.generation, interpret=interpret)
+    logits, _, k, v, hidden = decode_step(spec, params, tokens, positions,
+                                          batch.block_tables, [p.k for p in cache.layers], [p.v for p in cache.layers],
+                                          tile_rows=options.tile_rows,
+                                          vocab_tile_rows=options.vocab_tile_rows, ring_depth=options.ring_depth,
+                                          generation=options.generation, interpret=interpret, route=router(cfg),
+                                          capture_layers=tuple(capture_layers))
     if logits_indices is not None:
         logits = jnp.take_along_axis(logits, logits_indices[:, :, None], axis=1)
-    return logits, None, Cache(layers=[KVPages(kp, vp) for kp, vp in zip(k, v)])
+    states = jnp.concatenate(hidden, axis=-1) if hidden else None
+    return logits, states, Cache(layers=[KVPages(kp, vp) for kp, vp in zip(k, v)])

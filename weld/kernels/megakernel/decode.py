@@ -41,9 +41,10 @@ from jax.experimental.pallas import tpu as pltpu
 from weld.kernels.megakernel.attention import attend_rows, kv_scratch
 from weld.kernels.megakernel.plan import MegakernelSpec, Plan, fit_plan, make_plan
 
-MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # per layer, in stream order (plan.matrices)
-BUGS = (None, "skip_wait", "wrong_slot")  # planted weight-stream bugs, for the tests
-_OPTIONAL_VECTORS = (("qkv_bias", "qkv_bias"), ("o_bias", "o_bias"), ("q_norm", "qk_norm"), ("k_norm", "qk_norm"))
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a dense layer's, in stream order (plan.matrices)
+BUGS = (None, "skip_wait", "wrong_slot", "wrong_expert")  # planted bugs, for the tests
+_OPTIONAL_VECTORS = (("qkv_bias", "qkv_bias"), ("o_bias", "o_bias"), ("q_norm", "qk_norm"), ("k_norm", "qk_norm"),
+                     ("router_bias", "router_bias"), ("shared_expert_gate", "shared_expert_gate"))
 
 
 @jax.tree_util.register_dataclass
@@ -93,26 +94,35 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools):
             raise ValueError(f"pools of layer {i} must be [P, page, KV, E] = {pool_shape}, got {kp.shape} and {vp.shape}")
     expected = {"embed": (spec.vocab, d), "lm_head": (spec.vocab, d), "attn_norm": (n_layers, d),
                 "mlp_norm": (n_layers, d), "final_norm": (d,), "inv_freq": (e // 2,), "qkv_bias": (n_layers, q + 2 * kv),
-                "o_bias": (n_layers, d), "q_norm": (n_layers, e), "k_norm": (n_layers, e)}
+                "o_bias": (n_layers, d), "q_norm": (n_layers, e), "k_norm": (n_layers, e),
+                "router_bias": (n_layers, spec.num_experts), "shared_expert_gate": (n_layers, d)}
     for name in ["embed", "lm_head"] + _vector_names(spec):
         if name not in params:
             raise ValueError(f"params has no {name!r} (the spec's switches need it)")
         if tuple(params[name].shape) != expected[name]:
             raise ValueError(f"params[{name!r}] must be {expected[name]}, got {tuple(params[name].shape)}")
-    shapes = {name: (rows, cols) for name, rows, cols in spec.matrices()}
     int8 = isinstance(params["lm_head"], Int8Matrix)
     for i, layer in enumerate(params["layers"]):
-        for name in MATRICES:
-            w = layer[name]
-            if tuple(w.shape) != shapes[name]:
-                raise ValueError(f"layers[{i}][{name!r}] must be [out, in] = {shapes[name]}, got {tuple(w.shape)}")
+        shapes = {name: (rows, cols) for name, rows, cols in spec.matrices(i)}
+        if i in spec.sparse_layers:  # the routed experts' stacks [E, out, in] and the router [E, d]
+            shapes.update({name: (spec.num_experts, rows, cols) for name, rows, cols in spec.expert_matrices()})
+            router = layer.get("router")
+            if router is None or tuple(router.shape) != (spec.num_experts, d):
+                raise ValueError(f"layers[{i}]['router'] must be [E, d] = {(spec.num_experts, d)}, "
+                                 f"got {None if router is None else tuple(router.shape)}")
+        for name, shape in shapes.items():
+            w = layer.get(name)
+            if w is None or tuple(w.shape) != shape:
+                axes = "[experts, out, in]" if len(shape) == 3 else "[out, in]"
+                raise ValueError(f"layers[{i}][{name!r}] must be {axes} = {shape}, "
+                                 f"got {None if w is None else tuple(w.shape)}")
             if isinstance(w, Int8Matrix) != int8:
                 raise ValueError(f"layers[{i}][{name!r}]: mix of int8 and float matrices (lm_head int8: {int8})")
 
 
 def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tables, k_pools, v_pools, *,
                 tile_rows: int = 256, vocab_tile_rows: int = 256, ring_depth: int = 4, generation: str | None = None,
-                interpret=False, _bug: str | None = None):
+                interpret=False, route=None, capture_layers: tuple[int, ...] = (), _bug: str | None = None):
     """One call of the megakernel.
 
     spec: the model's shapes and switches, `batch` = B rows of `tokens_per_row` = T tokens.
@@ -121,17 +131,31 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
       the LM head too),
       "attn_norm" / "mlp_norm" [L, d], "final_norm" [d], "inv_freq" [E / 2] (the model's rope
       table, f32), and per the spec's switches "qkv_bias" [L, q + 2 kv], "o_bias" [L, d],
-      "q_norm" / "k_norm" [L, E].
+      "q_norm" / "k_norm" [L, E]. A sparse layer (`spec.sparse_layers`) has, in place of gate,
+      up and down, the expert stacks "gate", "up" [E, I, d] and "down" [E, d, I] (float or
+      `Int8Matrix` of [E, out, in] codes and [E, out] scales), the "router" [E, d] (any float
+      dtype; scores in f32), and with a shared expert "shared_gate", "shared_up", "shared_down";
+      per the spec's switches the vectors "router_bias" [L, E] and "shared_expert_gate" [L, d].
+    route: with sparse layers, the model's routing rule: (scores f32 [N, E], bias f32 [1, E] or
+      None) -> (weights f32 [N, top_k], expert ids int32 [N, top_k]), traced inside the kernel.
+    capture_layers: layers whose output hidden states (the residual stream after the layer)
+      are returned, f32 [B, T, d] each (a drafter's features).
     tokens, positions: int32 [B, T] (position -1: padding; a row is padding when its first is).
     block_tables: int32 [B, M]. k_pools, v_pools: L arrays [P, page, KV, E], updated in place.
     generation: a TPU generation whose VMEM budget the plan must fit (the ring shrinks to fit,
       else `plan.VmemBudgetError`); None: detected on a TPU, not checked in interpret mode.
     interpret: False on a TPU; a `pltpu.InterpretParams` (or True) to run on CPU.
-    Returns (logits f32 [B, T, V], greedy ids int32 [B, T], k_pools, v_pools).
+    Returns (logits f32 [B, T, V], greedy ids int32 [B, T], k_pools, v_pools, hidden states: one
+    f32 [B, T, d] per capture layer, in their order).
     """
     _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools)
     if _bug not in BUGS:
         raise ValueError(f"_bug must be one of {BUGS}, got {_bug!r}")
+    if spec.sparse_layers and route is None:
+        raise ValueError("a spec with sparse layers needs route= (the model's routing rule)")
+    capture_layers = tuple(capture_layers)
+    if any(not 0 <= c < spec.num_layers for c in capture_layers):
+        raise ValueError(f"capture_layers {capture_layers} must lie in [0, {spec.num_layers})")
     if generation is None and not interpret:
         generation = tpu_generation(jax.devices()[0].device_kind)
     plan: Plan = (fit_plan(spec, generation, ring_depth=ring_depth, tile_rows=tile_rows, vocab_tile_rows=vocab_tile_rows)
@@ -145,57 +169,94 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     # HBM matrices in one list, indexed by (layer, name); the LM head is (-1, "lm_head").
     matrices, index = [], {}
     for i, layer in enumerate(params["layers"]):
-        for name in MATRICES:
+        names = [name for name, _, _ in spec.matrices(i)]
+        if i in spec.sparse_layers:
+            names += [name for name, _, _ in spec.expert_matrices()]
+        for name in names:
             index[(i, name)] = len(matrices)
             matrices.append(layer[name])
     index[(-1, "lm_head")] = len(matrices)
     matrices.append(params["lm_head"])
     int8 = isinstance(params["lm_head"], Int8Matrix)
     weight_ops = [m.q for m in matrices] if int8 else list(matrices)
-    scale_ops = [m.scale.astype(jnp.float32).reshape(1, -1) for m in matrices] if int8 else []
+    # scales [1, out], or an expert stack's [E, 1, out]: a tile's scales are one row of them
+    scale_ops = [m.scale.astype(jnp.float32).reshape(m.scale.shape[:-1] + (1, -1)) for m in matrices] if int8 else []
+    sparse = spec.sparse_layers
+    routers = [params["layers"][i]["router"] for i in sparse]  # HBM [E, d], read whole once per layer
+    n_pairs, top_k = spec.pairs, spec.top_k
     weight_dtype = weight_ops[0].dtype
     vector_names = _vector_names(spec)
     vectors = [params[name].astype(jnp.float32).reshape(-1, params[name].shape[-1]) for name in vector_names]
     kv_dtype = k_pools[0].dtype
     max_rows, max_cols = max(x.rows for x in tiles), max(x.cols for x in tiles)
-    n_vec, n_mat, n_scale = len(vectors), len(weight_ops), len(scale_ops)
+    n_vec, n_mat, n_scale, n_router = len(vectors), len(weight_ops), len(scale_ops), len(routers)
+    n_cap = len(capture_layers)
 
     def kernel(tok_ref, pos_ref, bt_ref, *refs):
+        refs = list(refs)
+
+        def take(count):
+            taken, refs[:count] = refs[:count], []
+            return taken
+
         # inputs
-        vec = dict(zip(vector_names, refs[:n_vec]))  # VMEM, f32 [L or 1, width]
-        embed_ref = refs[n_vec]  # HBM [V, d]
-        w_refs = refs[n_vec + 1:n_vec + 1 + n_mat]  # HBM [out, in] each
-        s_refs = refs[n_vec + 1 + n_mat:n_vec + 1 + n_mat + n_scale]  # HBM [1, out] each (int8 only)
-        rest = refs[n_vec + 1 + n_mat + n_scale + 2 * n_layers:]  # (input pools: aliased, use the outputs)
+        vec = dict(zip(vector_names, take(n_vec)))  # VMEM, f32 [L or 1, width]
+        (embed_ref,) = take(1)  # HBM [V, d]
+        w_refs = take(n_mat)  # HBM [out, in] each (an expert stack: [E, out, in])
+        s_refs = take(n_scale)  # HBM [1, out] each, [E, 1, out] for a stack (int8 only)
+        router_refs = dict(zip(sparse, take(n_router)))  # HBM [E, d] per sparse layer
+        take(2 * n_layers)  # the input pools: aliased, use the outputs
         # outputs
-        logits_ref, ids_ref = rest[0], rest[1]  # VMEM [N, V] f32, [N, 1] int32
-        k_out, v_out = rest[2:2 + n_layers], rest[2 + n_layers:2 + 2 * n_layers]  # HBM pools [P, page, KV, E]
+        logits_ref, ids_ref = take(2)  # VMEM [N, V] f32, [N, 1] int32
+        k_out, v_out = take(n_layers), take(n_layers)  # HBM pools [P, page, KV, E]
+        cap_refs = take(n_cap)  # VMEM [N, d] f32 per capture layer
         # scratch (see scratch_shapes)
-        ring, ring_sems, emb_buf, emb_sems, x_ref, delta_ref, qa_ref, ka_ref, va_ref = rest[2 + 2 * n_layers:11 + 2 * n_layers]
-        q_heads, kn_ref, vn_ref, att_ref, gate_ref, up_ref = rest[11 + 2 * n_layers:17 + 2 * n_layers]
-        attn_scratch = rest[17 + 2 * n_layers:21 + 2 * n_layers]
-        scale_ring = rest[21 + 2 * n_layers] if int8 else None
+        ring, ring_sems, emb_buf, emb_sems, x_ref, delta_ref, qa_ref, ka_ref, va_ref = take(9)
+        q_heads, kn_ref, vn_ref, att_ref, gate_ref, up_ref = take(6)
+        attn_scratch = take(4)
+        scale_ring = take(1)[0] if int8 else None
+        if sparse:
+            router_buf, router_sem, scores_ref, choice_ref, weight_ref, chosen, chosen_sem, eg_ref, eu_ref = take(9)
+            sg_ref, su_ref = take(2) if spec.shared_intermediate else (None, None)
 
         def tile_copies(i):
             tile = tiles[i]
             m, slot, rows = index[(tile.layer, tile.matrix)], i % depth, pl.ds(0, tile.rows)
-            copies = [pltpu.make_async_copy(w_refs[m].at[pl.ds(tile.row_start, tile.rows)],
+            src_w, src_s = w_refs[m], s_refs[m] if int8 else None
+            if tile.pair >= 0:  # a routed expert's tile: the expert its pair chose, in SMEM since routing
+                expert = chosen[tile.pair // top_k, tile.pair % top_k]
+                if _bug == "wrong_expert":
+                    expert = (expert + 1) % spec.num_experts
+                src_w, src_s = src_w.at[expert], src_s.at[expert] if int8 else None
+            copies = [pltpu.make_async_copy(src_w.at[pl.ds(tile.row_start, tile.rows)],
                                             ring.at[slot, rows, pl.ds(0, tile.cols)], ring_sems.at[slot])]
             if int8:  # the tile's scales ride on the same semaphore
-                copies.append(pltpu.make_async_copy(s_refs[m].at[pl.ds(0, 1), pl.ds(tile.row_start, tile.rows)],
+                copies.append(pltpu.make_async_copy(src_s.at[pl.ds(0, 1), pl.ds(tile.row_start, tile.rows)],
                                                     scale_ring.at[slot, pl.ds(0, 1), rows], ring_sems.at[slot]))
             return copies
 
-        cursor = [0]  # the next tile to compute (the schedule is consumed strictly in order)
+        # Trace-time bookkeeping of the stream: `cursor` is the next tile to compute, `started` the
+        # next tile to start. Tiles start in order, at most depth - 1 ahead of the one computing
+        # (tile j reuses the slot of tile j - depth, which must have computed); a routed expert's
+        # tile cannot start before its layer is routed, so the stream waits there until `routed`.
+        cursor, started, routed = [0], [0], set()
 
-        def gemv(layer, name, x, write):
-            """x [N, in] f32 @ the matrix^T, tile by tile; write(first_row, rows, y [N, rows])."""
+        def pump():
+            limit = min(cursor[0] + depth, len(tiles))  # tile j may start once tile j - depth has computed
+            while started[0] < limit:
+                tile = tiles[started[0]]
+                if tile.pair >= 0 and tile.layer not in routed:
+                    return
+                for c in tile_copies(started[0]):
+                    c.start()
+                started[0] += 1
+
+        def gemv(layer, name, x, write, pair=-1):
+            """x [rows, in] f32 @ the matrix^T, tile by tile; write(first_row, rows, y [rows, tile rows])."""
             i = first = cursor[0]
-            while i < len(tiles) and (tiles[i].layer, tiles[i].matrix) == (layer, name):
+            while i < len(tiles) and tiles[i].key == (layer, name, pair):
                 tile = tiles[i]
-                if i + depth - 1 < len(tiles):  # its slot held tile i - 1, which has finished computing
-                    for c in tile_copies(i + depth - 1):
-                        c.start()
+                pump()  # starts up to tile i + depth - 1 (into the slot tile i - 1 freed)
                 if _bug != "skip_wait":
                     for c in tile_copies(i):
                         c.wait()
@@ -211,13 +272,16 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                     y = y * scale_ring[slot, :, :tile.rows]  # [1, rows]
                 write(tile.row_start, tile.rows, y)
                 i += 1
+                cursor[0] = i
             if i == first:
-                raise AssertionError(f"schedule out of order: wanted {(layer, name)}, next tile is {tiles[first]}")
-            cursor[0] = i
+                raise AssertionError(f"schedule out of order: wanted {(layer, name, pair)}, next tile is {tiles[first]}")
 
-        def into(ref):
+        def into(ref, row=None):
             def write(start, rows, y):
-                ref[:, start:start + rows] = y
+                if row is None:
+                    ref[:, start:start + rows] = y
+                else:
+                    ref[row:row + 1, start:start + rows] = y
             return write
 
         def rms_norm(x, weight):  # x [N, w] f32, weight [1, w]
@@ -226,10 +290,51 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         def row(name, layer):  # [1, width] of a per-layer vector
             return vec[name][layer:layer + 1, :]
 
+        def router_copy(layer):
+            return pltpu.make_async_copy(router_refs[layer], router_buf, router_sem.at[0])
+
+        def dense_mlp(layer, y):
+            gemv(layer, "gate", y, into(gate_ref))
+            gemv(layer, "up", y, into(up_ref))
+            gemv(layer, "down", jax.nn.silu(gate_ref[...]) * up_ref[...], into(delta_ref))
+
+        def sparse_mlp(layer, y):
+            """The router, the shared expert, then each routed pair's expert on its token's row."""
+            router_copy(layer).wait()
+            scores_ref[...] = jax.lax.dot_general(y, router_buf[...].astype(jnp.float32), (((1,), (1,)), ((), ())),
+                                                  preferred_element_type=jnp.float32,
+                                                  precision=jax.lax.Precision.HIGHEST)  # [N, E]
+            weights, experts = route(scores_ref[...], row("router_bias", layer) if spec.router_bias else None)
+            weight_ref[...] = weights.astype(jnp.float32)
+            choice_ref[...] = experts.astype(jnp.int32)
+            copy = pltpu.make_async_copy(choice_ref, chosen, chosen_sem.at[0])  # VMEM -> SMEM: DMA addresses
+            copy.start()
+            copy.wait()
+            routed.add(layer)
+            pump()  # the first experts' tiles are in flight while the shared expert computes
+            if spec.shared_intermediate:
+                gemv(layer, "shared_gate", y, into(sg_ref))
+                gemv(layer, "shared_up", y, into(su_ref))
+                gemv(layer, "shared_down", jax.nn.silu(sg_ref[...]) * su_ref[...], into(delta_ref))
+                if spec.shared_expert_gate:
+                    gate = jnp.sum(y * row("shared_expert_gate", layer), axis=-1, keepdims=True)  # [N, 1]
+                    delta_ref[...] = delta_ref[...] * jax.nn.sigmoid(gate)
+            else:
+                delta_ref[...] = jnp.zeros_like(delta_ref)
+            for pair in range(n_pairs):
+                n, choice = divmod(pair, top_k)
+                x_row = y[n:n + 1]
+                gemv(layer, "gate", x_row, into(eg_ref, pair), pair)
+                gemv(layer, "up", x_row, into(eu_ref, pair), pair)
+                h = jax.nn.silu(eg_ref[pair:pair + 1, :]) * eu_ref[pair:pair + 1, :]
+                weight = weight_ref[n:n + 1, choice:choice + 1]  # [1, 1]
+
+                def add_row(start, rows, out, n=n, weight=weight):
+                    delta_ref[n:n + 1, start:start + rows] = delta_ref[n:n + 1, start:start + rows] + weight * out
+                gemv(layer, "down", h, add_row, pair)
+
         # The stream starts first: its prologue is in flight while the embedding rows land.
-        for i in range(min(depth - 1, len(tiles))):
-            for c in tile_copies(i):
-                c.start()
+        pump()
         emb_copies = [pltpu.make_async_copy(embed_ref.at[pl.ds(jnp.clip(tok_ref[n], 0, spec.vocab - 1), 1)],
                                             emb_buf.at[pl.ds(n, 1)], emb_sems.at[n]) for n in range(n_tok)]
         for c in emb_copies:
@@ -249,6 +354,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             return jnp.concatenate([z1 * cos - z2 * sin, z2 * cos + z1 * sin], axis=-1)
 
         for layer in range(n_layers):
+            if layer in sparse:  # the router lands while attention runs
+                router_copy(layer).start()
             y = rms_norm(x_ref[...], row("attn_norm", layer))  # [N, d]
             for name, ref in (("q", qa_ref), ("k", ka_ref), ("v", va_ref)):
                 gemv(layer, name, y, into(ref))
@@ -269,10 +376,10 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             delta = delta_ref[...] + (row("o_bias", layer) if spec.o_bias else 0.0)
             x_ref[...] = x_ref[...] + delta
             y = rms_norm(x_ref[...], row("mlp_norm", layer))
-            gemv(layer, "gate", y, into(gate_ref))
-            gemv(layer, "up", y, into(up_ref))
-            gemv(layer, "down", jax.nn.silu(gate_ref[...]) * up_ref[...], into(delta_ref))
+            (sparse_mlp if layer in sparse else dense_mlp)(layer, y)
             x_ref[...] = x_ref[...] + delta_ref[...]
+            if layer in capture_layers:
+                cap_refs[capture_layers.index(layer)][...] = x_ref[...]
         gemv(-1, "lm_head", rms_norm(x_ref[...], vec["final_norm"][...]), into(logits_ref))
         if cursor[0] != len(tiles):
             raise AssertionError(f"{len(tiles) - cursor[0]} weight tiles were never computed")
@@ -302,28 +409,45 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     ] + kv_scratch(spec.pages_per_kv_tile, spec.page_size, kvh, e, kv_dtype)  # KV tiles and their semaphores
     if int8:
         scratch.append(pltpu.VMEM((depth, 1, max_rows), f32))  # the scale ring, one row of scales per slot
-    n_in = n_vec + 1 + n_mat + n_scale
+    if sparse:
+        scratch += [
+            pltpu.VMEM((spec.num_experts, d), routers[0].dtype),  # the layer's router, read whole
+            pltpu.SemaphoreType.DMA((1,)),
+            pltpu.VMEM((n_tok, spec.num_experts), f32),  # router scores
+            pltpu.VMEM((n_tok, top_k), jnp.int32),  # the chosen experts (VMEM) ...
+            pltpu.VMEM((n_tok, top_k), f32),  # ... and their weights
+            pltpu.SMEM((n_tok, top_k), jnp.int32),  # the chosen experts as DMA addresses
+            pltpu.SemaphoreType.DMA((1,)),
+            pltpu.VMEM((n_pairs, spec.expert_intermediate), f32),  # each pair's expert gate
+            pltpu.VMEM((n_pairs, spec.expert_intermediate), f32),  # and up
+        ]
+        if spec.shared_intermediate:
+            scratch += [pltpu.VMEM((n_tok, spec.shared_intermediate), f32)] * 2  # the shared expert's gate, up
+    n_in = n_vec + 1 + n_mat + n_scale + n_router
     first_pool = 3 + n_in  # operand indices count the three scalar-prefetch operands
     aliases = {first_pool + i: 2 + i for i in range(2 * n_layers)}
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         in_specs=[pl.BlockSpec(memory_space=vmem)] * n_vec + [pl.BlockSpec(memory_space=pl.ANY)] * (
-            1 + n_mat + n_scale + 2 * n_layers),
-        out_specs=[pl.BlockSpec(memory_space=vmem)] * 2 + [pl.BlockSpec(memory_space=pl.ANY)] * (2 * n_layers),
+            1 + n_mat + n_scale + n_router + 2 * n_layers),
+        out_specs=[pl.BlockSpec(memory_space=vmem)] * 2 + [pl.BlockSpec(memory_space=pl.ANY)] * (2 * n_layers)
+        + [pl.BlockSpec(memory_space=vmem)] * n_cap,
         scratch_shapes=scratch,
     )
     pool_structs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in list(k_pools) + list(v_pools)]
     compiler_params = None
     if not interpret and plan.vmem_limit_bytes is not None:
         compiler_params = pltpu.CompilerParams(vmem_limit_bytes=plan.vmem_limit_bytes)
-    logits, ids, *pools = pl.pallas_call(
+    logits, ids, *rest = pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((n_tok, spec.vocab), f32), jax.ShapeDtypeStruct((n_tok, 1), jnp.int32)]
-        + pool_structs,
+        + pool_structs + [jax.ShapeDtypeStruct((n_tok, d), f32)] * n_cap,
         grid_spec=grid_spec,
         input_output_aliases=aliases,
         compiler_params=compiler_params,
         interpret=interpret,
     )(tokens.reshape(-1).astype(jnp.int32), positions.reshape(-1).astype(jnp.int32), block_tables.astype(jnp.int32),
-      *vectors, params["embed"], *weight_ops, *scale_ops, *k_pools, *v_pools)
-    return (logits.reshape(b, t, spec.vocab), ids.reshape(b, t), list(pools[:n_layers]), list(pools[n_layers:]))
+      *vectors, params["embed"], *weight_ops, *scale_ops, *routers, *k_pools, *v_pools)
+    pools, hidden = rest[:2 * n_layers], [hs.reshape(b, t, d) for hs in rest[2 * n_layers:]]
+    return (logits.reshape(b, t, spec.vocab), ids.reshape(b, t), list(pools[:n_layers]), list(pools[n_layers:]),
+            hidden)

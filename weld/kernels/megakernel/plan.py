@@ -7,6 +7,13 @@ from HBM into its VMEM ring, in stream order:
     for each layer: q, k, v, o, gate, up, down   (row tiles of each [out, in] matrix)
     then the LM head                              (vocabulary tiles of [vocab, hidden])
 
+A sparse (mixture-of-experts) layer streams q, k, v, o, the shared expert's gate, up, down (if
+the model has one), then, for each routed pair p = (token, choice) of the call, the chosen
+expert's gate, up and down tiles (`Tile.pair` = p). Which expert a pair reads is known only
+inside the kernel, after the router: those tiles name a slot of the schedule, the kernel
+fills in the expert (its DMAs start once the layer is routed). A step reads the experts its
+tokens chose and no other.
+
 The matrices are the model's own (per-layer buffers, not fused or stacked copies), so the
 kernel reads the very arrays the XLA path uses.
 
@@ -76,6 +83,15 @@ class MegakernelSpec:
     qk_norm: bool = False
     rms_norm_eps: float = 1e-6
     rope_mscale: float = 1.0  # factor on cos / sin (yarn); 1 otherwise
+    # mixture of experts: the sparse layers' routed experts (stacks [E, out, in]), each token
+    # choosing top_k of num_experts, and a shared expert of shared_intermediate (0: none)
+    sparse_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    shared_expert_gate: bool = False  # Qwen3-Next: the shared expert's output times sigmoid(x . g)
+    router_bias: bool = False  # a bias added to the router's scores (gpt-oss, DeepSeek-V3's correction)
 
     def __post_init__(self):
         for name in ("hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "vocab",
@@ -91,20 +107,53 @@ class MegakernelSpec:
                              f"({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.sparse_layers:
+            if not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.sparse_layers):
+                raise ValueError(f"sparse_layers {self.sparse_layers} must lie in [0, {self.num_layers})")
+            for name in ("num_experts", "top_k", "expert_intermediate"):
+                if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                    raise ValueError(f"MegakernelSpec.{name} must be a positive int with sparse layers, "
+                                     f"got {getattr(self, name)!r}")
+            if self.top_k > self.num_experts:
+                raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
 
     @property
     def tokens(self) -> int:
         """Activation rows of one call: batch x tokens_per_row."""
         return self.batch * self.tokens_per_row
 
-    def matrices(self) -> list[tuple[str, int, int]]:
-        """The per-layer weight matrices in stream order: (name, rows = out, cols = in)."""
+    @property
+    def pairs(self) -> int:
+        """Routed (token, choice) pairs of one call in a sparse layer."""
+        return self.tokens * self.top_k
+
+    def matrices(self, layer: int = 0) -> list[tuple[str, int, int]]:
+        """A layer's static weight matrices in stream order: (name, rows = out, cols = in). A
+        sparse layer's routed experts come after these, per pair (`expert_matrices`)."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         d, f = self.hidden, self.intermediate
-        return [("q", q, d), ("k", kv, d), ("v", kv, d), ("o", d, q), ("gate", f, d), ("up", f, d), ("down", d, f)]
+        attention = [("q", q, d), ("k", kv, d), ("v", kv, d), ("o", d, q)]
+        if layer not in self.sparse_layers:
+            return attention + [("gate", f, d), ("up", f, d), ("down", d, f)]
+        s = self.shared_intermediate
+        return attention + ([("shared_gate", s, d), ("shared_up", s, d), ("shared_down", d, s)] if s else [])
 
-    def layer_weight_bytes(self) -> int:
-        return sum(r * (c * self.weight_bytes + self.scale_bytes) for _, r, c in self.matrices())
+    def expert_matrices(self) -> list[tuple[str, int, int]]:
+        """One expert's matrices (rows of its stacks [E, out, in]), streamed once per routed pair."""
+        d, i = self.hidden, self.expert_intermediate
+        return [("gate", i, d), ("up", i, d), ("down", d, i)]
+
+    def layer_weight_bytes(self, layer: int = 0) -> int:
+        """Bytes a call streams for one layer: a sparse layer's experts once per routed pair."""
+        row = lambda r, c: r * (c * self.weight_bytes + self.scale_bytes)  # noqa: E731
+        static = sum(row(r, c) for _, r, c in self.matrices(layer))
+        if layer in self.sparse_layers:
+            static += self.pairs * sum(row(r, c) for _, r, c in self.expert_matrices())
+        return static
+
+    def router_bytes(self) -> int:
+        """A sparse layer's router [E, hidden], read whole into VMEM (f32) beside the stream."""
+        return 4 * self.num_experts * self.hidden if self.sparse_layers else 0
 
     def lm_head_bytes(self) -> int:
         return self.vocab * (self.hidden * self.weight_bytes + self.scale_bytes)
@@ -116,11 +165,17 @@ class Tile:
 
     index: int  # position in the stream
     layer: int  # -1 for the LM head
-    matrix: str  # q | k | v | o | gate | up | down | lm_head
+    matrix: str  # q | k | v | o | gate | up | down | shared_gate | shared_up | shared_down | lm_head
     row_start: int
     rows: int
     cols: int
     nbytes: int
+    pair: int = -1  # a routed expert's tile: the (token, choice) pair whose expert it reads; -1: static
+
+    @property
+    def key(self) -> tuple[int, str, int]:
+        """What the kernel asks for: (layer, matrix, pair)."""
+        return self.layer, self.matrix, self.pair
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,13 +215,18 @@ def stream_schedule(spec: MegakernelSpec, *, tile_rows: int = 256, vocab_tile_ro
         raise ValueError(f"tile_rows ({tile_rows}) and vocab_tile_rows ({vocab_tile_rows}) must be positive")
     tiles: list[Tile] = []
 
-    def add(layer: int, name: str, rows: int, cols: int, per_tile: int):
+    def add(layer: int, name: str, rows: int, cols: int, per_tile: int, pair: int = -1):
         for start, n in row_tiles(rows, per_tile):
-            tiles.append(Tile(len(tiles), layer, name, start, n, cols, n * (cols * spec.weight_bytes + spec.scale_bytes)))
+            tiles.append(Tile(len(tiles), layer, name, start, n, cols, n * (cols * spec.weight_bytes + spec.scale_bytes),
+                              pair))
 
     for layer in range(spec.num_layers):
-        for name, rows, cols in spec.matrices():
+        for name, rows, cols in spec.matrices(layer):
             add(layer, name, rows, cols, tile_rows)
+        if layer in spec.sparse_layers:
+            for pair in range(spec.pairs):
+                for name, rows, cols in spec.expert_matrices():
+                    add(layer, name, rows, cols, tile_rows, pair)
     add(-1, "lm_head", spec.vocab, spec.hidden, vocab_tile_rows)
     return tiles
 
@@ -198,6 +258,14 @@ def activation_bytes(spec: MegakernelSpec) -> int:
         vectors += spec.num_layers * d
     if spec.qk_norm:
         vectors += spec.num_layers * 2 * e
+    if spec.sparse_layers:
+        # per row: the router's scores and the routing weights; per pair: the expert's gate and
+        # up; the shared expert's gate and up; the chosen experts' ids (SMEM) and the router
+        per_row += a * (spec.num_experts + spec.top_k + 2 * spec.shared_intermediate)
+        per_row += spec.top_k * (a * 2 * spec.expert_intermediate + 4)
+        vectors += spec.num_layers * ((spec.num_experts if spec.router_bias else 0)
+                                      + (d if spec.shared_expert_gate else 0))
+        vectors += spec.router_bytes() // 4
     return spec.tokens * per_row + 4 * vectors
 
 
@@ -251,7 +319,9 @@ def step_bytes(spec: MegakernelSpec, context_len: int) -> int:
     kv_read = spec.batch * spec.num_layers * 2 * pages * spec.page_size * kv_token
     kv_write = spec.tokens * spec.num_layers * 2 * kv_token
     io = spec.tokens * (spec.hidden * spec.weight_bytes + spec.vocab * 4)
-    return spec.num_layers * spec.layer_weight_bytes() + spec.lm_head_bytes() + kv_read + kv_write + io
+    weights = sum(spec.layer_weight_bytes(layer) for layer in range(spec.num_layers)) + spec.lm_head_bytes()
+    routers = len(spec.sparse_layers) * spec.router_bytes()
+    return weights + routers + kv_read + kv_write + io
 
 
 def step_floor_seconds(spec: MegakernelSpec, generation: str, context_len: int) -> float:

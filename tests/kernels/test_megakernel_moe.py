@@ -1,0 +1,145 @@
+"""Mixture-of-experts layers and hidden states in the decode megakernel, against the XLA path
+(`weld.models.llama.forward`, whose MoE block is `weld.models.common.moe.moe_block`), in Pallas
+TPU interpret mode: sparse and dense layers in one weight stream, each routed pair's expert
+fetched by DMA after the in-kernel router, a shared expert with its sigmoid gate, group-limited
+routing with a correction bias, int8 expert stacks, a planted wrong-expert bug, and the
+residual streams a drafter reads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from interpret_mode import races_found
+from test_megakernel_decode import (LLAMA, OPTIONS, PAGE, _assert_caches_close, _dequantized, _greedy_run,
+                                    _kernel_step, _quantized, _rel_err, _setup, _xla_step)
+
+from weld.kernels.megakernel import decode as mk
+from weld.kernels.megakernel import plan as mkplan
+from weld.models import llama
+from weld.models import llama_megakernel as megakernel
+from weld.models.common import moe as moe_lib
+from weld.models.common import quant
+
+# Qwen3-MoE's shape: softmax top-2 of 6 experts, renormalised; layers 0 and 2 sparse, layer 1 dense
+QWEN_MOE = llama.Config(architecture="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
+                        num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, rope_theta=1e6,
+                        moe=moe_lib.MoE(num_experts=6, top_k=2, intermediate_size=16, router="softmax_topk",
+                                        norm_topk_prob=True),
+                        sparse_layers=(0, 2))
+# DeepSeek-V3 / Kimi routing (sigmoid scores, a correction bias for selection, the best 2 of 4
+# groups, scaled weights) with Qwen3-Next's gated shared expert, every layer sparse
+GROUPED = dataclasses.replace(
+    LLAMA, architecture="qwen3_moe", vocab_size=64, intermediate_size=40, sparse_layers=(0, 1),
+    moe=moe_lib.MoE(num_experts=8, top_k=3, intermediate_size=16, router="sigmoid_group", n_group=4, topk_group=2,
+                    score_bias=True, norm_topk_prob=True, routed_scaling_factor=2.5, shared_intermediate_size=24,
+                    shared_gate=True))
+
+
+def _with_score_bias(weights, cfg, seed=7):
+    """A correction bias that changes which experts win (the random init is zeros)."""
+    rng = np.random.default_rng(seed)
+    for i in cfg.sparse_layers:
+        weights["layers"][i]["moe"]["score_bias"] = jnp.asarray(rng.normal(0, 0.3, cfg.moe.num_experts), jnp.float32)
+    return weights
+
+
+def test_schedule_streams_each_pairs_expert_after_the_static_tiles():
+    spec = megakernel.spec_for(QWEN_MOE, batch=2, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32)
+    tiles = mkplan.stream_schedule(spec, tile_rows=16, vocab_tile_rows=32)
+    layer0 = [t.key for t in tiles if t.layer == 0]
+    # attention, then 2 tokens x top-2 = 4 pairs, each gate (16 rows), up (16), down (32 rows: 2 tiles)
+    assert layer0[:6] == [(0, "q", -1), (0, "q", -1), (0, "k", -1), (0, "v", -1), (0, "o", -1), (0, "o", -1)]
+    assert layer0[6:] == [(0, name, pair) for pair in range(4) for name in ("gate", "up", "down", "down")]
+    assert [t.matrix for t in tiles if t.layer == 1][-3:] == ["up", "down", "down"]  # the dense layer as before
+    assert all(t.pair == -1 for t in tiles if t.layer == 1)
+    # bytes: the static matrices, 4 experts' worth of each sparse layer, the routers read whole
+    expert = (16 * 32) * 3 * 4
+    assert spec.layer_weight_bytes(0) == (32 * 32 + 2 * 16 * 32 + 32 * 32) * 4 + 4 * expert
+    assert sum(t.nbytes for t in tiles if t.layer == 0) == spec.layer_weight_bytes(0)
+    assert spec.router_bytes() == 6 * 32 * 4
+
+
+def test_moe_batch4_with_padding_matches_xla(interpret):
+    """Two sparse layers around a dense one, batch 4 with a padding row, 3 greedy steps."""
+    errors, cache, ref_cache = _greedy_run(QWEN_MOE, batch=4, steps=3, interpret=interpret, padding_row=True)
+    assert max(errors) < 1e-3, errors
+    _assert_caches_close(cache, ref_cache)
+    assert not races_found()
+
+
+def test_grouped_routing_and_gated_shared_expert_match_xla(interpret):
+    weights, cache, bt, tok, pos = _setup(GROUPED, batch=2)
+    weights = _with_score_bias(weights, GROUPED)
+    options = dataclasses.replace(OPTIONS, interpret=interpret)
+    logits, _, kcache = _kernel_step(GROUPED, options)(weights, tok[:, None], pos[:, None], cache, bt)
+    ref, _, ref_cache = _xla_step(GROUPED)(weights, tok[:, None], pos[:, None], cache, bt)
+    assert _rel_err(logits, ref) < 1e-3
+    _assert_caches_close(kcache, ref_cache)
+    # the bias changes the choice: without it the XLA logits differ (so the kernel used it)
+    unbiased = {**weights, "layers": [{**lw, "moe": {**lw["moe"], "score_bias": jnp.zeros(8)}} for lw in weights["layers"]]}
+    other, _, _ = _xla_step(GROUPED)(unbiased, tok[:, None], pos[:, None], cache, bt)
+    assert _rel_err(other, ref) > 1e-3
+    assert not races_found()
+
+
+def test_int8_expert_stacks_match_xla_on_dequantized_weights(interpret):
+    weights, cache, bt, tok, pos = _setup(QWEN_MOE, batch=2, seed=3)
+    quantized = _quantized(weights, QWEN_MOE)
+    stack = quantized["layers"][0]["moe"]["w_gate"]
+    assert quant.is_quantized(stack) and stack.fmt == "int8_channel" and stack.shape == (6, 16, 32)
+    options = dataclasses.replace(OPTIONS, interpret=interpret)
+    logits, _, _ = _kernel_step(QWEN_MOE, options)(quantized, tok[:, None], pos[:, None], cache, bt)
+    ref, _, _ = _xla_step(QWEN_MOE)(_dequantized(quantized), tok[:, None], pos[:, None], cache, bt)
+    assert _rel_err(logits, ref) < 1e-3
+    assert not races_found()
+
+
+def test_planted_wrong_expert_is_caught(interpret):
+    """Each pair's DMA reads the next expert: the logits move (the control is the test above)."""
+    cfg = QWEN_MOE
+    weights, cache, bt, tok, pos = _setup(cfg, batch=2)
+    spec = megakernel.spec_for(cfg, batch=2, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32,
+                               pages_per_kv_tile=2)
+    logits, *_ = mk.decode_step(spec, megakernel.kernel_params(cfg, weights), tok[:, None], pos[:, None], bt,
+                                [p.k for p in cache.layers], [p.v for p in cache.layers], tile_rows=16,
+                                vocab_tile_rows=32, ring_depth=3, interpret=interpret, route=megakernel.router(cfg),
+                                _bug="wrong_expert")
+    ref, _, _ = _xla_step(cfg)(weights, tok[:, None], pos[:, None], cache, bt)
+    assert _rel_err(logits, ref) > 1e-3
+
+
+def test_hidden_states_out_equal_xla_capture(interpret):
+    """capture_layers: the residual streams after those layers, as `llama.forward` returns them
+    (the DSpark drafter's features), on a verify-shaped block of 2 tokens per row."""
+    cfg = QWEN_MOE
+    weights, cache, bt, tok, pos = _setup(cfg, batch=2, seed=4)
+    block = jnp.stack([tok, (tok + 5) % cfg.vocab_size], axis=1)
+    positions = pos[:, None] + jnp.arange(2)[None]
+    options = dataclasses.replace(OPTIONS, interpret=interpret)
+    run = lambda fwd: fwd(weights, cfg, block, positions, cache, megakernel.AttentionBatch(bt),  # noqa: E731
+                          capture_layers=(0, 2))
+    logits, states, _ = run(lambda *a, **k: megakernel.forward(*a, **k, options=options))
+    ref_logits, ref_states, _ = run(llama.forward)
+    assert states.shape == ref_states.shape == (2, 2, 2 * cfg.hidden_size)
+    assert _rel_err(states, ref_states) < 1e-4
+    assert _rel_err(logits, ref_logits) < 1e-3
+
+
+def test_moe_validation_and_support():
+    spec = megakernel.spec_for(QWEN_MOE, batch=1, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32)
+    weights, cache, bt, tok, pos = _setup(QWEN_MOE, batch=1)
+    params = megakernel.kernel_params(QWEN_MOE, weights)
+    pools = [p.k for p in cache.layers], [p.v for p in cache.layers]
+    with pytest.raises(ValueError, match="needs route="):
+        mk.decode_step(spec, params, tok[:, None], pos[:, None], bt, *pools)
+    bad = dict(params, layers=[dict(params["layers"][0], gate=jnp.zeros((5, 16, 32)))] + params["layers"][1:])
+    with pytest.raises(ValueError, match=r"layers\[0\]\['gate'\] must be \[experts, out, in\] = \(6, 16, 32\)"):
+        mk.decode_step(spec, bad, tok[:, None], pos[:, None], bt, *pools, route=megakernel.router(QWEN_MOE))
+    with pytest.raises(ValueError, match="top_k .* exceeds num_experts"):
+        dataclasses.replace(spec, top_k=7)
+    gpt_oss_like = dataclasses.replace(QWEN_MOE, moe=dataclasses.replace(QWEN_MOE.moe, expert_bias=True))
+    with pytest.raises(ValueError, match="SwiGLU without biases"):
+        megakernel.check_supported(gpt_oss_like)
