@@ -1,0 +1,66 @@
+"""The megakernel's VMEM budget and per-step HBM floor for model shapes, per TPU generation.
+
+    python benchmarks/megakernel_budget.py [--context 1024]
+
+Pure arithmetic on `weld.kernels.megakernel.plan` (no TPU needed): for each shape, weight type
+and batch, the plan's ring, KV tiles and activations, whether it fits each generation's VMEM
+(and at which ring depth), and the bytes a step must move with the time that takes at the
+generation's HBM bandwidth. Prints markdown tables (docs/megakernel.md holds a copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from weld.kernels.megakernel import plan
+
+MIB = 1 << 20
+# Qwen3-30B-A3B (Qwen3-MoE): 48 sparse layers, 128 experts, top-8, no shared expert
+QWEN3_MOE_30B = plan.MegakernelSpec(hidden=2048, intermediate=6144, num_heads=32, num_kv_heads=4, head_dim=128,
+                                    vocab=151936, num_layers=48, sparse_layers=tuple(range(48)), num_experts=128,
+                                    top_k=8, expert_intermediate=768)
+SHAPES = {"Qwen3-30B-A3B (MoE)": QWEN3_MOE_30B}
+
+
+def rows(context: int):
+    for name, base in SHAPES.items():
+        for weights, wb, sb in (("bf16", 2, 0), ("int8", 1, 4)):
+            for batch in (1, 8):
+                spec = plan.MegakernelSpec(**{**base.__dict__, "weight_bytes": wb, "scale_bytes": sb, "batch": batch})
+                fits = []
+                for gen in plan.TPU_GENERATIONS:
+                    try:
+                        p = plan.fit_plan(spec, gen)
+                        fits.append(f"depth {p.ring_depth} ({p.vmem_bytes / p.vmem_limit_bytes:.0%} of "
+                                    f"{p.vmem_limit_bytes / MIB:.1f} MiB)")
+                    except plan.VmemBudgetError:
+                        fits.append("does not fit")
+                p = plan.make_plan(spec)
+                step = plan.step_bytes(spec, context)
+                floors = [plan.step_floor_seconds(spec, gen, context) * 1e3 for gen in plan.TPU_GENERATIONS]
+                yield (name, weights, batch, len(p.tiles), p.ring_bytes / MIB, p.kv_bytes / MIB, p.activation_bytes / MIB,
+                       p.vmem_bytes / MIB, fits, step / 1e9, floors)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=1024)
+    args = parser.parse_args()
+    gens = list(plan.TPU_GENERATIONS)
+    print("| model | weights | batch | tiles/step | ring | KV tiles | activations | total | "
+          + " | ".join(gens) + " |")
+    print("|---" * (8 + len(gens)) + "|")
+    table = list(rows(args.context))
+    for name, weights, batch, tiles, ring, kv, act, total, fits, _, _ in table:
+        print(f"| {name} | {weights} | {batch} | {tiles} | {ring:.2f} MiB | {kv:.2f} MiB | {act:.2f} MiB | "
+              f"{total:.2f} MiB | " + " | ".join(fits) + " |")
+    print()
+    print(f"| model | weights | batch | context | bytes/step | " + " | ".join(f"floor {g}" for g in gens) + " |")
+    print("|---" * (5 + len(gens)) + "|")
+    for name, weights, batch, *_, step, floors in table:
+        print(f"| {name} | {weights} | {batch} | {args.context} | {step:.3f} GB | "
+              + " | ".join(f"{f:.3f} ms" for f in floors) + " |")
+
+
+if __name__ == "__main__":
+    main()
