@@ -179,6 +179,8 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    help="the model id clients send (default: the model's name)")
     g.add_argument("--max-waiting", type=int, default=256, metavar="N",
                    help="sequences queued beyond --max-num-seqs before new requests get a 429 (default: 256)")
+    g.add_argument("--max-n", type=int, default=128, metavar="N",
+                   help="the most completions one request may ask for (`n`; default: 128)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info)")
     g.add_argument("--headless", action="store_true",
@@ -271,6 +273,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_waiting < 0:
         raise InvalidInputError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.max_n < 1:
+        raise InvalidInputError(f"--max-n must be >= 1, got {args.max_n}")
     config = _engine_config(args)
     parallel = config.parallel
     if parallel.node_rank > 0 and not args.headless:
@@ -285,7 +289,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     source = engine.llm.model.source
     server = ServerConfig(served_model_name=args.served_model_name or source.name,
                           max_model_len=engine.llm.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
-                          max_waiting=args.max_waiting, api_key=args.api_key or os.environ.get("WELD_API_KEY"),
+                          max_waiting=args.max_waiting, max_n=args.max_n, api_key=args.api_key or os.environ.get("WELD_API_KEY"),
                           model_root=str(source.path))
     print(f"weld: serving {server.served_model_name} on http://{args.host}:{args.port}", file=sys.stderr)
     serve(engine, server, host=args.host, port=args.port, log_level=args.log_level)

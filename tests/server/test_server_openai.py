@@ -270,6 +270,9 @@ def test_metrics_names(server):
     ({"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ({"prompt": "x", "structured_outputs": {"regex": "a(b"}}, 400, "structured_outputs.regex"),
     ({}, 400, "prompt"),
+    # one request with n = 2^31 grew a server to 21.5 GB: n is bounded (--max-n) before anything is made
+    ({"prompt": "x", "n": 2147483648}, 400, "n"),
+    ({"prompt": "x", "n": 129, "best_of": 129}, 400, "n"),
 ])
 def test_completion_errors(server, body, status, param):
     raw = body if isinstance(body, str) else json.dumps(body)
@@ -295,6 +298,7 @@ def test_completion_errors(server, body, status, param):
      "response_format.json_schema.schema"),
     ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"choice": []}},
      "structured_outputs.choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2147483648}, "n"),
 ])
 def test_chat_errors(client, body, param):
     with pytest.raises(openai.BadRequestError) as info:

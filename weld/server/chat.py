@@ -149,6 +149,7 @@ def _api_tool_call(call: ParsedToolCall) -> dict:
 async def create_chat_completion(state: ServerState, body: Any, raw_request: Any):
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
     state.check_model(req.model)
+    state.check_n(req.n)
     if not req.stream and req.stream_options is not None:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     if req.top_logprobs is not None and not req.logprobs:

@@ -52,6 +52,7 @@ async def create_completion(state: ServerState, body: Any, raw_request: Any):
 
     req: CompletionRequest = parse_body(CompletionRequest, body)
     state.check_model(req.model)
+    state.check_n(req.n)
     if req.suffix is not None:
         raise APIError(400, "suffix is not supported", param="suffix")
     n = 1 if req.n is None else req.n

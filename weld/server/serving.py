@@ -24,6 +24,7 @@ class ServerConfig:
     max_model_len: int
     max_num_seqs: int = 64
     max_waiting: int = 256  # sequences admitted beyond max_num_seqs before requests get a 429
+    max_n: int = 128  # completions per prompt a request may ask for (`n`; OpenAI's own limit)
     api_key: str | None = None
     model_root: str | None = None  # the path or id the model came from, for /v1/models
 
@@ -47,6 +48,11 @@ class ServerState:
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def check_n(self, n: int | None) -> None:
+        """`n` within the server's bound, checked before anything is made per completion."""
+        if isinstance(n, int) and n > self.config.max_n:
+            raise APIError(400, f"n must be at most {self.config.max_n} (the server's --max-n), got {n}", param="n")
 
     def admit(self, num_seqs: int) -> "_Admission":
         if self.draining:
