@@ -41,7 +41,6 @@ def test_keywords_go_to_their_groups():
     (dict(dtype="int4"), "unknown dtype 'int4'"),
     (dict(block_size=16), "unknown engine setting 'block_size'"),
     (dict(speculative_config={"method": "eagle"}), "speculative method must be one of"),
-    (dict(speculative_config={"method": "dspark", "model": "d"}, backend="megakernel"), "megakernel"),
 ])
 def test_bad_settings_name_the_setting_and_value(kwargs, needle):
     with pytest.raises(InvalidInputError) as err:

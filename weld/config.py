@@ -266,9 +266,6 @@ class EngineConfig:
             _check(self.quantization in (None, "none"),
                    f"quantization {self.quantization!r} runs on one device (the native CPU kernels); over a mesh "
                    "weights load as float (a GGUF's blocks are dequantized)")
-        if self.speculative.method == "dspark" and self.backend == "megakernel":
-            raise InvalidInputError("the DSpark drafter needs the target's hidden states, which the megakernel "
-                                    "backend does not return: use backend 'xla' or another speculative method")
 
     @property
     def load_quantization(self) -> str | None:

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from reference_drafts import ReferenceProposer
+
 from weld import LLM, SamplingParams
 from weld.engine import programs
 from weld.engine.block_manager import SNAPSHOT_INTERVAL, BlockManager
@@ -210,24 +212,6 @@ def test_random_traffic_with_aborts_leaks_no_slot_or_page(llm):
             break
     assert aborted and not pending
     assert_no_leaks(llm)
-
-
-class ReferenceProposer:
-    """Drafts the reference continuation of each prompt, its third draft wrong: verification keeps
-    two drafts and the bonus token, and the state must be recomputed over those three."""
-
-    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], vocab: int):
-        self.references = [(prompt, prompt + out) for prompt, out in zip(prompts, outputs)]
-        self.vocab = vocab
-
-    def propose(self, token_ids: list[int]) -> list[int]:
-        for prompt, full in self.references:
-            if list(token_ids[:len(prompt)]) == prompt:
-                drafts = full[len(token_ids):len(token_ids) + 3]
-                if len(drafts) == 3:
-                    drafts[2] = (drafts[2] + 1) % self.vocab
-                return drafts
-        return []
 
 
 def test_speculative_verification_equals_plain_greedy(model, llm, batched, monkeypatch):

@@ -16,7 +16,7 @@ from interpret_mode import races_found
 from weld.kernels.megakernel import decode as mk
 from weld.kernels.megakernel.plan import VmemBudgetError
 from weld.models import llama
-from weld.models import llama_megakernel as megakernel
+from weld.models import megakernel
 from weld.models.common.cache import AttentionBatch
 from weld.models.llama import cache_spec
 from weld.models.common.rope import RopeScaling

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from reference_drafts import ReferenceProposer
+
 from weld import LLM, SamplingParams
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris"]
@@ -25,7 +27,7 @@ def test_megakernel_backend_greedy_text_matches_xla(tiny_llama_dir):
     for a, b in zip(xla, mega):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert b.outputs[0].text == a.outputs[0].text
-    from weld.models import llama_megakernel as megakernel
+    from weld.models import megakernel
 
     # the decode program really is the megakernel's (equal text alone would not prove it ran)
     assert mega_llm.engine.runner._decode.__wrapped__.args[0] is megakernel.forward
@@ -36,7 +38,7 @@ def test_megakernel_backend_greedy_text_matches_xla(tiny_llama_dir):
 def test_megakernel_takes_weights_quantized_at_load(tiny_llama_dir):
     """quantization "int8_channel": the matrices and the LM head are quantized once, at load, and
     the kernel's operands are those arrays themselves (nothing is quantized inside a call)."""
-    from weld.models import llama_megakernel as megakernel
+    from weld.models import megakernel
     from weld.models.common import quant
 
     llm = _llm(tiny_llama_dir[0], "megakernel", quantization="int8_channel")
@@ -63,7 +65,7 @@ def test_backend_switch_picks_the_decode_forward():
 
     from weld.engine.runner import decode_forward
     from weld.models import llama
-    from weld.models import llama_megakernel as megakernel
+    from weld.models import megakernel
 
     cfg = llama.Config(architecture="llama", vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1,
                        num_heads=2, num_kv_heads=1, head_dim=8)
@@ -86,7 +88,7 @@ def test_cli_backend_flag():
         parser.parse_args(["serve", "--backend", "cuda"])
 
 
-@pytest.mark.parametrize("variant,needle", [("deepseek_v3", "does not cover the deepseek family"),
+@pytest.mark.parametrize("variant,needle", [("qwen3_next", "linear-attention layers"),
                                             ("mistral", "no sliding-window attention")])
 def test_what_the_megakernel_does_not_cover_is_a_one_line_input_error(tiny_family_dir, variant, needle):
     from weld.utils.errors import InvalidInputError
@@ -96,19 +98,46 @@ def test_what_the_megakernel_does_not_cover_is_a_one_line_input_error(tiny_famil
     assert str(err.value).startswith("backend 'megakernel': ") and "\n" not in str(err.value)
 
 
-def test_moe_megakernel_in_the_engine_matches_xla(tiny_family_dir):
-    """Qwen3-MoE (a dense first layer, then sparse ones) on the megakernel in the engine: three
-    prompts in a batch bucket of four (a padding row), the fused decode loop and, with n-gram
-    speculation, the verify block: the XLA backend's greedy tokens, and no page leaked."""
-    directory = tiny_family_dir("qwen3_moe")[0]
+@pytest.mark.parametrize("variant", ["qwen3_moe", "deepseek_v3"])
+def test_moe_megakernel_in_the_engine_matches_xla(tiny_family_dir, variant, monkeypatch):
+    """Qwen3-MoE (a dense first layer, then sparse ones) and DeepSeek-V3 (MLA, group-limited
+    sigmoid routing, a shared expert) on the megakernel in the engine: three prompts in a batch
+    bucket of four (a padding row), the fused decode loop, then speculative verification (the
+    verify block) on drafts of the XLA continuation whose third draft is wrong: the XLA
+    backend's greedy tokens, drafts accepted, and no page leaked."""
+    directory = tiny_family_dir(variant)[0]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = PROMPTS[:2] + ["Paris is the capital of France. Paris is the capital of"]  # 3 rows: bucket 4
     xla = [o.outputs[0].token_ids for o in _llm(directory, "xla").generate(prompts, params)]
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": 2, "adaptive": False}):
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}):
         llm = LLM(model=str(directory), dtype="float32", max_model_len=64, kv_cache_memory_gb=0.01, steps_per_call=4,
                   backend="megakernel", max_num_seqs=4, speculative_config=spec)
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == xla
+        ids = [llm.tokenizer.encode(p) for p in prompts]
+        if spec is not None:  # the host drafts the reference for every row
+            llm.engine.proposer = ReferenceProposer(ids, xla, llm.cfg.vocab_size)
+            monkeypatch.setattr(llm.engine.runner, "drafter", None)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], params)
+        assert [o.outputs[0].token_ids for o in outs] == xla
         bm = llm.engine.block_manager
         assert bm.num_free_pages == bm.num_pages
         if spec is not None:
-            assert llm.engine.spec_stats()["spec_num_draft_tokens"] > 0  # the verify block ran
+            assert llm.engine.spec_stats()["spec_num_accepted_tokens"] >= 2 * len(prompts)  # the verify block ran
+
+
+def test_dspark_on_the_megakernel_reads_its_hidden_states(tiny_llama_dir, tmp_path):
+    """The kernel returns the residual streams the drafter reads (capture_layers): DSpark
+    speculation on the megakernel keeps the XLA backend's greedy tokens, and drafts."""
+    from weld.engine.spec import dspark
+
+    directory, _ = tiny_llama_dir
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    plain = _llm(directory, "xla")
+    xla = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], params)]
+    cfg = dspark.DraftConfig.for_target(plain.cfg, block_size=3, target_layers=(0, plain.cfg.num_layers - 1),
+                                        num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32, markov_rank=4)
+    dspark.save(tmp_path, dspark.init_params(cfg, seed=1, target_weights=plain.model.weights), cfg)
+    llm = LLM(model=str(directory), dtype="float32", max_model_len=64, kv_cache_memory_gb=0.01, steps_per_call=4,
+              backend="megakernel", speculative_config={"method": "dspark", "model": str(tmp_path),
+                                                        "confidence_threshold": 0.0, "adaptive": False})
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)] == xla
+    assert llm.engine.spec_stats()["spec_num_draft_tokens"] > 0

@@ -19,7 +19,7 @@ from test_megakernel_decode import (LLAMA, OPTIONS, PAGE, _assert_caches_close, 
 from weld.kernels.megakernel import decode as mk
 from weld.kernels.megakernel import plan as mkplan
 from weld.models import llama
-from weld.models import llama_megakernel as megakernel
+from weld.models import megakernel
 from weld.models.common import moe as moe_lib
 from weld.models.common import quant
 

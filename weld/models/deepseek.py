@@ -270,4 +270,8 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
 
 
 def megakernel(cfg: Config) -> Callable:
-    raise ValueError("the megakernel does not cover the deepseek family yet (MLA, MoE): use backend='xla'")
+    """The forward of the TPU decode megakernel for this config (ValueError for what it does not cover)."""
+    from weld.models import megakernel
+
+    megakernel.check_supported(cfg)
+    return megakernel.forward

@@ -436,7 +436,7 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
 
 def megakernel(cfg: Config) -> Callable:
     """The forward of the TPU decode megakernel for this config (ValueError for what it does not cover)."""
-    from weld.models import llama_megakernel
+    from weld.models import megakernel
 
-    llama_megakernel.check_supported(cfg)
-    return llama_megakernel.forward
+    megakernel.check_supported(cfg)
+    return megakernel.forward

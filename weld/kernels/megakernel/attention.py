@@ -85,8 +85,11 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
 
     pos_ref [B * T] and bt_ref [B, M]: SMEM. q_ref [B * T, H, E], kn_ref / vn_ref [B * T, KV, E]
     (the pools' dtype) and out_ref [B * T, H, E]: VMEM. k_pool / v_pool [P, page, KV, E]: HBM,
-    written in place. k_buf, v_buf, sems, write_sems: `kv_scratch(...)`.
+    written in place. k_buf, v_buf, sems, write_sems: `kv_scratch(...)`. vn_ref and v_pool None:
+    the values are the keys themselves (MLA's latent pool: the caller keeps the first dims).
     """
+    pools = ((k_pool, k_buf, 0),) if v_pool is None else ((k_pool, k_buf, 0), (v_pool, v_buf, 1))
+    news = ((kn_ref, k_pool),) if v_pool is None else ((kn_ref, k_pool), (vn_ref, v_pool))
     _, page_size, kv_heads, e = k_pool.shape
     h = q_ref.shape[1]
     g = h // kv_heads
@@ -96,7 +99,7 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
         copies = []
         for j in range(pages_per_tile):
             page = bt_ref[row, jnp.minimum(tile * pages_per_tile + j, last_page)]
-            for pool, buf, which in ((k_pool, k_buf, 0), (v_pool, v_buf, 1)):
+            for pool, buf, which in pools:
                 copies.append(pltpu.make_async_copy(pool.at[page], buf.at[slot, j], sems.at[which, slot]))
         return copies
 
@@ -104,7 +107,7 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
         n, pos = row * tokens + t, pos_ref[row * tokens + t]
         page = bt_ref[row, jnp.maximum(pos, 0) // page_size]
         return [pltpu.make_async_copy(src.at[n], pool.at[page, pos % page_size], write_sems.at[i])
-                for i, (src, pool) in enumerate(((kn_ref, k_pool), (vn_ref, v_pool)))]
+                for i, (src, pool) in enumerate(news)]
 
     def for_live_tokens(row, fn):
         for t in range(tokens):
@@ -151,7 +154,7 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
                         c.wait()
                 read = 1 - slot if bug == "wrong_slot" else slot
                 keys = k_buf[read].reshape(tile_tokens, kv_heads, e).astype(jnp.float32)  # [s, k, e]
-                values = v_buf[read].reshape(tile_tokens, kv_heads, e).astype(jnp.float32)
+                values = keys if v_pool is None else v_buf[read].reshape(tile_tokens, kv_heads, e).astype(jnp.float32)
                 kv_pos = tile * tile_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, tile_tokens), 3)
                 visible = kv_pos <= q_pos_col  # [t, 1, 1, s]
                 s = jnp.einsum("tkge,ske->tkgs", qg, keys, precision=jax.lax.Precision.HIGHEST)

@@ -44,7 +44,9 @@ from weld.kernels.megakernel.plan import MegakernelSpec, Plan, fit_plan, make_pl
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a dense layer's, in stream order (plan.matrices)
 BUGS = (None, "skip_wait", "wrong_slot", "wrong_expert")  # planted bugs, for the tests
 _OPTIONAL_VECTORS = (("qkv_bias", "qkv_bias"), ("o_bias", "o_bias"), ("q_norm", "qk_norm"), ("k_norm", "qk_norm"),
-                     ("router_bias", "router_bias"), ("shared_expert_gate", "shared_expert_gate"))
+                     ("router_bias", "router_bias"), ("shared_expert_gate", "shared_expert_gate"),
+                     ("kv_a_norm", "mla"), ("q_a_norm", "q_lora"))
+LATENT_NORM_EPS = 1e-6  # MLA's q_a and kv_a norms (transformers hard-codes it)
 
 
 @jax.tree_util.register_dataclass
@@ -85,6 +87,9 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools):
             raise ValueError(f"{name} must be [B, T] = {(b, t)} (spec.batch, spec.tokens_per_row), got {a.shape}")
     if block_tables.ndim != 2 or block_tables.shape[0] != b:
         raise ValueError(f"block_tables must be [B, max_pages] with B = {b}, got {block_tables.shape}")
+    if spec.mla != (v_pools is None):
+        raise ValueError("MLA attends over one latent pool per layer (v_pools None); GQA needs K and V pools")
+    v_pools = k_pools if v_pools is None else v_pools
     if len(params["layers"]) != n_layers or len(k_pools) != n_layers or len(v_pools) != n_layers:
         raise ValueError(f"spec.num_layers is {n_layers} but got {len(params['layers'])} weight layers, "
                          f"{len(k_pools)} K pools and {len(v_pools)} V pools")
@@ -93,9 +98,10 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools):
         if kp.shape != pool_shape or vp.shape != pool_shape:
             raise ValueError(f"pools of layer {i} must be [P, page, KV, E] = {pool_shape}, got {kp.shape} and {vp.shape}")
     expected = {"embed": (spec.vocab, d), "lm_head": (spec.vocab, d), "attn_norm": (n_layers, d),
-                "mlp_norm": (n_layers, d), "final_norm": (d,), "inv_freq": (e // 2,), "qkv_bias": (n_layers, q + 2 * kv),
+                "mlp_norm": (n_layers, d), "final_norm": (d,), "inv_freq": (spec.rope_dims // 2,), "qkv_bias": (n_layers, q + 2 * kv),
                 "o_bias": (n_layers, d), "q_norm": (n_layers, e), "k_norm": (n_layers, e),
-                "router_bias": (n_layers, spec.num_experts), "shared_expert_gate": (n_layers, d)}
+                "router_bias": (n_layers, spec.num_experts), "shared_expert_gate": (n_layers, d),
+                "kv_a_norm": (n_layers, spec.kv_lora_rank), "q_a_norm": (n_layers, spec.q_lora_rank)}
     for name in ["embed", "lm_head"] + _vector_names(spec):
         if name not in params:
             raise ValueError(f"params has no {name!r} (the spec's switches need it)")
@@ -141,7 +147,10 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     capture_layers: layers whose output hidden states (the residual stream after the layer)
       are returned, f32 [B, T, d] each (a drafter's features).
     tokens, positions: int32 [B, T] (position -1: padding; a row is padding when its first is).
-    block_tables: int32 [B, M]. k_pools, v_pools: L arrays [P, page, KV, E], updated in place.
+    block_tables: int32 [B, M]. k_pools, v_pools: L arrays [P, page, KV, E], updated in place
+      (MLA: k_pools are the latent pools [P, page, 1, kv_lora_rank + rope_dim], v_pools None).
+      An MLA layer has "q" (or "q_a", "q_b"), "kv_a", "w_uk" [heads x nope, latent], "w_uv"
+      [heads x v, latent] and "o", and the vectors "kv_a_norm" [L, latent] ("q_a_norm" [L, q_lora]).
     generation: a TPU generation whose VMEM budget the plan must fit (the ring shrinks to fit,
       else `plan.VmemBudgetError`); None: detected on a TPU, not checked in interpret mode.
     interpret: False on a TPU; a `pltpu.InterpretParams` (or True) to run on CPU.
@@ -164,7 +173,10 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     depth, tiles = plan.ring_depth, plan.tiles
     b, t, n_tok = spec.batch, spec.tokens_per_row, spec.tokens
     h, kvh, e, d, n_layers = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden, spec.num_layers
-    q_dim, kv_dim = h * e, kvh * e
+    q_dim, kv_dim = h * e, kvh * e  # attention's query width; the new K (MLA: c_kv | k_pe) per token
+    q_proj = h * (spec.nope_dim + spec.rope_dim) if spec.mla else q_dim  # the query projection's width
+    n_pools = n_layers if spec.mla else 2 * n_layers  # MLA: one latent pool per layer
+    pool_list = list(k_pools) + ([] if spec.mla else list(v_pools))
 
     # HBM matrices in one list, indexed by (layer, name); the LM head is (-1, "lm_head").
     matrices, index = [], {}
@@ -205,16 +217,19 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         w_refs = take(n_mat)  # HBM [out, in] each (an expert stack: [E, out, in])
         s_refs = take(n_scale)  # HBM [1, out] each, [E, 1, out] for a stack (int8 only)
         router_refs = dict(zip(sparse, take(n_router)))  # HBM [E, d] per sparse layer
-        take(2 * n_layers)  # the input pools: aliased, use the outputs
+        take(n_pools)  # the input pools: aliased, use the outputs
         # outputs
         logits_ref, ids_ref = take(2)  # VMEM [N, V] f32, [N, 1] int32
-        k_out, v_out = take(n_layers), take(n_layers)  # HBM pools [P, page, KV, E]
+        k_out = take(n_layers)  # HBM pools [P, page, KV, E]
+        v_out = [None] * n_layers if spec.mla else take(n_layers)  # MLA: the values are the latent keys
         cap_refs = take(n_cap)  # VMEM [N, d] f32 per capture layer
         # scratch (see scratch_shapes)
         ring, ring_sems, emb_buf, emb_sems, x_ref, delta_ref, qa_ref, ka_ref, va_ref = take(9)
         q_heads, kn_ref, vn_ref, att_ref, gate_ref, up_ref = take(6)
         attn_scratch = take(4)
         scale_ring = take(1)[0] if int8 else None
+        if spec.mla:
+            ov_ref, qlo_ref = take(2) if spec.q_lora else (take(1)[0], None)
         if sparse:
             router_buf, router_sem, scores_ref, choice_ref, weight_ref, chosen, chosen_sem, eg_ref, eu_ref = take(9)
             sg_ref, su_ref = take(2) if spec.shared_intermediate else (None, None)
@@ -251,8 +266,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                     c.start()
                 started[0] += 1
 
-        def gemv(layer, name, x, write, pair=-1):
-            """x [rows, in] f32 @ the matrix^T, tile by tile; write(first_row, rows, y [rows, tile rows])."""
+        def gemv(layer, name, x, write, pair=-1, compute=None):
+            """x [rows, in] f32 @ the matrix^T, tile by tile; write(first_row, rows, y [rows, tile rows]).
+            compute(w [tile rows, in] f32, tile) replaces the product (MLA's per-head forms)."""
             i = first = cursor[0]
             while i < len(tiles) and tiles[i].key == (layer, name, pair):
                 tile = tiles[i]
@@ -262,12 +278,15 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                         c.wait()
                 slot = (i + 1) % depth if _bug == "wrong_slot" else i % depth
                 w = ring[slot, :tile.rows, :tile.cols]  # [rows, in]
-                if int8:
-                    w, lhs = w.astype(jnp.float32), x
+                if compute is not None:
+                    y = compute(w.astype(jnp.float32), tile)
                 else:
-                    lhs = x.astype(w.dtype)
-                y = jax.lax.dot_general(lhs, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                        precision=jax.lax.Precision.HIGHEST)  # [N, rows]
+                    if int8:
+                        w, lhs = w.astype(jnp.float32), x
+                    else:
+                        lhs = x.astype(w.dtype)
+                    y = jax.lax.dot_general(lhs, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                            precision=jax.lax.Precision.HIGHEST)  # [N, rows]
                 if int8:
                     y = y * scale_ring[slot, :, :tile.rows]  # [1, rows]
                 write(tile.row_start, tile.rows, y)
@@ -284,8 +303,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                     ref[row:row + 1, start:start + rows] = y
             return write
 
-        def rms_norm(x, weight):  # x [N, w] f32, weight [1, w]
-            return weight * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + spec.rms_norm_eps))
+        def rms_norm(x, weight, eps=spec.rms_norm_eps):  # x [N, w] f32, weight [1, w]
+            return weight * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
 
         def row(name, layer):  # [1, width] of a per-layer vector
             return vec[name][layer:layer + 1, :]
@@ -349,14 +368,15 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         cos = (jnp.cos(freqs) * spec.rope_mscale)[:, None, :]  # [N, 1, E/2]
         sin = (jnp.sin(freqs) * spec.rope_mscale)[:, None, :]
 
-        def rope(z):  # [N, heads, E]
-            z1, z2 = z[..., :e // 2], z[..., e // 2:]
+        def rope(z):  # [N, heads, rope dims]; interleaved pairs come out de-interleaved, as HF's
+            if spec.rope_interleaved:
+                z = jnp.concatenate([z[..., 0::2], z[..., 1::2]], axis=-1)
+            half = z.shape[-1] // 2
+            z1, z2 = z[..., :half], z[..., half:]
             return jnp.concatenate([z1 * cos - z2 * sin, z2 * cos + z1 * sin], axis=-1)
 
-        for layer in range(n_layers):
-            if layer in sparse:  # the router lands while attention runs
-                router_copy(layer).start()
-            y = rms_norm(x_ref[...], row("attn_norm", layer))  # [N, d]
+        def gqa_attention(layer, y):
+            """q, k, v, attention over the K/V pools, o: the projection's output in delta_ref."""
             for name, ref in (("q", qa_ref), ("k", ka_ref), ("v", va_ref)):
                 gemv(layer, name, y, into(ref))
             q, k, v = qa_ref[...], ka_ref[...], va_ref[...]  # [N, q], [N, kv], [N, kv]
@@ -371,10 +391,55 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             kn_ref[...] = rope(k).astype(kv_dtype)
             vn_ref[...] = v.reshape(n_tok, kvh, e).astype(kv_dtype)
             attend_rows(pos_ref, bt_ref, q_heads, kn_ref, vn_ref, k_out[layer], v_out[layer], att_ref, *attn_scratch,
-                        rows=b, tokens=t, pages_per_tile=spec.pages_per_kv_tile, scale=e ** -0.5)
+                        rows=b, tokens=t, pages_per_tile=spec.pages_per_kv_tile, scale=spec.scale)
             gemv(layer, "o", att_ref[...].reshape(n_tok, q_dim), into(delta_ref))
-            delta = delta_ref[...] + (row("o_bias", layer) if spec.o_bias else 0.0)
-            x_ref[...] = x_ref[...] + delta
+            if spec.o_bias:
+                delta_ref[...] = delta_ref[...] + row("o_bias", layer)
+
+        def mla_attention(layer, y):
+            """Absorbed MLA (weld.models.common.mla): the query's nope part folded through W_UK into
+            the latent space, one latent key head [c_kv | k_pe] whose first r dims are the values,
+            W_UV on the latent output, then o: the projection's output in delta_ref."""
+            r, dn, dr, dv = spec.kv_lora_rank, spec.nope_dim, spec.rope_dim, spec.v_dim
+            if spec.q_lora:
+                gemv(layer, "q_a", y, into(qlo_ref))
+                gemv(layer, "q_b", rms_norm(qlo_ref[...], row("q_a_norm", layer), LATENT_NORM_EPS), into(qa_ref))
+            else:
+                gemv(layer, "q", y, into(qa_ref))
+            gemv(layer, "kv_a", y, into(ka_ref))
+            kv = ka_ref[...]  # [N, r + dr]
+            c_kv = rms_norm(kv[:, :r], row("kv_a_norm", layer), LATENT_NORM_EPS)
+            kn_ref[...] = jnp.concatenate([c_kv[:, None, :], rope(kv[:, None, r:])], axis=-1).astype(kv_dtype)
+            q = qa_ref[...].reshape(n_tok, h, dn + dr)
+            q_heads[:, :, r:] = rope(q[:, :, dn:])
+            q_nope = q[:, :, :dn]
+
+            def absorb(w, tile):  # a tile of whole heads of W_UK [heads x dn, r]: q_abs = W_UK[h]^T q_nope[h]
+                h0, hh = tile.row_start // dn, tile.rows // dn
+                return jnp.einsum("nhe,her->nhr", q_nope[:, h0:h0 + hh], w.reshape(hh, dn, r),
+                                  precision=jax.lax.Precision.HIGHEST)
+
+            def into_heads(start, rows, y):
+                q_heads[:, start // dn:(start + rows) // dn, :r] = y
+            gemv(layer, "w_uk", None, into_heads, compute=absorb)
+            attend_rows(pos_ref, bt_ref, q_heads, kn_ref, None, k_out[layer], None, att_ref, *attn_scratch,
+                        rows=b, tokens=t, pages_per_tile=spec.pages_per_kv_tile, scale=spec.scale)
+            o_lat = att_ref[...][:, :, :r]  # [N, heads, r]: the values are c_kv, the keys' first r dims
+
+            def expand(w, tile):  # a tile of whole heads of W_UV [heads x dv, r]: o[h] = W_UV[h] o_lat[h]
+                h0, hh = tile.row_start // dv, tile.rows // dv
+                out = jnp.einsum("nhr,hvr->nhv", o_lat[:, h0:h0 + hh], w.reshape(hh, dv, r),
+                                 precision=jax.lax.Precision.HIGHEST)
+                return out.reshape(n_tok, tile.rows)
+            gemv(layer, "w_uv", None, into(ov_ref), compute=expand)
+            gemv(layer, "o", ov_ref[...], into(delta_ref))
+
+        for layer in range(n_layers):
+            if layer in sparse:  # the router lands while attention runs
+                router_copy(layer).start()
+            y = rms_norm(x_ref[...], row("attn_norm", layer))  # [N, d]
+            (mla_attention if spec.mla else gqa_attention)(layer, y)
+            x_ref[...] = x_ref[...] + delta_ref[...]
             y = rms_norm(x_ref[...], row("mlp_norm", layer))
             (sparse_mlp if layer in sparse else dense_mlp)(layer, y)
             x_ref[...] = x_ref[...] + delta_ref[...]
@@ -397,7 +462,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         pltpu.SemaphoreType.DMA((n_tok,)),  # one per embedding row
         pltpu.VMEM((n_tok, d), f32),  # x: the residual stream
         pltpu.VMEM((n_tok, d), f32),  # the o / down projection's output, added to x
-        pltpu.VMEM((n_tok, q_dim), f32),  # q
+        pltpu.VMEM((n_tok, q_proj), f32),  # q, as projected
         pltpu.VMEM((n_tok, kv_dim), f32),  # k
         pltpu.VMEM((n_tok, kv_dim), f32),  # v
         pltpu.VMEM((n_tok, h, e), f32),  # q by head, normed and roped: attention's input
@@ -409,6 +474,10 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     ] + kv_scratch(spec.pages_per_kv_tile, spec.page_size, kvh, e, kv_dtype)  # KV tiles and their semaphores
     if int8:
         scratch.append(pltpu.VMEM((depth, 1, max_rows), f32))  # the scale ring, one row of scales per slot
+    if spec.mla:
+        scratch.append(pltpu.VMEM((n_tok, h * spec.v_dim), f32))  # W_UV's output: o's input
+        if spec.q_lora:
+            scratch.append(pltpu.VMEM((n_tok, spec.q_lora_rank), f32))  # q_a's output
     if sparse:
         scratch += [
             pltpu.VMEM((spec.num_experts, d), routers[0].dtype),  # the layer's router, read whole
@@ -425,16 +494,16 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             scratch += [pltpu.VMEM((n_tok, spec.shared_intermediate), f32)] * 2  # the shared expert's gate, up
     n_in = n_vec + 1 + n_mat + n_scale + n_router
     first_pool = 3 + n_in  # operand indices count the three scalar-prefetch operands
-    aliases = {first_pool + i: 2 + i for i in range(2 * n_layers)}
+    aliases = {first_pool + i: 2 + i for i in range(n_pools)}
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         in_specs=[pl.BlockSpec(memory_space=vmem)] * n_vec + [pl.BlockSpec(memory_space=pl.ANY)] * (
-            1 + n_mat + n_scale + n_router + 2 * n_layers),
-        out_specs=[pl.BlockSpec(memory_space=vmem)] * 2 + [pl.BlockSpec(memory_space=pl.ANY)] * (2 * n_layers)
+            1 + n_mat + n_scale + n_router + n_pools),
+        out_specs=[pl.BlockSpec(memory_space=vmem)] * 2 + [pl.BlockSpec(memory_space=pl.ANY)] * n_pools
         + [pl.BlockSpec(memory_space=vmem)] * n_cap,
         scratch_shapes=scratch,
     )
-    pool_structs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in list(k_pools) + list(v_pools)]
+    pool_structs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pool_list]
     compiler_params = None
     if not interpret and plan.vmem_limit_bytes is not None:
         compiler_params = pltpu.CompilerParams(vmem_limit_bytes=plan.vmem_limit_bytes)
@@ -447,7 +516,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         compiler_params=compiler_params,
         interpret=interpret,
     )(tokens.reshape(-1).astype(jnp.int32), positions.reshape(-1).astype(jnp.int32), block_tables.astype(jnp.int32),
-      *vectors, params["embed"], *weight_ops, *scale_ops, *routers, *k_pools, *v_pools)
-    pools, hidden = rest[:2 * n_layers], [hs.reshape(b, t, d) for hs in rest[2 * n_layers:]]
-    return (logits.reshape(b, t, spec.vocab), ids.reshape(b, t), list(pools[:n_layers]), list(pools[n_layers:]),
-            hidden)
+      *vectors, params["embed"], *weight_ops, *scale_ops, *routers, *pool_list)
+    pools, hidden = rest[:n_pools], [hs.reshape(b, t, d) for hs in rest[n_pools:]]
+    return (logits.reshape(b, t, spec.vocab), ids.reshape(b, t), list(pools[:n_layers]),
+            None if spec.mla else list(pools[n_layers:]), hidden)

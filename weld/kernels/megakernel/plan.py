@@ -92,6 +92,17 @@ class MegakernelSpec:
     shared_intermediate: int = 0
     shared_expert_gate: bool = False  # Qwen3-Next: the shared expert's output times sigmoid(x . g)
     router_bias: bool = False  # a bias added to the router's scores (gpt-oss, DeepSeek-V3's correction)
+    # multi-head latent attention (DeepSeek, Kimi K2), absorbed: attention="mla", then num_kv_heads
+    # is 1 and head_dim is kv_lora_rank + rope_dim (the latent cache's width: c_kv | k_pe); the
+    # query is q (or q_a -> norm -> q_b when q_lora_rank > 0) of num_heads x (nope_dim + rope_dim)
+    attention: str = "gqa"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    nope_dim: int = 0
+    rope_dim: int = 0
+    v_dim: int = 0
+    rope_interleaved: bool = False  # DeepSeek's pairs (2i, 2i + 1), de-interleaved as HF does
+    attn_scale: float = 0.0  # the softmax scale; 0: head_dim ** -0.5
 
     def __post_init__(self):
         for name in ("hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "vocab",
@@ -107,6 +118,16 @@ class MegakernelSpec:
                              f"({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.attention not in ("gqa", "mla"):
+            raise ValueError(f"MegakernelSpec.attention must be 'gqa' or 'mla', got {self.attention!r}")
+        if self.mla:
+            for name in ("kv_lora_rank", "nope_dim", "rope_dim", "v_dim"):
+                if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                    raise ValueError(f"MegakernelSpec.{name} must be a positive int with MLA, got {getattr(self, name)!r}")
+            if self.num_kv_heads != 1 or self.head_dim != self.kv_lora_rank + self.rope_dim:
+                raise ValueError(f"MLA attends over one latent head of kv_lora_rank + rope_dim = "
+                                 f"{self.kv_lora_rank + self.rope_dim} dims: num_kv_heads must be 1 and head_dim "
+                                 f"that, got {self.num_kv_heads} and {self.head_dim}")
         if self.sparse_layers:
             if not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.sparse_layers):
                 raise ValueError(f"sparse_layers {self.sparse_layers} must lie in [0, {self.num_layers})")
@@ -123,6 +144,41 @@ class MegakernelSpec:
         return self.batch * self.tokens_per_row
 
     @property
+    def mla(self) -> bool:
+        return self.attention == "mla"
+
+    @property
+    def q_lora(self) -> bool:
+        return self.mla and self.q_lora_rank > 0
+
+    @property
+    def rope_dims(self) -> int:
+        """The rotated dims of each head: all of them, or MLA's rope part."""
+        return self.rope_dim if self.mla else self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or self.head_dim ** -0.5
+
+    def head_rows(self, name: str) -> int:
+        """Rows per head of a matrix whose tiles must hold whole heads (MLA's W_UK, W_UV), else 1."""
+        return {"w_uk": self.nope_dim, "w_uv": self.v_dim}.get(name, 1) if self.mla else 1
+
+    def attention_matrices(self) -> list[tuple[str, int, int]]:
+        """The attention's matrices in stream order. MLA: the query (or its LoRA pair), the joint
+        KV down-projection, W_UK [heads x nope, latent] (folded into the query), W_UV [heads x
+        v, latent] (applied to the attention's latent output), the output projection."""
+        d = self.hidden
+        if not self.mla:
+            q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return [("q", q, d), ("k", kv, d), ("v", kv, d), ("o", d, q)]
+        nh, r = self.num_heads, self.kv_lora_rank
+        q_out = nh * (self.nope_dim + self.rope_dim)
+        query = [("q_a", self.q_lora_rank, d), ("q_b", q_out, self.q_lora_rank)] if self.q_lora else [("q", q_out, d)]
+        return query + [("kv_a", r + self.rope_dim, d), ("w_uk", nh * self.nope_dim, r), ("w_uv", nh * self.v_dim, r),
+                        ("o", d, nh * self.v_dim)]
+
+    @property
     def pairs(self) -> int:
         """Routed (token, choice) pairs of one call in a sparse layer."""
         return self.tokens * self.top_k
@@ -130,9 +186,8 @@ class MegakernelSpec:
     def matrices(self, layer: int = 0) -> list[tuple[str, int, int]]:
         """A layer's static weight matrices in stream order: (name, rows = out, cols = in). A
         sparse layer's routed experts come after these, per pair (`expert_matrices`)."""
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         d, f = self.hidden, self.intermediate
-        attention = [("q", q, d), ("k", kv, d), ("v", kv, d), ("o", d, q)]
+        attention = self.attention_matrices()
         if layer not in self.sparse_layers:
             return attention + [("gate", f, d), ("up", f, d), ("down", d, f)]
         s = self.shared_intermediate
@@ -222,7 +277,8 @@ def stream_schedule(spec: MegakernelSpec, *, tile_rows: int = 256, vocab_tile_ro
 
     for layer in range(spec.num_layers):
         for name, rows, cols in spec.matrices(layer):
-            add(layer, name, rows, cols, tile_rows)
+            per_head = spec.head_rows(name)  # whole heads per tile
+            add(layer, name, rows, cols, max(1, tile_rows // per_head) * per_head)
         if layer in spec.sparse_layers:
             for pair in range(spec.pairs):
                 for name, rows, cols in spec.expert_matrices():
@@ -258,6 +314,9 @@ def activation_bytes(spec: MegakernelSpec) -> int:
         vectors += spec.num_layers * d
     if spec.qk_norm:
         vectors += spec.num_layers * 2 * e
+    if spec.mla:  # per row: the q LoRA's output, the latent output's values; per layer: two norms
+        per_row += a * (spec.q_lora_rank + spec.num_heads * spec.v_dim)
+        vectors += spec.num_layers * (spec.kv_lora_rank + spec.q_lora_rank) - (e // 2 - spec.rope_dim // 2)
     if spec.sparse_layers:
         # per row: the router's scores and the routing weights; per pair: the expert's gate and
         # up; the shared expert's gate and up; the chosen experts' ids (SMEM) and the router

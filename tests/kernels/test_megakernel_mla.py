@@ -1,0 +1,157 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) in the decode megakernel, against the
+XLA path (`weld.models.deepseek.forward`, absorbed MLA in `weld.models.common.mla`), in Pallas TPU
+interpret mode: the latent pool written in place and read as keys and values, W_UK folded into
+the query tile by tile (whole heads per tile), W_UV on the latent output, q LoRA or a plain q,
+interleaved YaRN RoPE with its mscale, and the deepseek layer stack (a dense first layer, then
+sparse layers with group-limited sigmoid routing and a shared expert)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from interpret_mode import races_found
+from test_megakernel_decode import BLOCK_TABLES, NUM_PAGES, OPTIONS, PAGE, _assert_caches_close, _rel_err
+
+from weld.kernels.megakernel import decode as mk
+from weld.kernels.megakernel import plan as mkplan
+from weld.models import deepseek
+from weld.models import megakernel
+from weld.models.common import moe as moe_lib
+from weld.models.common.cache import AttentionBatch
+from weld.models.common.mla import MLA, mla_scale
+from weld.models.common.rope import Rope, RopeScaling
+from weld.models.common.spec import random_weights
+
+YARN = RopeScaling(kind="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0)
+# DeepSeek-V3 / Kimi K2 in miniature: q LoRA, interleaved YaRN RoPE, a dense first layer, then
+# sigmoid routing over 2 of 4 groups with a correction bias and a shared expert
+V3 = deepseek.Config(
+    architecture="deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
+    mla=MLA(num_heads=4, q_lora_rank=24, kv_lora_rank=16, nope_dim=8, rope_dim=8, v_dim=12,
+            rope=Rope(8, 1e4, YARN, 64, interleaved=True), scale=mla_scale(8, 8, YARN)),
+    moe=moe_lib.MoE(num_experts=8, top_k=2, intermediate_size=16, router="sigmoid_group", n_group=4, topk_group=2,
+                    score_bias=True, norm_topk_prob=True, routed_scaling_factor=2.5, shared_intermediate_size=16),
+    first_k_dense_replace=1)
+# DeepSeek-V2-Lite-like: a plain q projection, rotate-half RoPE, every layer dense
+V2_DENSE = dataclasses.replace(
+    V3, architecture="deepseek_v2", num_layers=2, moe=None, first_k_dense_replace=2,
+    mla=MLA(num_heads=2, q_lora_rank=None, kv_lora_rank=16, nope_dim=8, rope_dim=4, v_dim=8,
+            rope=Rope(4, 1e4), scale=mla_scale(8, 4, RopeScaling())))
+
+
+def _setup(cfg, batch, seed=0):
+    weights = random_weights(deepseek.weight_specs(cfg), seed=seed)
+    rng = np.random.default_rng(seed)
+    for i in cfg.sparse_layers:  # a correction bias that changes the choice (the init is zeros)
+        if "score_bias" in weights["layers"][i]["moe"]:
+            weights["layers"][i]["moe"]["score_bias"] = jnp.asarray(rng.normal(0, 0.3, cfg.moe.num_experts), jnp.float32)
+    prompt_lens = [2, 5, 3, 7][:batch]
+    tokens = np.zeros((batch, max(prompt_lens)), np.int32)
+    positions = np.full(tokens.shape, -1, np.int32)
+    for i, n in enumerate(prompt_lens):
+        tokens[i, :n] = rng.integers(0, cfg.vocab_size, n)
+        positions[i, :n] = np.arange(n)
+    cache = deepseek.cache_spec(cfg).create(NUM_PAGES, PAGE, jnp.float32)
+    bt = jnp.asarray(BLOCK_TABLES[:batch])
+    logits, _, cache = _xla_step(cfg)(weights, jnp.asarray(tokens), jnp.asarray(positions), cache, bt)
+    last = jnp.asarray(np.array(prompt_lens) - 1)
+    first = jnp.argmax(jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], axis=-1).astype(jnp.int32)
+    return weights, cache, bt, first, jnp.asarray(prompt_lens, jnp.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _xla_step(cfg):
+    return jax.jit(lambda w, tok, pos, cache, bt: deepseek.forward(w, cfg, tok, pos, cache, AttentionBatch(bt)))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_step(cfg, options):
+    return jax.jit(lambda w, tok, pos, cache, bt: megakernel.forward(w, cfg, tok, pos, cache, AttentionBatch(bt),
+                                                                     options=options))
+
+
+def _greedy_run(cfg, batch, steps, interpret, padding_row=False):
+    weights, cache, bt, tok, pos = _setup(cfg, batch)
+    xla, kernel = _xla_step(cfg), _kernel_step(cfg, dataclasses.replace(OPTIONS, interpret=interpret))
+    live = np.ones(batch, bool)
+    if padding_row:
+        live[-1] = False
+    feed_pos = jnp.where(jnp.asarray(live), pos, -1)
+    ref_cache, ref_tok, errors = cache, tok, []
+    for _ in range(steps):
+        ref_logits, _, ref_cache = xla(weights, ref_tok[:, None], feed_pos[:, None], ref_cache, bt)
+        logits, _, cache = kernel(weights, tok[:, None], feed_pos[:, None], cache, bt)
+        errors.append(_rel_err(logits[live], ref_logits[live]))
+        ref_tok = jnp.argmax(ref_logits[:, 0], axis=-1).astype(jnp.int32)
+        tok = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        np.testing.assert_array_equal(np.asarray(tok)[live], np.asarray(ref_tok)[live])
+        feed_pos = jnp.where(jnp.asarray(live), feed_pos + 1, -1)
+    return errors, cache, ref_cache
+
+
+def test_mla_schedule_keeps_whole_heads_per_tile():
+    spec = megakernel.spec_for(V3, batch=1, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32)
+    assert (spec.num_kv_heads, spec.head_dim, spec.attention) == (1, 16 + 8, "mla")
+    tiles = mkplan.stream_schedule(spec, tile_rows=20, vocab_tile_rows=32)
+    layer0 = [(t.matrix, t.rows) for t in tiles if t.layer == 0]
+    # q_a 24 rows -> 20 + 4; q_b 4 x 16 = 64 -> 20s; kv_a 24; W_UK 4 heads x 8: tiles of 2 heads (16 rows);
+    # W_UV 4 x 12: tiles of 1 head (12 rows, 20 // 12); o 32 rows
+    assert [r for m, r in layer0 if m == "w_uk"] == [16, 16]
+    assert [r for m, r in layer0 if m == "w_uv"] == [12] * 4
+    assert [m for m, _ in layer0][:3] == ["q_a", "q_a", "q_b"]
+
+
+def test_v3_stack_batch4_with_padding_matches_xla(interpret):
+    """q LoRA, interleaved YaRN RoPE, a dense layer then two sparse ones, 3 greedy steps."""
+    errors, cache, ref_cache = _greedy_run(V3, batch=4, steps=3, interpret=interpret, padding_row=True)
+    assert max(errors) < 1e-3, errors
+    _assert_caches_close(cache, ref_cache)
+    assert not races_found()
+
+
+def test_v2_plain_q_verify_block_matches_xla(interpret):
+    """A plain q projection and rotate-half RoPE; a verify-shaped block of 3 tokens per row,
+    causal in the block, one row crossing a page boundary."""
+    cfg = V2_DENSE
+    weights, cache, bt, tok, pos = _setup(cfg, batch=2, seed=1)
+    block = jnp.stack([tok, (tok + 3) % cfg.vocab_size, (tok + 7) % cfg.vocab_size], axis=1)
+    positions = pos[:, None] + jnp.arange(3)[None]
+    options = dataclasses.replace(OPTIONS, interpret=interpret)
+    logits, _, kcache = _kernel_step(cfg, options)(weights, block, positions, cache, bt)
+    ref, _, ref_cache = _xla_step(cfg)(weights, block, positions, cache, bt)
+    assert _rel_err(logits, ref) < 1e-3
+    _assert_caches_close(kcache, ref_cache)
+    assert not races_found()
+
+
+def test_a_wrong_latent_split_is_caught(interpret):
+    """The check can fail: the same kernel told that the values are the latent's last dims (a
+    W_UV applied to the wrong slice) gives other logits."""
+    cfg = V2_DENSE
+    weights, cache, bt, tok, pos = _setup(cfg, batch=1, seed=2)
+    options = dataclasses.replace(OPTIONS, interpret=interpret)
+    ref, _, _ = _xla_step(cfg)(weights, tok[:, None], pos[:, None], cache, bt)
+    # swap W_UK and W_UV's roles is impossible by shape; permute the heads of W_UV instead
+    bad = {**weights, "layers": [{**lw, "w_uv": lw["w_uv"][::-1]} for lw in weights["layers"]]}
+    logits, _, _ = _kernel_step(cfg, options)(bad, tok[:, None], pos[:, None], cache, bt)
+    assert _rel_err(logits, ref) > 1e-3
+    good, _, _ = _kernel_step(cfg, options)(weights, tok[:, None], pos[:, None], cache, bt)
+    assert _rel_err(good, ref) < 1e-3
+
+
+def test_mla_validation():
+    spec = megakernel.spec_for(V2_DENSE, batch=1, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="num_kv_heads must be 1"):
+        dataclasses.replace(spec, num_kv_heads=2)
+    weights, cache, bt, tok, pos = _setup(V2_DENSE, batch=1)
+    pools = [p.pool for p in cache.layers]
+    with pytest.raises(ValueError, match="one latent pool per layer"):
+        mk.decode_step(spec, megakernel.kernel_params(V2_DENSE, weights), tok[:, None], pos[:, None], bt, pools, pools)
+    nope = dataclasses.replace(V2_DENSE, mla=dataclasses.replace(V2_DENSE.mla, rope=None))
+    with pytest.raises(ValueError, match="NoPE"):
+        megakernel.check_supported(nope)
