@@ -19,7 +19,13 @@ MIB = 1 << 20
 QWEN3_MOE_30B = plan.MegakernelSpec(hidden=2048, intermediate=6144, num_heads=32, num_kv_heads=4, head_dim=128,
                                     vocab=151936, num_layers=48, sparse_layers=tuple(range(48)), num_experts=128,
                                     top_k=8, expert_intermediate=768)
-SHAPES = {"Qwen3-30B-A3B (MoE)": QWEN3_MOE_30B}
+# Kimi K2 (DeepSeek-V3's layout): MLA (64 heads, q LoRA 1536, latent 512 + rope 64), a dense first
+# layer, then 60 sparse layers of 384 experts, top-8, and a shared expert
+KIMI_K2 = plan.MegakernelSpec(hidden=7168, intermediate=18432, num_heads=64, num_kv_heads=1, head_dim=512 + 64,
+                              vocab=163840, num_layers=61, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+                              nope_dim=128, rope_dim=64, v_dim=128, sparse_layers=tuple(range(1, 61)),
+                              num_experts=384, top_k=8, expert_intermediate=2048, shared_intermediate=2048)
+SHAPES = {"Qwen3-30B-A3B (MoE)": QWEN3_MOE_30B, "Kimi-K2 (MLA + MoE)": KIMI_K2}
 
 
 def rows(context: int):
