@@ -253,6 +253,13 @@ def test_metrics_names(server):
     assert server.metric("weld:time_to_first_token_seconds_count") > 0
 
 
+def _nested_schema(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize("body,status,param", [
     ("{not json", 400, None),
     ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
@@ -273,6 +280,14 @@ def test_metrics_names(server):
     # one request with n = 2^31 grew a server to 21.5 GB: n is bounded (--max-n) before anything is made
     ({"prompt": "x", "n": 2147483648}, 400, "n"),
     ({"prompt": "x", "n": 129, "best_of": 129}, 400, "n"),
+    # sizes a request controls, each bounded and named
+    ({"prompt": "x", "stop": [f"s{i}" for i in range(65)]}, 400, "stop"),
+    ({"prompt": "x", "stop": ["y" * 1025]}, 400, "stop"),
+    ({"prompt": "x", "stop_token_ids": list(range(65))}, 400, "stop_token_ids"),
+    ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(2000)}}, 400, "logit_bias"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a" * 70000}}, 400, "structured_outputs.regex"),
+    ({"prompt": "x", "structured_outputs": {"json": _nested_schema(40)}}, 400, "structured_outputs.json"),
+    ('{"prompt": ' + "[" * 100000 + "]" * 100000 + "}", 400, None),  # nested past Python's recursion limit
 ])
 def test_completion_errors(server, body, status, param):
     raw = body if isinstance(body, str) else json.dumps(body)
@@ -307,3 +322,14 @@ def test_chat_errors(client, body, param):
     assert info.value.status_code == 400
     assert info.value.body["param"] == param, info.value.body
 
+
+def test_request_body_over_the_limit_is_413(server):
+    """A body larger than the server's limit (32 MiB) is refused as it arrives, and the server
+    keeps serving."""
+    big = b'{"prompt": "' + b"x" * (33 << 20) + b'"}'
+    resp = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"},
+                      timeout=120)
+    assert resp.status_code == 413, resp.text[:200]
+    assert "limit of 33554432 bytes" in resp.json()["error"]["message"]
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200

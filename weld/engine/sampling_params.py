@@ -14,6 +14,29 @@ from typing import Any
 from weld.utils.errors import InvalidInputError
 
 MAX_LOGPROBS = 20
+# Bounds on what a request controls, checked before anything is made from it: stop token ids
+# become a [rows, bucket(count)] array of the device loop (each bucket its own program), stop
+# strings are matched against every new piece of text, logit_bias becomes per-row arrays.
+MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024
+# A structured-output spec is compiled into a grammar before the request is queued: its text
+# (the JSON schema serialized, the regex, the grammar, the choices together) and a schema's
+# nesting are bounded first.
+MAX_SPEC_CHARS = 64 * 1024
+MAX_SCHEMA_DEPTH = 32
+
+
+def _nesting(value: Any) -> int:
+    """How deeply dicts and lists nest in a decoded JSON value (iteratively: no recursion limit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
 
 
@@ -63,6 +86,15 @@ class StructuredOutputsParams:
                 raise InvalidInputError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
         if self.json_object not in (None, True, False):
             raise InvalidInputError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
+        kind = self.kind
+        if kind == "json" and isinstance(self.json, dict) and _nesting(self.json) > MAX_SCHEMA_DEPTH:
+            raise InvalidInputError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        size = {"json": lambda: len(_json.dumps(self.json)), "regex": lambda: len(self.regex),
+                "grammar": lambda: len(self.grammar), "choice": lambda: sum(len(c) for c in self.choice),
+                "json_object": lambda: 0}[kind]()
+        if size > MAX_SPEC_CHARS:
+            raise InvalidInputError(f"structured_outputs.{kind} is {size} characters, over the limit of "
+                                    f"{MAX_SPEC_CHARS}")
         self.grammar_text()  # compiles (cached), so a bad spec fails here
 
     @property
@@ -183,6 +215,8 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 bad("logit_bias", self.logit_bias, "must map token ids to numbers")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"{len(self.logit_bias)} entries", f"must have at most {MAX_LOGIT_BIAS} entries")
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
@@ -195,8 +229,15 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
                 bad(name, value, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"{len(self.stop)} strings", f"must hold at most {MAX_STOP_STRINGS} strings")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", self.stop, "must be non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            bad("stop", f"a string of {max(len(s) for s in self.stop)} characters",
+                f"must hold strings of at most {MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"{len(self.stop_token_ids)} ids", f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

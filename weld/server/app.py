@@ -36,12 +36,26 @@ from weld.utils.memory import release_free_memory
 logger = logging.getLogger("weld.server")
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+async def _json_body(request: Request, limit: int) -> Any:
+    """The decoded JSON body, read up to `limit` bytes: a larger one (by its Content-Length, or
+    as it streams in) is a 413 before the rest is read."""
+    too_large = APIError(413, f"the request body exceeds the server's limit of {limit} bytes")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise APIError(400, f"the request body is not valid JSON: {err}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise APIError(400, "the request body nests too deeply") from None
 
 
 def build_app(engine: Any, config: ServerConfig) -> FastAPI:
@@ -111,15 +125,15 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await create_completion(state, await _json_body(request), request)
+        return await create_completion(state, await _json_body(request, config.max_body_bytes), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await create_chat_completion(state, await _json_body(request), request)
+        return await create_chat_completion(state, await _json_body(request, config.max_body_bytes), request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        req: TokenizeRequest = parse_body(TokenizeRequest, await _json_body(request))
+        req: TokenizeRequest = parse_body(TokenizeRequest, await _json_body(request, config.max_body_bytes))
         state.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -138,7 +152,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        req: DetokenizeRequest = parse_body(DetokenizeRequest, await _json_body(request))
+        req: DetokenizeRequest = parse_body(DetokenizeRequest, await _json_body(request, config.max_body_bytes))
         state.check_model(req.model)
         return {"prompt": state.tokenizer.decode(req.tokens)}
 

@@ -25,6 +25,7 @@ class ServerConfig:
     max_num_seqs: int = 64
     max_waiting: int = 256  # sequences admitted beyond max_num_seqs before requests get a 429
     max_n: int = 128  # completions per prompt a request may ask for (`n`; OpenAI's own limit)
+    max_body_bytes: int = 32 << 20  # a larger request body is a 413
     api_key: str | None = None
     model_root: str | None = None  # the path or id the model came from, for /v1/models
 
