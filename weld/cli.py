@@ -13,6 +13,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from weld.engine.sampling_params import DEFAULT_SAMPLING
 from weld.utils.errors import InvalidInputError, WeldError
 
 DESCRIPTION = """weld: an LLM inference engine for JAX.
@@ -26,13 +27,32 @@ def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g = p.add_argument_group("sampling (defaults follow llama.cpp's CLI)")
     g.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
                    help=f"most new tokens per reply (default: {max_tokens})")
-    g.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
-    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default: 0.95)")
-    g.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0 disables (default: 40)")
-    g.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min-p x the top probability (default: 0.05)")
+    d = DEFAULT_SAMPLING
+    g.add_argument("--temperature", type=float, default=d["temperature"], help=f"0 is greedy (default: {d['temperature']})")
+    g.add_argument("--top-p", type=float, default=d["top_p"], help=f"nucleus sampling mass (default: {d['top_p']})")
+    g.add_argument("--top-k", type=int, default=d["top_k"],
+                   help=f"sample among the k likeliest; 0 disables (default: {d['top_k']})")
+    g.add_argument("--min-p", type=float, default=d["min_p"],
+                   help=f"drop tokens below min-p x the top probability (default: {d['min_p']})")
     g.add_argument("--seed", type=int, default=None, help="random seed, for reproducible output")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when this text appears (repeatable)")
+
+
+def _model_sampling_defaults(path) -> dict:
+    """The server's sampling defaults: the model directory's generation_config.json, else
+    llama.cpp's (`sampling_params.model_sampling_defaults`)."""
+    import json
+    import pathlib
+
+    from weld.engine.sampling_params import model_sampling_defaults
+
+    file = pathlib.Path(path) / "generation_config.json"
+    try:
+        config = json.loads(file.read_text()) if file.is_file() else None
+    except (OSError, ValueError):
+        config = None
+    return model_sampling_defaults(config if isinstance(config, dict) else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,7 +310,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = ServerConfig(served_model_name=args.served_model_name or source.name,
                           max_model_len=engine.llm.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
                           max_waiting=args.max_waiting, max_n=args.max_n, api_key=args.api_key or os.environ.get("WELD_API_KEY"),
-                          model_root=str(source.path))
+                          model_root=str(source.path), sampling_defaults=_model_sampling_defaults(source.path))
+    print(f"weld: sampling defaults for requests that leave them out: "
+          + ", ".join(f"{k} {v}" for k, v in server.sampling_defaults.items()), file=sys.stderr)
     print(f"weld: serving {server.served_model_name} on http://{args.host}:{args.port}", file=sys.stderr)
     serve(engine, server, host=args.host, port=args.port, log_level=args.log_level)
     return 0

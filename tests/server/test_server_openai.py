@@ -195,7 +195,8 @@ def test_32_concurrent_streams_match_offline(server, llm):
 
     async def one(aclient, i):
         stream = await aclient.completions.create(model="tiny", prompt=prompts[i], max_tokens=12, temperature=0.9,
-                                                  seed=100 + i, stream=True, extra_body={"ignore_eos": True})
+                                                  top_p=1.0, seed=100 + i, stream=True,
+                                                  extra_body={"ignore_eos": True, "top_k": 0, "min_p": 0.0})
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def main():

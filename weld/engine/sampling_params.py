@@ -14,6 +14,24 @@ from typing import Any
 from weld.utils.errors import InvalidInputError
 
 MAX_LOGPROBS = 20
+# Sampling where neither the request nor the model says otherwise: llama.cpp's CLI defaults (the
+# CLI's flags, the server's fallback when the model has no generation_config.json, distillation).
+DEFAULT_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+# the fields' neutral values (SamplingParams' own defaults: plain sampling at temperature 1)
+NEUTRAL_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+# the fields of a model's generation_config.json that set sampling defaults (HF's names)
+GENERATION_CONFIG_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def model_sampling_defaults(generation_config: dict | None) -> dict[str, Any]:
+    """The sampling defaults a model ships (its generation_config.json, as vLLM's
+    `--generation-config auto` reads it; greedy models that set `do_sample: false` get
+    temperature 0), else `DEFAULT_SAMPLING`."""
+    config = generation_config or {}
+    found = {k: config[k] for k in GENERATION_CONFIG_FIELDS if isinstance(config.get(k), (int, float))}
+    if config.get("do_sample") is False:
+        found["temperature"] = 0.0
+    return found or dict(DEFAULT_SAMPLING)
 # Bounds on what a request controls, checked before anything is made from it: stop token ids
 # become a [rows, bucket(count)] array of the device loop (each bucket its own program), stop
 # strings are matched against every new piece of text, logit_bias becomes per-row arrays.

@@ -188,7 +188,7 @@ async def create_chat_completion(state: ServerState, body: Any, raw_request: Any
                                     param="max_completion_tokens" if req.max_completion_tokens is not None
                                     else "max_tokens", prompt_param="messages", allow_zero=False)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, state.vocab_size, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None,
+    params = sampling_params(req, state, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None,
                              structured_outputs=structured)
     completion_id = random_id("chatcmpl")
     created = int(time.time())

@@ -67,7 +67,7 @@ async def create_completion(state: ServerState, body: Any, raw_request: Any):
                                      param="max_tokens", prompt_param="prompt", allow_zero=bool(req.echo))
                   for p in prompts]
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
-    params = [sampling_params(req, state.vocab_size, max_tokens=m, logprobs=req.logprobs,
+    params = [sampling_params(req, state, max_tokens=m, logprobs=req.logprobs,
                               prompt_logprobs=prompt_logprobs, structured_outputs=structured) for m in max_tokens]
     completion_id = random_id("cmpl")
     created = int(time.time())

@@ -10,7 +10,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from weld.engine.outputs import PositionLogprobs, RequestOutput
-from weld.engine.sampling_params import SamplingParams
+from weld.engine.sampling_params import DEFAULT_SAMPLING, NEUTRAL_SAMPLING, SamplingParams
 from weld.server.errors import APIError
 from weld.server.metrics import Metrics, RequestTimer
 from weld.utils.errors import InvalidInputError
@@ -26,6 +26,9 @@ class ServerConfig:
     max_waiting: int = 256  # sequences admitted beyond max_num_seqs before requests get a 429
     max_n: int = 128  # completions per prompt a request may ask for (`n`; OpenAI's own limit)
     max_body_bytes: int = 32 << 20  # a larger request body is a 413
+    # what a request that leaves a sampling field out gets: the model's generation_config.json
+    # (`model_sampling_defaults`), else llama.cpp's defaults
+    sampling_defaults: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     api_key: str | None = None
     model_root: str | None = None  # the path or id the model came from, for /v1/models
 
@@ -119,9 +122,11 @@ def resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model
     return max_tokens
 
 
-def sampling_params(req: Any, vocab_size: int, *, max_tokens: int, logprobs: int | None,
+def sampling_params(req: Any, state: "ServerState", *, max_tokens: int, logprobs: int | None,
                     prompt_logprobs: int | None, structured_outputs: Any = None) -> SamplingParams:
-    """SamplingParams from the fields both endpoints share; invalid values are a 400."""
+    """SamplingParams from the fields both endpoints share, the server's defaults where a field is
+    left out; invalid values are a 400."""
+    vocab_size, defaults = state.vocab_size, {**NEUTRAL_SAMPLING, **state.config.sampling_defaults}
     logit_bias = None
     if req.logit_bias:
         try:
@@ -138,10 +143,11 @@ def sampling_params(req: Any, vocab_size: int, *, max_tokens: int, logprobs: int
     try:
         return SamplingParams(
             n=pick(req.n, 1), max_tokens=max_tokens, min_tokens=req.min_tokens,
-            temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), top_k=pick(req.top_k, 0),
-            min_p=pick(req.min_p, 0.0), presence_penalty=pick(req.presence_penalty, 0.0),
-            frequency_penalty=pick(req.frequency_penalty, 0.0),
-            repetition_penalty=pick(req.repetition_penalty, 1.0), logit_bias=logit_bias, seed=req.seed,
+            temperature=pick(req.temperature, defaults["temperature"]), top_p=pick(req.top_p, defaults["top_p"]),
+            top_k=pick(req.top_k, defaults["top_k"]), min_p=pick(req.min_p, defaults["min_p"]),
+            presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
+            repetition_penalty=pick(req.repetition_penalty, defaults["repetition_penalty"]), logit_bias=logit_bias,
+            seed=req.seed,
             stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=structured_outputs)

@@ -19,12 +19,13 @@ import os
 import pathlib
 from typing import Any, Iterator, Sequence
 
+from weld.engine.sampling_params import DEFAULT_SAMPLING
 from weld.utils.errors import InvalidInputError
 from weld.utils.progress import Progress
 
 SEQUENCES_FILE = "sequences.jsonl"
 # The sampling of samples 1, 2, ...: the CLI's defaults (sample 0 is greedy).
-SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+SAMPLED = DEFAULT_SAMPLING
 
 
 def read_prompts(path: str | pathlib.Path) -> list[str]:
