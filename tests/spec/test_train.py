@@ -74,7 +74,11 @@ def test_self_distillation_on_greedy_text_and_the_checkpoint_reloads(tmp_path):
     dspark.save(tmp_path, trained, CFG)
     reloaded, reloaded_cfg = dspark.load(tmp_path)
     assert reloaded_cfg == CFG
-    np.testing.assert_allclose(measure(reloaded)["loss"], after["loss"], rtol=1e-6)
+    # drafters are saved in f16: the reloaded one is the trained one rounded to f16
+    rounded = jax.tree_util.tree_map(lambda a: np.asarray(a).astype(np.float16).astype(np.float32)
+                                     if np.issubdtype(np.asarray(a).dtype, np.floating) else a, trained)
+    np.testing.assert_allclose(measure(reloaded)["loss"], measure(rounded)["loss"], rtol=1e-5)
+    np.testing.assert_allclose(measure(reloaded)["loss"], after["loss"], rtol=2e-2)
 
 
 def test_read_prompts_takes_paragraphs_or_lines(tmp_path):
