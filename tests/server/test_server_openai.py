@@ -334,3 +334,22 @@ def test_request_body_over_the_limit_is_413(server):
     assert "limit of 33554432 bytes" in resp.json()["error"]["message"]
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_cached_tokens_in_usage(client, server):
+    """`usage.prompt_tokens_details.cached_tokens`: a prompt sent again reads its full pages from
+    the prefix cache (non-streamed and streamed with include_usage alike)."""
+    messages = [{"role": "user", "content": "A prompt long enough to fill several pages of the cache: "
+                                            + " ".join(f"w{i}" for i in range(40))}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached <= again.usage.prompt_tokens and cached % 4 == 0, again.usage
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    last = [c for c in stream][-1]
+    assert last.usage.prompt_tokens_details.cached_tokens == cached
+    texts = [client.completions.create(model="tiny", prompt=messages[0]["content"], max_tokens=1, temperature=0)
+             for _ in range(2)]
+    assert texts[0].usage.prompt_tokens_details.cached_tokens == 0 < texts[1].usage.prompt_tokens_details.cached_tokens

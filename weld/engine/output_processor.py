@@ -183,7 +183,8 @@ class OutputProcessor:
             for c in request.completions]
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                              list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
-                             outs, finished=request.finished)
+                             outs, finished=request.finished,
+                             num_cached_tokens=request.completions[0].seq.num_cached_tokens or 0)
 
     def pop_if_finished(self, request: Request) -> RequestOutput | None:
         if not request.finished:

@@ -151,7 +151,10 @@ class Scheduler:
             seq = self.waiting[i]
             if seq.index > 0 and self._sibling_computes_prompt(seq, entries):
                 break  # next step, n > 1 siblings reuse the prompt pages this step computes
+            first = seq.num_cached_tokens is None and seq.num_computed_tokens == 0
             bm.match_prefix(seq)  # a fresh (or recomputed) sequence skips its cached prefix
+            if first:
+                seq.num_cached_tokens = seq.num_computed_tokens
             remaining = seq.num_tokens - seq.num_computed_tokens
             chunk = min(remaining, budget)
             point = bm.next_snapshot_point(seq, seq.num_computed_tokens)

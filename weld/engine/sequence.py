@@ -39,6 +39,7 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.block_tables: list[list[int]] = [[]]
         self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # of its prompt, found in the prefix cache when first scheduled
         self.num_hashed_pages = 0  # leading pages registered in the prefix cache
         self.last_page_hash: int | None = None  # hash of the last of them (the chain continues from it)
         self.state_slot = -1  # its recurrent-state slot (`BlockManager`), -1: none

@@ -248,7 +248,7 @@ async def _collect(ctx: _ChatContext, request: EngineRequest) -> dict:
         choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                         "finish_reason": _finish_reason(c.finish_reason, bool(calls)), "stop_reason": c.stop_reason})
     return {"id": ctx.completion_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
-            "choices": choices, "usage": usage(len(final.prompt_token_ids), completion_tokens)}
+            "choices": choices, "usage": usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens)}
 
 
 class _ChoiceStream:
@@ -284,7 +284,7 @@ async def _stream(ctx: _ChatContext, request: EngineRequest):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     choices = {j: _ChoiceStream(ctx) for j in range(ctx.params.n)}
-    prompt_tokens = 0
+    prompt_tokens = cached_tokens = 0
     generated: dict[int, int] = {}
 
     def chunk(choice_list, with_usage_value=None):
@@ -295,11 +295,11 @@ async def _stream(ctx: _ChatContext, request: EngineRequest):
         return sse(body)
 
     def current_usage():
-        return usage(prompt_tokens, sum(generated.values())) if continuous else None
+        return usage(prompt_tokens, sum(generated.values()), cached_tokens) if continuous else None
 
     try:
         async for _, out in merged([request]):
-            prompt_tokens = len(out.prompt_token_ids)
+            prompt_tokens, cached_tokens = len(out.prompt_token_ids), out.num_cached_tokens
             for c in out.outputs:
                 s = choices[c.index]
                 if s.cursor.finished:
@@ -327,7 +327,8 @@ async def _stream(ctx: _ChatContext, request: EngineRequest):
                                   "stop_reason": c.stop_reason}], current_usage())
         if include_usage:
             body = {"id": ctx.completion_id, "object": "chat.completion.chunk", "created": ctx.created,
-                    "model": ctx.model, "choices": [], "usage": usage(prompt_tokens, sum(generated.values()))}
+                    "model": ctx.model, "choices": [],
+                    "usage": usage(prompt_tokens, sum(generated.values()), cached_tokens)}
             yield sse(body)
         yield SSE_DONE
     except Exception as err:  # the headers are sent: report in the stream, as vLLM does

@@ -115,9 +115,10 @@ async def _collect(state, req, prompts, requests, completion_id, created, n) -> 
             choices.append({"index": i * n + c.index, "text": echo + text, "logprobs": logprobs,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+    cached = sum(out.num_cached_tokens for out in final.values())
     return {"id": completion_id, "object": "text_completion", "created": created,
             "model": state.config.served_model_name, "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached)}
 
 
 async def _stream(state, req, prompts, params, requests, completion_id, created, n):
@@ -126,6 +127,7 @@ async def _stream(state, req, prompts, params, requests, completion_id, created,
     cursors = {(i, j): TextCursor(holdback_for(params[i])) for i in range(len(prompts)) for j in range(n)}
     prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     tokens_so_far: dict[tuple[int, int], int] = {}
+    cached: dict[int, int] = {}  # per prompt
     model = state.config.served_model_name
 
     def chunk(choices, usage_value=None, with_usage=False):
@@ -137,6 +139,7 @@ async def _stream(state, req, prompts, params, requests, completion_id, created,
 
     try:
         async for i, out in merged(requests):
+            cached[i] = out.num_cached_tokens
             for c in out.outputs:
                 cursor = cursors[(i, c.index)]
                 text = cursor.text_delta(c.text, c.finish_reason is not None)
@@ -161,10 +164,10 @@ async def _stream(state, req, prompts, params, requests, completion_id, created,
                 cursor.finished = c.finish_reason is not None
                 choice = {"index": i * n + c.index, "text": prefix + text, "logprobs": logprobs,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                yield chunk([choice], usage(prompt_tokens, sum(tokens_so_far.values())) if continuous else None,
-                            with_usage=include_usage)
+                yield chunk([choice], usage(prompt_tokens, sum(tokens_so_far.values()), sum(cached.values()))
+                            if continuous else None, with_usage=include_usage)
         if include_usage:
-            yield chunk([], usage(prompt_tokens, sum(tokens_so_far.values())), with_usage=True)
+            yield chunk([], usage(prompt_tokens, sum(tokens_so_far.values()), sum(cached.values())), with_usage=True)
         yield SSE_DONE
     except Exception as err:  # the headers are sent: report in the stream, as vLLM does
         yield stream_error(err)
