@@ -282,6 +282,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """A one-line error when host:port cannot be bound (taken, or not an address of this machine)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise InvalidInputError(f"--host {host!r} does not resolve: {err.strerror}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as err:
+            raise InvalidInputError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
@@ -304,6 +321,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise InvalidInputError("--headless is for the ranks > 0 of a multi-host run: give --nnodes N and "
                                     "--node-rank R (1 <= R < N); rank 0 serves HTTP")
         return _serve_headless(config)
+    _check_port_free(args.host, args.port)  # before minutes of loading and compiling
     engine = AsyncLLM(engine_config=config, progress=None)
     warmup(engine)
     source = engine.llm.model.source

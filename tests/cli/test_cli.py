@@ -236,3 +236,19 @@ def test_commands_pass_the_config_to_the_engine(command, module, attr, monkeypat
 def test_one_line_errors_from_the_command_line():
     assert_clean_error(weld("serve", "--draft", "small.gguf"), "--draft needs --spec ngram, draft or dspark")
     assert_clean_error(weld("generate", "hello", "--spec", "draft"), "--spec draft needs --draft PATH")
+
+
+def test_serve_refuses_a_taken_port_before_loading(tmp_path):
+    """A port already in use is a one-line error at once, before any weight is read (the model
+    path does not even exist: loading never started)."""
+    import socket
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        start = time.monotonic()
+        proc = weld("serve", "--model", str(tmp_path / "never-read"), "--port", str(port), timeout=60)
+    assert_clean_error(proc, f"cannot listen on 127.0.0.1:{port}")
+    assert time.monotonic() - start < 30
