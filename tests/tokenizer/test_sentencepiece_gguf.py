@@ -152,3 +152,11 @@ def test_incremental_detokenizer_with_byte_tokens(weld_spm):
     deltas = [detok.add([i]) for i in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == detok.text == weld_spm.decode(ids) == text
+
+
+def test_token_bytes_of_byte_fallback_and_spaces(weld_spm):
+    """SentencePiece spells a byte as <0xHH> and a space as "▁": a token's bytes are those."""
+    ids = weld_spm.encode("a 😀", add_special_tokens=False)
+    joined = b"".join(weld_spm.token_bytes(i) for i in ids)
+    assert joined.endswith("😀".encode()) and weld_spm.token_bytes(ids[-1]) == bytes([0x80])
+    assert joined.strip() == b"a \xf0\x9f\x98\x80".strip()

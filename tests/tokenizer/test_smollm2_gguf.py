@@ -93,3 +93,14 @@ def test_unknown_pre_tokenizer_is_an_error(smollm2_meta):
     meta = dict(smollm2_meta, **{"tokenizer.ggml.pre": "no-such-pre"})
     with pytest.raises(UnsupportedModelError, match="no-such-pre"):
         Tokenizer.from_gguf_metadata(meta)
+
+
+def test_token_bytes_spell_partial_characters(weld_smollm2, corpus):
+    """OpenAI's logprob `bytes`: each token's own bytes, so a character split over tokens (an
+    emoji, CJK) has the UTF-8 of its pieces, and the tokens' bytes concatenate to the text's."""
+    for text in corpus + ["naïve café 😀 日本語 \u200b"]:
+        ids = weld_smollm2.encode(text, add_special_tokens=False)
+        assert b"".join(weld_smollm2.token_bytes(i) for i in ids) == text.encode(), text
+    emoji = weld_smollm2.encode("😀", add_special_tokens=False)
+    assert len(emoji) > 1 and "\ufffd" in weld_smollm2.decode(emoji[:1])  # a partial character alone
+    assert weld_smollm2.token_bytes(emoji[0]) == "😀".encode()[:len(weld_smollm2.token_bytes(emoji[0]))]

@@ -337,9 +337,9 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], positions: list[Position
         text = _token_text(tokenizer, token_id, position)
         ranked = sorted((e.rank, tid, e) for tid, e in position.items() if e.rank is not None and e.rank <= num_top)
         top = [{"token": _token_text(tokenizer, tid, position), "logprob": _lp(e.logprob),
-                "bytes": list(_token_text(tokenizer, tid, position).encode())} for _, tid, e in ranked[:num_top]]
-        content.append({"token": text, "logprob": _lp(position[token_id].logprob), "bytes": list(text.encode()),
-                        "top_logprobs": top})
+                "bytes": list(tokenizer.token_bytes(tid))} for _, tid, e in ranked[:num_top]]
+        content.append({"token": text, "logprob": _lp(position[token_id].logprob),
+                        "bytes": list(tokenizer.token_bytes(token_id)), "top_logprobs": top})
     return {"content": content, "refusal": None}
 
 

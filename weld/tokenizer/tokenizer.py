@@ -17,6 +17,23 @@ from weld.tokenizer import ggml_vocab
 from weld.tokenizer.pretokenizers import ADDS_BOS
 from weld.utils.errors import InvalidInputError, ModelNotFoundError, UnsupportedModelError
 
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's spelling of the 256 bytes (GPT-2's): the printable Latin-1 bytes stand for
+    themselves, every other byte for the next unused code point from 256 on. Char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()
+
 logger = logging.getLogger(__name__)
 
 # Token texts llama.cpp treats as end of generation even when the file names no eot/eom id
@@ -166,6 +183,26 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry for `token_id` as the tokenizer spells it (e.g. "Ġthe", "▁the")."""
         return self.backend.id_to_token(int(token_id))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` stands for, a partial UTF-8 character included (OpenAI's logprob
+        `bytes`; decoding one such token alone gives U+FFFD): byte-level BPE's vocabulary spells
+        each byte as one character (GPT-2's map), SentencePiece's byte fallback as "<0xHH>" and a
+        space as "▁"."""
+        piece = self.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self.backend.decoder, tokenizers.decoders.ByteLevel):
+            try:
+                return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+            except KeyError:  # an added token spelled in plain text
+                return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
