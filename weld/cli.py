@@ -194,11 +194,14 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     g.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require `Authorization: Bearer KEY` on /v1 routes (default: $WELD_API_KEY, else none)")
+                   help="require `Authorization: Bearer KEY` on every route but /health (default: $WELD_API_KEY, else none)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id clients send (default: the model's name)")
     g.add_argument("--max-waiting", type=int, default=256, metavar="N",
                    help="sequences queued beyond --max-num-seqs before new requests get a 429 (default: 256)")
+    g.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help='browser origins allowed to call the API (CORS), comma-separated or a JSON list as vLLM '
+                        'takes it, e.g. \'["http://localhost:3000"]\' or "*" (default: none)')
     g.add_argument("--max-n", type=int, default=128, metavar="N",
                    help="the most completions one request may ask for (`n`; default: 128)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -282,6 +285,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _origins(value: str | None) -> tuple[str, ...]:
+    """--allowed-origins: a JSON list (vLLM's form) or comma-separated origins."""
+    import json
+
+    if not value:
+        return ()
+    if value.lstrip().startswith("["):
+        try:
+            origins = json.loads(value)
+        except ValueError as err:
+            raise InvalidInputError(f"--allowed-origins is not a JSON list: {err}") from None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise InvalidInputError(f"--allowed-origins must list strings, got {value}")
+        return tuple(origins)
+    return tuple(o.strip() for o in value.split(",") if o.strip())
+
+
 def _check_port_free(host: str, port: int) -> None:
     """A one-line error when host:port cannot be bound (taken, or not an address of this machine)."""
     import socket
@@ -328,7 +348,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = ServerConfig(served_model_name=args.served_model_name or source.name,
                           max_model_len=engine.llm.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
                           max_waiting=args.max_waiting, max_n=args.max_n, api_key=args.api_key or os.environ.get("WELD_API_KEY"),
-                          model_root=str(source.path), sampling_defaults=_model_sampling_defaults(source.path))
+                          model_root=str(source.path), sampling_defaults=_model_sampling_defaults(source.path),
+                          allowed_origins=_origins(args.allowed_origins))
     print(f"weld: sampling defaults for requests that leave them out: "
           + ", ".join(f"{k} {v}" for k, v in server.sampling_defaults.items()), file=sys.stderr)
     print(f"weld: serving {server.served_model_name} on http://{args.host}:{args.port}", file=sys.stderr)

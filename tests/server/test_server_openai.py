@@ -353,3 +353,12 @@ def test_cached_tokens_in_usage(client, server):
     texts = [client.completions.create(model="tiny", prompt=messages[0]["content"], max_tokens=1, temperature=0)
              for _ in range(2)]
     assert texts[0].usage.prompt_tokens_details.cached_tokens == 0 < texts[1].usage.prompt_tokens_details.cached_tokens
+
+
+def test_cors_is_closed_by_default(server):
+    resp = httpx.options(server.url + "/v1/completions", headers={"Origin": "http://any.example",
+                                                                 "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in resp.headers
+    resp = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                      headers={"Origin": "http://any.example"}, timeout=60)
+    assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers

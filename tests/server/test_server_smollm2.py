@@ -24,7 +24,7 @@ def server(tmp_path_factory):
     # max-num-seqs 2 + max-waiting 0: a third sequence in flight is refused with a 429
     with run_server("--api-key", KEY, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "2",
                     "--max-waiting", "0", "--steps-per-call", "4", "--kv-cache-memory-gb", "0.1",
-                    tmp_path=tmp_path_factory.mktemp("srv")) as srv:
+                    "--allowed-origins", '["http://good.example"]', tmp_path=tmp_path_factory.mktemp("srv")) as srv:
         yield srv
 
 
@@ -44,9 +44,25 @@ def test_api_key(server, client):
         assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
-    assert httpx.get(server.url + "/health").status_code == 200  # health and metrics stay open
-    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200  # only health stays open
+    for path in ("/metrics", "/version", "/docs", "/openapi.json"):
+        assert httpx.get(server.url + path).status_code == 401, path
+        assert httpx.get(server.url + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200, path
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "hi"}).status_code == 401
+    assert httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}x"}).status_code == 401
     assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
+
+
+def test_cors_lets_in_only_the_allowed_origins(server):
+    """--allowed-origins: a browser's preflight from that origin is answered (before the key
+    check: it carries no key); another origin gets no CORS grant."""
+    def preflight(origin):
+        return httpx.options(server.url + "/v1/chat/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+    good = preflight("http://good.example")
+    assert good.status_code == 200 and good.headers["access-control-allow-origin"] == "http://good.example"
+    assert "access-control-allow-origin" not in preflight("http://evil.example").headers
 
 
 @pytest.mark.slow  # loads and compiles SmolLM2 a second time, in this process

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -34,6 +35,7 @@ from weld.utils.errors import InvalidInputError, WeldError
 from weld.utils.memory import release_free_memory
 
 logger = logging.getLogger("weld.server")
+OPEN_ROUTES = frozenset({"/health"})  # what --api-key leaves open (a load balancer's probe)
 
 
 async def _json_body(request: Request, limit: int) -> Any:
@@ -67,16 +69,28 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         state.draining = True
         await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="weld", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="weld", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.weld = state
+
+    expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {config.api_key}":
+        """With --api-key, every route but /health needs `Authorization: Bearer <key>`, compared
+        in constant time (no timing hint of how much of a guess was right)."""
+        if expected_auth is not None and request.url.path not in OPEN_ROUTES:
+            given = request.headers.get("authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(given, expected_auth):
                 return APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
                                 code="invalid_api_key").response()
         return await call_next(request)
+
+    # added last, so outermost: a browser's preflight (no Authorization) is answered before the key check
+    if config.allowed_origins:  # closed by default: a page on another origin cannot call the API
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, err: APIError):

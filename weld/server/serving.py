@@ -26,6 +26,7 @@ class ServerConfig:
     max_waiting: int = 256  # sequences admitted beyond max_num_seqs before requests get a 429
     max_n: int = 128  # completions per prompt a request may ask for (`n`; OpenAI's own limit)
     max_body_bytes: int = 32 << 20  # a larger request body is a 413
+    allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets in (none by default; "*": any)
     # what a request that leaves a sampling field out gets: the model's generation_config.json
     # (`model_sampling_defaults`), else llama.cpp's defaults
     sampling_defaults: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_SAMPLING))
