@@ -162,3 +162,40 @@ def test_forced_calls_are_grammar_constrained(client, choice):
         calls, _, finish = _streamed_calls(stream)
         assert finish == "tool_calls" and [(c["name"], json.loads(c["arguments"])) for c in calls] == \
             [(call.function.name, json.loads(call.function.arguments))]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_call_cut_by_max_tokens_is_a_partial_call(client, choice):
+    """A forced call that runs into max_tokens comes back as tool_calls with the partial
+    arguments and finish_reason "length", never as raw call JSON in content; the streamed deltas
+    concatenate to exactly the same name and arguments."""
+    reasons = []
+    for seed, max_tokens in ((0, 4), (1, 7), (2, 10)):
+        kwargs = dict(model="tools", messages=ASK, tools=FORCED_TOOLS, tool_choice=choice, temperature=1.0, seed=seed,
+                      max_tokens=max_tokens)
+        resp = client.chat.completions.create(**kwargs)
+        choice0 = resp.choices[0]
+        reasons.append(choice0.finish_reason)
+        (call,) = choice0.message.tool_calls
+        assert choice0.message.content is None
+        if choice0.finish_reason == "length":
+            with pytest.raises(ValueError):
+                json.loads(call.function.arguments)  # cut short: not a whole JSON value
+        else:
+            assert choice0.finish_reason == "tool_calls"
+        if isinstance(choice, dict):
+            assert call.function.name == "get_weather"
+        calls, content, finish = _streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+        assert content == "" and finish == choice0.finish_reason
+        assert [(c["name"], c["arguments"]) for c in calls] == [(call.function.name, call.function.arguments)]
+    assert "length" in reasons  # the cut case ran
+
+
+def test_forced_call_arguments_are_compact_json(client):
+    """No free whitespace between the arguments' JSON tokens: exactly the canonical ", " and ": "
+    separators (before, a random model filled calls with newlines until max_tokens)."""
+    for seed in (0, 1, 2):
+        resp = client.chat.completions.create(model="tools", messages=ASK, tools=FORCED_TOOLS, tool_choice="required",
+                                              temperature=1.0, seed=seed, max_tokens=200)
+        arguments = resp.choices[0].message.tool_calls[0].function.arguments
+        assert json.dumps(json.loads(arguments), ensure_ascii=False) == arguments

@@ -129,9 +129,12 @@ def _forced_call_grammar(req: ChatCompletionRequest, mode: str, name: str | None
     `%json` for each schema), up to the object's closing brace. The reply ends there: a Hermes
     `</tool_call>` is often a special token, which grammar text cannot produce, and the parser
     reads a call left open at the end. "required" lets the model pick any of the tools; a named
-    choice fixes it."""
+    choice fixes it. The arguments are compact JSON."""
     closing = json.dumps("}")
-    schemas = {t.function.name: (t.function.parameters or {"type": "object"}) for t in req.tools}
+    # compact arguments (vLLM's disable_any_whitespace): no free whitespace between JSON tokens,
+    # which random-ish models fill with newlines until max_tokens, and which costs tokens
+    compact = {"x-guidance": {"whitespace_flexible": False}}
+    schemas = {t.function.name: {**(t.function.parameters or {"type": "object"}), **compact} for t in req.tools}
     if mode == "named":
         return StructuredOutputsParams(grammar=f"start: args {closing}\nargs: %json {json.dumps(schemas[name])}")
     lines = ["start: " + " | ".join(f"call_{i}" for i in range(len(schemas)))]
@@ -194,7 +197,7 @@ async def create_chat_completion(state: ServerState, body: Any, raw_request: Any
     created = int(time.time())
     admission = state.admit(params.n)
     request = EngineRequest(state, completion_id, {"prompt": text, "prompt_token_ids": ids}, params, arrival)
-    ctx = _ChatContext(state, req, params, completion_id, created, mode, opening)
+    ctx = _ChatContext(state, req, params, completion_id, created, mode, opening, named)
     try:
         if req.stream:
             await start_all([request])
@@ -211,17 +214,30 @@ async def create_chat_completion(state: ServerState, body: Any, raw_request: Any
 
 
 class _ChatContext:
-    def __init__(self, state, req, params, completion_id, created, mode, opening):
+    def __init__(self, state, req, params, completion_id, created, mode, opening, named=None):
         self.state, self.req, self.params = state, req, params
         self.completion_id, self.created = completion_id, created
-        self.mode, self.opening = mode, opening
+        self.mode, self.opening, self.named = mode, opening, named
         self.parse_tools = mode != "none"
         self.num_top = req.top_logprobs or 0
         self.model = state.config.served_model_name
 
 
-def _finish_reason(reason: str | None, called: bool) -> str | None:
-    return "tool_calls" if called and reason in ("stop", "length") else reason
+def _finish_reason(reason: str | None, called: bool, partial: bool = False) -> str | None:
+    """A reply with whole calls is "tool_calls"; a forced call cut by max_tokens keeps "length"
+    (its arguments are partial)."""
+    return "tool_calls" if called and not partial and reason in ("stop", "length") else reason
+
+
+def _forced_partial_call(ctx: "_ChatContext", text: str) -> ParsedToolCall:
+    """The call a forced reply (tool_choice required or named) was writing when max_tokens cut
+    it: the name as far as it got and the arguments' partial JSON text. `text` is what the model
+    wrote after the opening; the grammar fixes its shape: (name's rest) `", "arguments": ` args."""
+    if ctx.mode == "named":
+        return ParsedToolCall(ctx.named, text)
+    separator = '", "arguments": '
+    name, _, arguments = text.partition(separator)
+    return ParsedToolCall(name, arguments)
 
 
 async def _collect(ctx: _ChatContext, request: EngineRequest) -> dict:
@@ -234,8 +250,12 @@ async def _collect(ctx: _ChatContext, request: EngineRequest) -> dict:
         completion_tokens += len(c.token_ids)
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         calls: list[ParsedToolCall] = []
+        partial = False
         if ctx.parse_tools:
             content, calls = parse_tool_calls(ctx.opening + c.text)
+            partial = bool(ctx.opening) and not calls
+            if partial:  # a forced call cut short: still a call, never raw JSON content
+                content, calls = None, [_forced_partial_call(ctx, c.text)]
             if ctx.req.parallel_tool_calls is False:
                 calls = calls[:1]
             if calls:
@@ -246,7 +266,8 @@ async def _collect(ctx: _ChatContext, request: EngineRequest) -> dict:
         logprobs = (chat_logprobs(ctx.state.tokenizer, c.token_ids, c.logprobs or [], ctx.num_top)
                     if ctx.req.logprobs else None)
         choices.append({"index": c.index, "message": message, "logprobs": logprobs,
-                        "finish_reason": _finish_reason(c.finish_reason, bool(calls)), "stop_reason": c.stop_reason})
+                        "finish_reason": _finish_reason(c.finish_reason, bool(calls), partial),
+                        "stop_reason": c.stop_reason})
     return {"id": ctx.completion_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
             "choices": choices, "usage": usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens)}
 
@@ -257,7 +278,9 @@ class _ChoiceStream:
     def __init__(self, ctx: _ChatContext):
         self.cursor = TextCursor(holdback_for(ctx.params))
         self.parser = ToolCallStreamParser() if ctx.parse_tools else None
+        self.ctx, self.text = ctx, ""  # the reply so far (a forced call cut short is rebuilt from it)
         self.num_calls = 0
+        self.partial = False  # a forced call cut short
         self.keep_calls = 1 if ctx.req.parallel_tool_calls is False else None
         if self.parser is not None and ctx.opening:
             self.parser.feed(ctx.opening)  # held: it opens a call
@@ -265,9 +288,13 @@ class _ChoiceStream:
     def deltas(self, text: str, finished: bool) -> list[dict]:
         if self.parser is None:
             return [{"content": text}] if text else []
+        self.text += text
         events = self.parser.feed(text) if text else []
         if finished:
             events += self.parser.finish()
+            if self.ctx.opening and self.num_calls == 0 and not any(kind == "tool_call" for kind, _ in events):
+                events = [("tool_call", _forced_partial_call(self.ctx, self.text))]  # cut short: still a call
+                self.partial = True
         out = []
         for kind, value in events:
             if kind == "content":
@@ -323,7 +350,7 @@ async def _stream(ctx: _ChatContext, request: EngineRequest):
                 if finished:
                     s.cursor.finished = True
                     yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                  "finish_reason": _finish_reason(c.finish_reason, s.num_calls > 0),
+                                  "finish_reason": _finish_reason(c.finish_reason, s.num_calls > 0, s.partial),
                                   "stop_reason": c.stop_reason}], current_usage())
         if include_usage:
             body = {"id": ctx.completion_id, "object": "chat.completion.chunk", "created": ctx.created,
