@@ -103,6 +103,7 @@ def test_full_queue_gets_429(server):
             assert refused.status_code == 429, refused.text
             error = refused.json()["error"]
             assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+            assert int(refused.headers["retry-after"]) >= 1  # clients (openai's own) back off by it
         ok = wait_for(lambda: http.post(server.url + "/v1/completions",
                                         json={"prompt": "Hi", "max_tokens": 2}).status_code == 200, timeout=60)
         assert ok  # once the stream is gone, requests are admitted again

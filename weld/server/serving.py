@@ -65,7 +65,7 @@ class ServerState:
         limit = self.config.max_num_seqs + self.config.max_waiting
         if self.in_flight and self.in_flight + num_seqs > limit:
             raise APIError(429, f"the waiting queue is full ({self.in_flight} sequences in flight, limit {limit}); "
-                                "retry later", code="rate_limit_exceeded")
+                                "retry later", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.in_flight += num_seqs
         return _Admission(self, num_seqs)
 
