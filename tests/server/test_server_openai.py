@@ -362,3 +362,31 @@ def test_cors_is_closed_by_default(server):
     resp = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
                       headers={"Origin": "http://any.example"}, timeout=60)
     assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers
+
+
+def test_openapi_describes_every_request_body(server):
+    """/openapi.json: each POST route's body with its fields (a schema-driven client or fuzzer
+    reaches them), the chat messages as objects with a role."""
+    doc = httpx.get(server.url + "/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    for path, fields in (("/v1/completions", {"prompt", "max_tokens", "n", "logprobs", "echo", "stream"}),
+                         ("/v1/chat/completions", {"messages", "tools", "tool_choice", "response_format", "n"}),
+                         ("/tokenize", {"prompt", "messages"}), ("/detokenize", {"tokens"})):
+        body = doc["paths"][path]["post"]["requestBody"]
+        ref = body["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+        assert body["required"] and fields <= set(schemas[ref]["properties"]), path
+    chat = schemas["ChatCompletionRequest"]
+    assert chat["required"] == ["messages"] and chat["additionalProperties"] is False
+    assert chat["properties"]["messages"]["items"] == {"$ref": "#/components/schemas/ChatMessage"}
+    assert "role" in schemas["ChatMessage"]["required"]
+    assert all(ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in schemas
+               for ref in _refs(doc))  # no dangling $defs
+
+
+def _refs(value):
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from ([item] if key == "$ref" else _refs(item))
+    elif isinstance(value, list):
+        for item in value:
+            yield from _refs(item)

@@ -29,7 +29,7 @@ from weld import __version__
 from weld.server.chat import create_chat_completion, normalize_messages
 from weld.server.completions import create_completion
 from weld.server.errors import APIError
-from weld.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from weld.server.protocol import DetokenizeRequest, TokenizeRequest, openapi_schema, parse_body
 from weld.server.serving import ServerConfig, ServerState
 from weld.utils.errors import InvalidInputError, WeldError
 from weld.utils.memory import release_free_memory
@@ -70,6 +70,15 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="weld", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
+
+    def openapi():  # the routes read their own bodies: describe them from their models
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            app.openapi_schema = openapi_schema(get_openapi(title=app.title, version=app.version, routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.state.weld = state
 
     expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None

@@ -117,6 +117,41 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+class ChatMessage(_Strict):
+    """One chat message, as the OpenAPI document describes it (the handler normalizes messages
+    itself, naming the field of any problem: `chat.normalize_messages`)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+# each POST route's request body, for the OpenAPI document (`openapi_schema`)
+REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                  "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
+def openapi_schema(base: dict) -> dict:
+    """`base` (FastAPI's document of the routes, which read their bodies themselves) with every
+    POST route's request body described by its model, so clients and schema-driven fuzzers see
+    every field."""
+    components = base.setdefault("components", {}).setdefault("schemas", {})
+    message = ChatMessage.model_json_schema(ref_template="#/components/schemas/{model}")
+    components["ChatMessage"] = message
+    for path, model in REQUEST_BODIES.items():
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        if "messages" in schema.get("properties", {}):
+            schema["properties"]["messages"]["items"] = {"$ref": "#/components/schemas/ChatMessage"}
+        components[model.__name__] = schema
+        base["paths"][path]["post"]["requestBody"] = {
+            "required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    return base
+
+
 def _param_of(loc: tuple) -> str:
     """'messages.0.content' from pydantic's loc, leaving out the union-branch labels it adds."""
     parts = [str(p) for p in loc if isinstance(p, int) or ("[" not in str(p) and str(p) not in
