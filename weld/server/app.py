@@ -123,7 +123,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         logger.exception("unhandled error on %s", request.url.path)
         return APIError(500, f"internal error: {type(err).__name__}: {err}").response()
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "serving (an empty body)", "content": {}}})
     async def health():
         if not engine.is_running or state.draining:
             return APIError(503, "the engine is not running" if not engine.is_running
@@ -134,7 +135,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"description": "Prometheus text", "content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics():
         state.metrics.update_from_stats(await asyncio.to_thread(engine.stats))
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
