@@ -202,6 +202,10 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                    help='browser origins allowed to call the API (CORS), comma-separated or a JSON list as vLLM '
                         'takes it, e.g. \'["http://localhost:3000"]\' or "*" (default: none)')
+    g.add_argument("--warmup", choices=["none", "basic", "full"], default="basic",
+                   help="compile before serving: none, basic (batch-1 prefill and decode) or full (every batch "
+                        "shape the scheduler can make, so no request waits for a compile; slower start) "
+                        "(default: basic)")
     g.add_argument("--max-n", type=int, default=128, metavar="N",
                    help="the most completions one request may ask for (`n`; default: 128)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -343,7 +347,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve_headless(config)
     _check_port_free(args.host, args.port)  # before minutes of loading and compiling
     engine = AsyncLLM(engine_config=config, progress=None)
-    warmup(engine)
+    warmup(engine, args.warmup)
     source = engine.llm.model.source
     server = ServerConfig(served_model_name=args.served_model_name or source.name,
                           max_model_len=engine.llm.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,

@@ -252,3 +252,41 @@ def test_serve_refuses_a_taken_port_before_loading(tmp_path):
         proc = weld("serve", "--model", str(tmp_path / "never-read"), "--port", str(port), timeout=60)
     assert_clean_error(proc, f"cannot listen on 127.0.0.1:{port}")
     assert time.monotonic() - start < 30
+
+
+def test_serve_warmup_flag():
+    from weld.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).warmup == "basic"
+    assert parser.parse_args(["serve", "--warmup", "full"]).warmup == "full"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--warmup", "all"])
+
+
+def test_async_warmup_full_leaves_nothing_to_compile(tiny_llama_dir):
+    """`weld serve --warmup full`: AsyncLLM.warmup(full=True) compiles every shape first, so
+    requests at default sampling compile nothing more."""
+    import asyncio
+
+    from weld.engine.async_llm import AsyncLLM
+    from weld.engine.sampling_params import SamplingParams
+
+    engine = AsyncLLM(str(tiny_llama_dir[0]), max_model_len=64, kv_cache_memory_gb=0.01, max_num_seqs=2,
+                      max_num_batched_tokens=32, steps_per_call=4)
+    try:
+        engine.warmup(full=True)
+        compiled = engine.llm.engine.runner.num_compiles
+
+        async def one(i):
+            async for _ in engine.generate("hello there " * (i + 1), SamplingParams(max_tokens=5, temperature=0),
+                                           request_id=f"r{i}"):
+                pass
+
+        async def main():
+            await asyncio.gather(*(one(i) for i in range(3)))
+
+        asyncio.run(main())
+        assert engine.llm.engine.runner.num_compiles == compiled
+    finally:
+        engine.shutdown()

@@ -49,6 +49,11 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._loop, name="weld-engine", daemon=True)
         self._thread.start()
 
+    def warmup(self, full: bool = False) -> None:
+        """`LLM.warmup`, between the engine thread's steps (before serving requests)."""
+        with self._lock:
+            self.llm.warmup(full=full)
+
     # ----- the engine thread -----
 
     def _apply_pending(self) -> None:

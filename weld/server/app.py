@@ -202,9 +202,16 @@ def serve(engine: Any, config: ServerConfig, host: str = "127.0.0.1", port: int 
     server.run()
 
 
-def warmup(engine: Any) -> None:
-    """Compiles the batch-1 prefill and decode programs before the first request arrives."""
+def warmup(engine: Any, mode: str = "basic") -> None:
+    """Compiles before the first request arrives: "basic" the batch-1 prefill and decode
+    programs (one request through the async path), "full" every shape the scheduler can make
+    (`LLM.warmup(full=True)`), "none" nothing."""
     from weld.engine.sampling_params import SamplingParams
+
+    if mode == "none":
+        return
+    if mode == "full":
+        engine.warmup(full=True)
 
     async def run():
         async for _ in engine.generate({"prompt_token_ids": [0] * 8}, SamplingParams(max_tokens=2, temperature=0),
