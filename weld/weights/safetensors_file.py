@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import pathlib
 import struct
@@ -52,9 +53,10 @@ class SafetensorsFile:
         if end > size:
             raise CheckpointError(f"{path} is truncated: it has {size} bytes, its tensors need {end}")
         for name, (kind, shape, (begin, stop)) in self.entries.items():
-            if kind in DTYPES and stop - begin != DTYPES[kind].itemsize * int(np.prod(shape, dtype=np.int64)):
+            expected = DTYPES[kind].itemsize * math.prod(int(d) for d in shape) if kind in DTYPES else None  # no overflow
+            if expected is not None and stop - begin != expected:
                 raise CheckpointError(f"{path}: tensor {name} of shape {shape} ({kind}) has {stop - begin} bytes "
-                                      f"of data, expected {DTYPES[kind].itemsize * int(np.prod(shape))}")
+                                      f"of data, expected {expected}")
         self._data: np.memmap | None = None
 
     def array(self, name: str) -> np.ndarray:
