@@ -281,12 +281,6 @@ def test_ngram_on_megakernel_verify_block(tiny_llama_dir, prompts, reference):
     assert_no_leak(llm)
 
 
-def test_dspark_refuses_megakernel(tiny_llama_dir, dspark_dir):
-    with pytest.raises(InvalidInputError, match="megakernel"):
-        LLM(model=str(tiny_llama_dir[0]), backend="megakernel",
-            speculative_config={"method": "dspark", "model": str(dspark_dir)}, **ENGINE)
-
-
 def test_ngram_drafts_several_rounds_in_one_device_call(tiny_llama_dir, prompts, reference):
     """n-gram lookup runs on the device inside the loop: one call verifies several rounds per
     row (more tokens than one round could give), and greedy outputs stay those of plain decoding."""
