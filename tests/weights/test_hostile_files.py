@@ -47,9 +47,12 @@ CASES = {
 
 @pytest.fixture
 def limited_memory():
-    """An address-space cap of 16 GiB: any allocation from a claimed size would fail loudly."""
+    """An address-space cap 4 GiB above what the process has mapped (whatever earlier tests left):
+    any allocation from a claimed size would fail loudly."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (16 << 30, hard))
+    mapped = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+    cap = mapped + (4 << 30)
+    resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
     yield
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
