@@ -15,10 +15,9 @@ from interpret_mode import races_found
 
 from weld.kernels.megakernel import decode as mk
 from weld.kernels.megakernel.plan import VmemBudgetError
-from weld.models import llama
+from weld.models import deepseek, llama
 from weld.models import megakernel
 from weld.models.common.cache import AttentionBatch
-from weld.models.llama import cache_spec
 from weld.models.common.rope import RopeScaling
 from weld.models.common import quant
 from weld.models.common.spec import abstract_weights, map_specs, random_weights
@@ -40,17 +39,25 @@ QWEN = llama.Config(architecture="qwen3", vocab_size=80, hidden_size=48, interme
                     tie_word_embeddings=True, rope_theta=1e6)
 
 
-def _setup(cfg, batch, seed=0):
-    """Weights, and a cache holding each row's prompt (written by the XLA path)."""
-    weights = random_weights(llama.weight_specs(cfg), seed=seed)
+def _family(cfg):
+    """The model family of a config: llama, or deepseek (MLA)."""
+    return deepseek if isinstance(cfg, deepseek.Config) else llama
+
+
+def _setup(cfg, batch, seed=0, adjust=None):
+    """Weights (`adjust(weights, rng)` may change them first), and a cache holding each row's
+    prompt (written by the XLA path)."""
+    weights = random_weights(_family(cfg).weight_specs(cfg), seed=seed)
     rng = np.random.default_rng(seed)
+    if adjust is not None:
+        adjust(weights, rng)
     prompt_lens = [2, 5, 3, 7][:batch]  # steps from here cross page boundaries at 4 and 8
     tokens = np.zeros((batch, max(prompt_lens)), np.int32)
     positions = np.full(tokens.shape, -1, np.int32)
     for i, n in enumerate(prompt_lens):
         tokens[i, :n] = rng.integers(0, cfg.vocab_size, n)
         positions[i, :n] = np.arange(n)
-    cache = cache_spec(cfg).create(NUM_PAGES, PAGE, jnp.float32)
+    cache = _family(cfg).cache_spec(cfg).create(NUM_PAGES, PAGE, jnp.float32)
     bt = jnp.asarray(BLOCK_TABLES[:batch])
     logits, _, cache = _xla_step(cfg)(weights, jnp.asarray(tokens), jnp.asarray(positions), cache, bt)
     last = jnp.asarray(np.array(prompt_lens) - 1)
@@ -60,7 +67,8 @@ def _setup(cfg, batch, seed=0):
 
 @functools.lru_cache(maxsize=None)
 def _xla_step(cfg):
-    return jax.jit(lambda w, tok, pos, cache, bt: llama.forward(w, cfg, tok, pos, cache, AttentionBatch(bt)))
+    forward = _family(cfg).forward
+    return jax.jit(lambda w, tok, pos, cache, bt: forward(w, cfg, tok, pos, cache, AttentionBatch(bt)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,9 +82,9 @@ def _rel_err(a, b):
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
 
 
-def _greedy_run(cfg, batch, steps, interpret, *, padding_row=False, options=OPTIONS, ref_weights=None):
+def _greedy_run(cfg, batch, steps, interpret, *, padding_row=False, options=OPTIONS, ref_weights=None, adjust=None):
     """Both paths decode `steps` greedy tokens from the same prompts, each on its own cache."""
-    weights, cache, bt, tok, pos = _setup(cfg, batch)
+    weights, cache, bt, tok, pos = _setup(cfg, batch, adjust=adjust)
     ref_weights = weights if ref_weights is None else ref_weights
     xla, kernel = _xla_step(cfg), _kernel_step(cfg, dataclasses.replace(options, interpret=interpret))
     live = np.ones(batch, bool)

@@ -10,22 +10,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from interpret_mode import races_found
-from test_megakernel_decode import BLOCK_TABLES, NUM_PAGES, OPTIONS, PAGE, _assert_caches_close, _rel_err
+from test_megakernel_decode import OPTIONS, PAGE, _assert_caches_close, _greedy_run, _kernel_step, _rel_err, _setup, _xla_step
 
 from weld.kernels.megakernel import decode as mk
 from weld.kernels.megakernel import plan as mkplan
 from weld.models import deepseek
 from weld.models import megakernel
 from weld.models.common import moe as moe_lib
-from weld.models.common.cache import AttentionBatch
 from weld.models.common.mla import MLA, mla_scale
 from weld.models.common.rope import Rope, RopeScaling
-from weld.models.common.spec import random_weights
 
 YARN = RopeScaling(kind="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0)
 # DeepSeek-V3 / Kimi K2 in miniature: q LoRA, interleaved YaRN RoPE, a dense first layer, then
@@ -44,54 +40,14 @@ V2_DENSE = dataclasses.replace(
             rope=Rope(4, 1e4), scale=mla_scale(8, 4, RopeScaling())))
 
 
-def _setup(cfg, batch, seed=0):
-    weights = random_weights(deepseek.weight_specs(cfg), seed=seed)
-    rng = np.random.default_rng(seed)
-    for i in cfg.sparse_layers:  # a correction bias that changes the choice (the init is zeros)
-        if "score_bias" in weights["layers"][i]["moe"]:
-            weights["layers"][i]["moe"]["score_bias"] = jnp.asarray(rng.normal(0, 0.3, cfg.moe.num_experts), jnp.float32)
-    prompt_lens = [2, 5, 3, 7][:batch]
-    tokens = np.zeros((batch, max(prompt_lens)), np.int32)
-    positions = np.full(tokens.shape, -1, np.int32)
-    for i, n in enumerate(prompt_lens):
-        tokens[i, :n] = rng.integers(0, cfg.vocab_size, n)
-        positions[i, :n] = np.arange(n)
-    cache = deepseek.cache_spec(cfg).create(NUM_PAGES, PAGE, jnp.float32)
-    bt = jnp.asarray(BLOCK_TABLES[:batch])
-    logits, _, cache = _xla_step(cfg)(weights, jnp.asarray(tokens), jnp.asarray(positions), cache, bt)
-    last = jnp.asarray(np.array(prompt_lens) - 1)
-    first = jnp.argmax(jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], axis=-1).astype(jnp.int32)
-    return weights, cache, bt, first, jnp.asarray(prompt_lens, jnp.int32)
+def _score_bias(weights, rng):
+    """A correction bias that changes which experts win (the random init is zeros)."""
+    for lw in weights["layers"]:
+        if "score_bias" in lw.get("moe", {}):
+            lw["moe"]["score_bias"] = jnp.asarray(rng.normal(0, 0.3, lw["moe"]["score_bias"].shape), jnp.float32)
 
 
-@functools.lru_cache(maxsize=None)
-def _xla_step(cfg):
-    return jax.jit(lambda w, tok, pos, cache, bt: deepseek.forward(w, cfg, tok, pos, cache, AttentionBatch(bt)))
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel_step(cfg, options):
-    return jax.jit(lambda w, tok, pos, cache, bt: megakernel.forward(w, cfg, tok, pos, cache, AttentionBatch(bt),
-                                                                     options=options))
-
-
-def _greedy_run(cfg, batch, steps, interpret, padding_row=False):
-    weights, cache, bt, tok, pos = _setup(cfg, batch)
-    xla, kernel = _xla_step(cfg), _kernel_step(cfg, dataclasses.replace(OPTIONS, interpret=interpret))
-    live = np.ones(batch, bool)
-    if padding_row:
-        live[-1] = False
-    feed_pos = jnp.where(jnp.asarray(live), pos, -1)
-    ref_cache, ref_tok, errors = cache, tok, []
-    for _ in range(steps):
-        ref_logits, _, ref_cache = xla(weights, ref_tok[:, None], feed_pos[:, None], ref_cache, bt)
-        logits, _, cache = kernel(weights, tok[:, None], feed_pos[:, None], cache, bt)
-        errors.append(_rel_err(logits[live], ref_logits[live]))
-        ref_tok = jnp.argmax(ref_logits[:, 0], axis=-1).astype(jnp.int32)
-        tok = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-        np.testing.assert_array_equal(np.asarray(tok)[live], np.asarray(ref_tok)[live])
-        feed_pos = jnp.where(jnp.asarray(live), feed_pos + 1, -1)
-    return errors, cache, ref_cache
+_setup = functools.partial(_setup, adjust=_score_bias)
 
 
 def test_mla_schedule_keeps_whole_heads_per_tile():
@@ -108,7 +64,8 @@ def test_mla_schedule_keeps_whole_heads_per_tile():
 
 def test_v3_stack_batch4_with_padding_matches_xla(interpret):
     """q LoRA, interleaved YaRN RoPE, a dense layer then two sparse ones, 3 greedy steps."""
-    errors, cache, ref_cache = _greedy_run(V3, batch=4, steps=3, interpret=interpret, padding_row=True)
+    errors, cache, ref_cache = _greedy_run(V3, batch=4, steps=3, interpret=interpret, padding_row=True,
+                                           adjust=_score_bias)
     assert max(errors) < 1e-3, errors
     _assert_caches_close(cache, ref_cache)
     assert not races_found()
