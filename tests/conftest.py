@@ -196,6 +196,30 @@ def tiny_family_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def nan_token_model(tiny_llama_dir, tmp_path_factory):
+    """(directory, P): tiny_llama_dir's model with token P's embedding row NaN, a fault planted in
+    the weights. A row that reads P (in its prompt, or sampled and fed back) computes NaN from
+    there on; other rows never touch it (the LM head is not tied to the embedding)."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    src, _ = tiny_llama_dir
+    d = tmp_path_factory.mktemp("tiny-llama-nan")
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy(f, d / f.name)
+    weights = load_file(str(src / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("embed_tokens.weight"))
+    poison = weights[name].shape[0] - 1
+    weights[name] = weights[name].copy()
+    weights[name][poison] = np.nan
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d, poison
+
+
+@pytest.fixture(scope="session")
 def tiny_draft_dir(tmp_path_factory, tiny_llama_dir):
     """A one-layer random llama with tiny_llama_dir's tokenizer and vocabulary: a draft model for it."""
     import shutil

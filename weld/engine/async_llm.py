@@ -16,6 +16,7 @@ length of a device call. Each request has an asyncio queue that the loop fills t
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import Any, AsyncIterator
@@ -24,6 +25,9 @@ from weld.engine.llm import LLM, PromptType
 from weld.engine.outputs import RequestOutput
 from weld.engine.sampling_params import SamplingParams
 from weld.utils.errors import InvalidInputError, WeldError
+
+
+logger = logging.getLogger("weld.engine")
 
 
 class EngineDeadError(WeldError):
@@ -90,6 +94,7 @@ class AsyncLLM:
                         self._first_step_start.setdefault(out.request_id, started)
                     self._deliver(out)
         except BaseException as err:  # a bug: fail every open stream instead of hanging them
+            logger.exception("the engine loop failed; failing every open request")
             self._error = err
             for request_id in list(self._streams):
                 self._deliver(err, request_id)
@@ -109,6 +114,11 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._error is None
+
+    @property
+    def error(self) -> BaseException | None:
+        """What ended the engine thread, if a failure did."""
+        return self._error
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:

@@ -231,11 +231,17 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Gives back `seq`'s pages and its state slot (finish, abort, preemption); it would start
         again from position 0. A state snapshot already queued from its slot still reads it
-        first: the runner makes queued copies before the next call."""
-        self.cache_full_pages(seq)  # what it computed stays reusable after it finishes
+        first: the runner makes queued copies before the next call. A sequence that ended in a
+        fault (finish_reason "error": non-finite logits) leaves nothing in the prefix cache: its
+        K/V may be garbage."""
+        faulted = seq.finish_reason == "error"
+        if not faulted:
+            self.cache_full_pages(seq)  # what it computed stays reusable after it finishes
         for pool, table in zip(self.pools, self._tables(seq)):
             for page in reversed(table):  # the prefix's first pages are reused last
                 if page >= 0:
+                    if faulted:
+                        pool.forget(page)
                     pool.release(page)
         if seq.state_slot >= 0:
             self.free_slots.append(seq.state_slot)

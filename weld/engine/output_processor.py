@@ -17,6 +17,7 @@ import logging
 import numpy as np
 
 from weld.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from weld.engine.programs import NONFINITE
 from weld.engine.runner import StepResult
 from weld.engine.sampling_params import SamplingParams
 from weld.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -25,6 +26,8 @@ from weld.engine.structured import GrammarMatcher, StructuredOutputError
 from weld.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("weld.engine")
+# The stop_reason of a completion ended because its logits were not finite (finish_reason "error").
+NONFINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this request"
 
 
 @dataclasses.dataclass
@@ -97,6 +100,9 @@ class OutputProcessor:
                 break
             self._append_token(request, seq, result, i, k, device_stop=bool(result.stopped[i]) and k == emitted - 1)
             taken += 1
+        if not seq.stopping and np.any(result.token_ids[i] == NONFINITE):
+            logger.error("request %s: the model's logits held NaN or inf; ending it with an error", request.request_id)
+            self._finish(request.completion(seq), "error", NONFINITE_LOGITS)
         if seq.stopping:
             request.completion(seq).matcher = None
         return taken

@@ -25,8 +25,8 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it; for "error", what went wrong
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -26,6 +26,16 @@ from weld.engine.sampler import (apply_allowed, apply_penalties, ban_tokens, sam
 from weld.models.common.cache import AttentionBatch
 
 
+# A row's token where its logits held a NaN or an inf (a numerical fault, in the weights or the
+# hardware): the row ends there, and the host ends that request with an error, not its neighbours.
+NONFINITE = -2
+
+
+def finite_rows(logits: jax.Array) -> jax.Array:
+    """Whether each row of logits [..., v] is finite throughout ([...])."""
+    return jnp.all(jnp.isfinite(logits), axis=-1)
+
+
 def banned_ids(stop: StopArrays) -> jax.Array:
     """[b, e + s]: the ids min_tokens keeps from being sampled (EOS unless ignore_eos, stop ids)."""
     b = stop.stop_ids.shape[0]
@@ -91,10 +101,10 @@ def prefill(forward: Callable, drafter: Any, weights, cache, draft_params, draft
         for lg, li, f in zip(logits, last_index, full)])  # [bp + bd, v]
     prompt = token_logprobs(logits[0], prompt_targets, num_top) if with_prompt_logprobs else None
     scores = constrain(last_logits, stop, stop.num_output, penalties, _allowed(token_bitmask, cfg.vocab_size))
-    ids = sample(scores, sampling)
+    ids = jnp.where(finite_rows(last_logits), sample(scores, sampling), NONFINITE)
     chosen = None
     if num_top:
-        chosen = tuple(x[:, None] for x in token_logprobs(last_logits, ids, num_top))  # [b, 1, ...]
+        chosen = tuple(x[:, None] for x in token_logprobs(last_logits, jnp.maximum(ids, 0), num_top))  # [b, 1, ...]
     stopped = stop_hit(ids, stop.num_output, stop) & (stop.max_steps > 0)
     return cache, draft_state, ids[:, None], chosen, prompt, stopped
 
@@ -138,16 +148,20 @@ def decode(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
                                           (jnp.zeros((b,), jnp.int32),), (features,))
         logits = logits[:, 0]  # [b, v]
         allowed = None if first_allowed is None else first_allowed | (i > 0)
+        finite = finite_rows(logits)
         new = sample(constrain(logits, stop, num_out, pen, allowed), dataclasses.replace(sampling, position=pos + 1))
+        new = jnp.where(finite, new, NONFINITE)
         hit = live & stop_hit(new, num_out, stop)
-        ended = hit | (i + 1 >= stop.max_steps)
+        ended = hit | ~finite | (i + 1 >= stop.max_steps)
         num_out = num_out + live
         out_ids = out_ids.at[:, i].set(jnp.where(live, new, -1))
         if num_top:
-            out_lp = tuple(buf.at[:, i].set(x) for buf, x in zip(out_lp, token_logprobs(logits, new, num_top)))
+            out_lp = tuple(buf.at[:, i].set(x) for buf, x in zip(out_lp, token_logprobs(logits, jnp.maximum(new, 0),
+                                                                                         num_top)))
         if pen is not None:
-            pen = dataclasses.replace(pen, counts=pen.counts.at[jnp.arange(b), new].add(live.astype(jnp.int32)))
-        tok = jnp.where(live, new, tok)
+            counted = jnp.where(live & finite, new, logits.shape[-1])  # out of bounds: dropped
+            pen = dataclasses.replace(pen, counts=pen.counts.at[jnp.arange(b), counted].add(1, mode="drop"))
+        tok = jnp.where(live & finite, new, tok)
         pos = jnp.where(live, pos + 1, pos)
         return (i + 1, cache, draft_state, tok, pos, done | (live & ended), num_out, out_ids, out_lp, pen,
                 stopped | hit)
@@ -238,7 +252,12 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
         count = jnp.minimum(accepted + 1, budget)
         is_stop = stop_hit(emitted, num_out[:, None] + slot, stop) & (slot < count[:, None])
         first_stop = jnp.min(jnp.where(is_stop, slot, s), axis=1)
-        count = jnp.where(live, jnp.minimum(count, first_stop + 1), 0)
+        count = jnp.minimum(count, first_stop + 1)
+        # A slot whose logits are not finite emits nothing, nor does any after it; the row ends
+        # with NONFINITE where that token would have gone.
+        first_bad = jnp.min(jnp.where(finite_rows(logits), s, slot), axis=1)
+        faulted = live & (first_bad < count)
+        count = jnp.where(live, jnp.minimum(count, first_bad), 0)
         keep = slot < count[:, None]
         if state_slots is not None:  # fed sent + 1 tokens, keeps count: recompute the state over those
             def replay(cache):
@@ -250,6 +269,7 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
             cache = jax.lax.cond(rejected, replay, lambda cache: cache, cache)
         target = jnp.where(keep, made[:, None] + slot, width)  # out of bounds: dropped
         out_ids = out_ids.at[rows, target].set(emitted, mode="drop")
+        out_ids = out_ids.at[jnp.arange(b), jnp.where(faulted, made + count, width)].set(NONFINITE, mode="drop")
         if history is not None:  # emitted token j sits at position pos + 1 + j
             history = history.at[rows, jnp.where(keep, pos[:, None] + 1 + slot, history.shape[1])].set(
                 emitted, mode="drop")
@@ -264,7 +284,7 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
         last = jnp.where(live, jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0], last)
         hit = live & (first_stop < count)
         made = made + count
-        done = done | hit | (made >= stop.max_steps) | from_host
+        done = done | hit | faulted | (made >= stop.max_steps) | from_host
         return r + 1, cache, draft_state, last, done, made, out_ids, out_lp, sent_log, pen, stopped | hit, history
 
     carry = (jnp.int32(0), cache, draft_state, tokens[:, 0], stop.max_steps <= 0, jnp.zeros((b,), jnp.int32),

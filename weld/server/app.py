@@ -16,6 +16,7 @@ import contextlib
 import hmac
 import json
 import logging
+import sys
 import time
 from typing import Any
 
@@ -185,21 +186,38 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
 
 
 def serve(engine: Any, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> None:
-    """Runs the app under uvicorn until SIGINT/SIGTERM. On SIGTERM new requests get a 503 (or
-    find the socket closed) while those in flight finish; then the engine shuts down."""
+          log_level: str = "info") -> int:
+    """Runs the app under uvicorn until SIGINT/SIGTERM or the engine thread's death, and returns
+    the exit status: 130 / 143 after SIGINT / SIGTERM (new requests get a 503, or find the socket
+    closed, while those in flight finish; then the engine shuts down), 1 when the engine thread
+    died (every open request has had its error, /health said 503; the server stops at once
+    rather than hang or answer 503 forever), else 0."""
     import uvicorn
 
     app = build_app(engine, config)
+    status = [0]
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             app.state.weld.draining = True
+            status[0] = status[0] or 128 + int(sig)
             super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if not engine.is_running and not app.state.weld.draining:
+                app.state.weld.draining = True
+                status[0] = 1
+                cause = getattr(engine, "error", None)
+                print(f"weld: error: the engine thread died ({type(cause).__name__}: {cause}); stopping the server"
+                      if cause is not None else "weld: error: the engine thread died; stopping the server",
+                      file=sys.stderr, flush=True)
+                self.should_exit = True
+            return await super().on_tick(counter)
 
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                     timeout_graceful_shutdown=None))
     server.run()
+    return status[0]
 
 
 def warmup(engine: Any, mode: str = "basic") -> None:

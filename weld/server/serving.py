@@ -176,11 +176,16 @@ class EngineRequest:
             raise APIError(400, str(err)) from None
 
     def _observe(self, out: RequestOutput) -> RequestOutput:
+        """Times an output; a completion that ended in an engine fault (finish_reason "error":
+        non-finite logits) fails the whole request with a 500, its siblings aborted."""
         now = time.monotonic()
         self.timer.on_output(now, sum(len(c.token_ids) for c in out.outputs),
                              self.state.engine.first_step_start(self.request_id))
-        if out.finished:
-            self.timer.on_finish(now, out.outputs[0].finish_reason)
+        failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
+        if out.finished or failed is not None:
+            self.timer.on_finish(now, "error" if failed is not None else out.outputs[0].finish_reason)
+        if failed is not None:
+            raise APIError(500, f"{failed.stop_reason}; the request was ended", code="internal_error")
         return out
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:

@@ -213,12 +213,18 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
         q_pos = query_positions[:, None, None, :, None]  # [b, 1, 1, t, 1]
         row_shape = (b, kv_heads, g, t)
 
+    row_last = jnp.max(query_positions, axis=1)  # [b]: the last position a query of the row sees
+
     def scores(i, k_pool, v_pool):
         """Masked scores of this tile, its visibility mask and the values they weigh."""
         pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_tile, pages_per_tile, axis=1)
         kv_pos = i * tile + jnp.arange(tile)  # [s]
         keys = k_pool[pages].astype(jnp.float32)
         values = keys if v_pool is None else v_pool[pages].astype(jnp.float32)
+        # Slots past every query of the row are weighed by 0, but 0 * NaN is NaN: a stale page's
+        # tail (a previous owner's, perhaps one ended for NaN activations) must read as 0.
+        written = (kv_pos <= row_last[:, None]).reshape(b, pages_per_tile, page_size, 1, 1)
+        values = jnp.where(written, values, 0.0)
         if kv_slice is not None:  # [b, pages, page, count, e]: the tile's rows of those heads only
             keys, values = (jax.lax.dynamic_slice_in_dim(x, kv_slice[0], kv_slice[1], axis=3)
                             for x in (keys, values))
