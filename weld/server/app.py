@@ -2,11 +2,12 @@
 
     GET  /health /version /metrics /v1/models
     POST /v1/completions /v1/chat/completions /tokenize /detokenize
+    GET  /  (the chat page: weld/server/static, plain files)
 
 The engine is injected (`build_app(engine, config)`): anything with AsyncLLM's `generate`,
 `abort`, `stats`, `first_step_start`, `tokenizer`, `is_running` and `shutdown` will do. With an
-API key, every /v1 route needs `Authorization: Bearer <key>` (as in vLLM); /health, /metrics,
-/version, /tokenize and /detokenize stay open.
+API key, every route needs `Authorization: Bearer <key>` but /health and the chat page's files
+(they hold no data): the page asks for the key and sends it on its own API calls.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import contextlib
 import hmac
 import json
 import logging
+import pathlib
 import sys
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import FileResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -36,7 +38,23 @@ from weld.utils.errors import InvalidInputError, WeldError
 from weld.utils.memory import release_free_memory
 
 logger = logging.getLogger("weld.server")
-OPEN_ROUTES = frozenset({"/health"})  # what --api-key leaves open (a load balancer's probe)
+PAGE_DIR = pathlib.Path(__file__).parent / "static"
+PAGE_FILES = {"/": "index.html", "/static/chat.js": "chat.js", "/static/chat.css": "chat.css"}
+# the page may load its own files and call this server, nothing else
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; "
+                                           "form-action 'none'; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff"}
+# what --api-key leaves open: a load balancer's probe, and the chat page's static files
+OPEN_ROUTES = frozenset({"/health", *PAGE_FILES})
+
+
+def _page_file(name: str):
+    path = PAGE_DIR / name
+
+    async def page_file():
+        return FileResponse(path, headers=PAGE_HEADERS)
+
+    return page_file
 
 
 async def _json_body(request: Request, limit: int) -> Any:
@@ -181,6 +199,9 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         req: DetokenizeRequest = parse_body(DetokenizeRequest, await _json_body(request, config.max_body_bytes))
         state.check_model(req.model)
         return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    for path, name in PAGE_FILES.items():
+        app.add_api_route(path, _page_file(name), methods=["GET"], include_in_schema=False)
 
     return app
 
