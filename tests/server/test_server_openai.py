@@ -15,6 +15,8 @@ import pytest
 
 from tests.server.conftest import run_server, wait_for
 from weld import LLM, SamplingParams
+from weld.server.protocol import MAX_MESSAGES, MAX_TOOLS
+from weld.server.serving import MAX_REQUEST_SEQS
 
 MAX_MODEL_LEN = 256
 ENGINE_ARGS = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory_gb=0.01, steps_per_call=4)
@@ -289,6 +291,7 @@ def _nested_schema(depth: int) -> dict:
     ({"prompt": "x", "structured_outputs": {"regex": "a" * 70000}}, 400, "structured_outputs.regex"),
     ({"prompt": "x", "structured_outputs": {"json": _nested_schema(40)}}, 400, "structured_outputs.json"),
     ('{"prompt": ' + "[" * 100000 + "]" * 100000 + "}", 400, None),  # nested past Python's recursion limit
+    ({"prompt": [[1]] * (MAX_REQUEST_SEQS + 1), "max_tokens": 1}, 400, "prompt"),  # sequences per request
 ])
 def test_completion_errors(server, body, status, param):
     raw = body if isinstance(body, str) else json.dumps(body)
@@ -315,6 +318,9 @@ def test_completion_errors(server, body, status, param):
     ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"choice": []}},
      "structured_outputs.choice"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 2147483648}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS + 1)]}, "tools"),
 ])
 def test_chat_errors(client, body, param):
     with pytest.raises(openai.BadRequestError) as info:

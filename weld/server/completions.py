@@ -71,7 +71,7 @@ async def create_completion(state: ServerState, body: Any, raw_request: Any):
                               prompt_logprobs=prompt_logprobs, structured_outputs=structured) for m in max_tokens]
     completion_id = random_id("cmpl")
     created = int(time.time())
-    admission = state.admit(len(prompts) * n)
+    admission = state.admit(len(prompts) * n, param="prompt" if len(prompts) > 1 else "n")
     requests = [EngineRequest(state, f"{completion_id}-{i}", p, sp, arrival)
                 for i, (p, sp) in enumerate(zip(prompts, params))]
     try:

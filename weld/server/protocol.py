@@ -9,9 +9,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from weld.server.errors import APIError
+
+# Bounds on what a request's lists may hold, checked before anything is made from them (the
+# prompt's tokens are then bounded by the context). OpenAI's own limit on tools is 128.
+MAX_MESSAGES = 4096
+MAX_TOOLS = 128
+_ECHO_CHARS = 200  # of a bad value, quoted back in the error
 
 
 class _Strict(BaseModel):
@@ -86,12 +92,12 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
     add_generation_prompt: bool = True
@@ -103,11 +109,11 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
@@ -176,5 +182,7 @@ def parse_body(model: type[_Strict], body: Any) -> Any:
             raise APIError(400, f"missing required field: {missing[0]}", param=missing[0]) from None
         first = errors[0]
         param = _param_of(first["loc"])
-        raise APIError(400, f"invalid value for {param}: {first['msg']} (got {first.get('input')!r})",
-                       param=param) from None
+        got = repr(first.get("input"))
+        if len(got) > _ECHO_CHARS:
+            got = got[:_ECHO_CHARS] + "..."
+        raise APIError(400, f"invalid value for {param}: {first['msg']} (got {got})", param=param) from None

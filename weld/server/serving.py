@@ -16,6 +16,9 @@ from weld.server.metrics import Metrics, RequestTimer
 from weld.utils.errors import InvalidInputError
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
+# The most sequences (prompts x n) one request may start: each costs host memory before the
+# engine sees it. Past max_num_seqs + max_waiting a request waits for an empty queue.
+MAX_REQUEST_SEQS = 4096
 
 
 @dataclasses.dataclass
@@ -59,9 +62,14 @@ class ServerState:
         if isinstance(n, int) and n > self.config.max_n:
             raise APIError(400, f"n must be at most {self.config.max_n} (the server's --max-n), got {n}", param="n")
 
-    def admit(self, num_seqs: int) -> "_Admission":
+    def admit(self, num_seqs: int, param: str = "n") -> "_Admission":
+        """Counts `num_seqs` sequences in (a 429 when the queue is full; a 400 naming `param` when
+        one request asks for more than MAX_REQUEST_SEQS)."""
         if self.draining:
             raise APIError(503, "the server is shutting down")
+        if num_seqs > MAX_REQUEST_SEQS:
+            raise APIError(400, f"this request asks for {num_seqs} completions (prompts x n); one request may ask "
+                                f"for at most {MAX_REQUEST_SEQS}", param=param)
         limit = self.config.max_num_seqs + self.config.max_waiting
         if self.in_flight and self.in_flight + num_seqs > limit:
             raise APIError(429, f"the waiting queue is full ({self.in_flight} sequences in flight, limit {limit}); "
