@@ -645,3 +645,18 @@ def test_n_siblings_wait_one_step_for_the_prompt_pages_then_start_together(cachi
         sched.update_from_output(plan, [int(e.sample) for e in plan.entries])
     assert starts == ([[0], [1, 2, 3, 4, 5]] if caching else [[0, 1, 2, 3, 4, 5]])
     assert sched.block_manager.prefix_hits == (5 * 8 if caching else 0)  # two full prompt pages each
+
+
+def test_warmup_plans_fit_one_sequence():
+    """A token budget past the context (max_num_batched_tokens 2048, sequences of at most 512
+    tokens) has no chunk longer than a sequence: its dummies fit the block tables
+    (`weld serve --warmup full` crashed on a 513-token dummy)."""
+    from weld.engine.batch import warmup_plans
+
+    def longest(plans):
+        return max(e.seq.num_tokens for p in plans for e in p.entries)
+
+    assert longest(warmup_plans(8, 2048, 16, (3,))) > 512  # without the bound
+    plans = warmup_plans(8, 2048, 16, (3,), max_seq_len=512)
+    assert longest(plans) <= 512
+    assert {p.kind for p in plans} == {"decode", "verify", "prefill", "mixed"}

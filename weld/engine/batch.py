@@ -293,7 +293,7 @@ def sampling_arrays(entries: list[ScheduledSeq], rows: list[int], b: int) -> Sam
 
 def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
                  spec_widths: tuple[int, ...] = (), num_page_groups: int = 1, num_slots: int = 0,
-                 num_ranks: int = 1) -> list[SchedulerOutput]:
+                 num_ranks: int = 1, max_seq_len: int | None = None) -> list[SchedulerOutput]:
     """One dummy plan per bucketed shape the scheduler can produce: fused decodes and, for each
     speculation width w > 0 in `spec_widths`, verification steps of w drafts a round, of bd rows,
     and prefills of bp rows x tp tokens with bd decode rows riding along (bd = 0: none). The
@@ -301,7 +301,8 @@ def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
     they use pages 0, 1, ...: run them while no sequence holds any.
 
     A shape is feasible when its smallest content fits the limits (a bucket of n > 1 holds at
-    least n/2 + 1 items, a token bucket tp > 16 a chunk of at least tp/2 + 1 tokens) and, with
+    least n/2 + 1 items, a token bucket tp > 16 a chunk of at least tp/2 + 1 tokens, which one
+    sequence of at most max_seq_len tokens must hold) and, with
     several prompt rows longer than the minimal bucket, bp * tp stays within the scheduler's
     padded-slot limit.
 
@@ -340,6 +341,7 @@ def warmup_plans(max_num_seqs: int, max_num_batched_tokens: int, page_size: int,
                 rows_p, rows_d = least_rows(bp), least_rows(bd)
                 chunk = 1 if tp == MIN_TOKEN_BUCKET else tp // 2 + 1
                 if (rows_p + rows_d > max_num_seqs or chunk + rows_p - 1 + rows_d > max_num_batched_tokens
+                        or (max_seq_len is not None and chunk > max_seq_len)
                         or (rows_p > 1 and tp > MIN_TOKEN_BUCKET and bp * tp > slots)):
                     continue
                 chunks = [dummy(chunk, chunk, False)] + [dummy(1, 1, False) for _ in range(rows_p - 1)]

@@ -255,7 +255,8 @@ class ModelRunner:
         """
         num_slots = self.cache.num_slots
         plans = host_batch.warmup_plans(max_num_seqs, max_num_batched_tokens, self.page_size, self.spec_widths,
-                                        self.num_page_groups, num_slots, self.num_ranks)
+                                        self.num_page_groups, num_slots, self.num_ranks,
+                                        max_seq_len=self.max_pages_per_seq * self.page_size)
         copies = [1 << i for i in range(bucket(2 * max_num_seqs).bit_length())] if num_slots else []
         before = self.num_compiles
         with Progress(len(plans) + len(copies), "Compiling", unit="program", enabled=progress) as bar:
