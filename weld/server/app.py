@@ -1,6 +1,6 @@
 """The FastAPI app and `serve()`: routes, API-key check, error shapes, graceful shutdown.
 
-    GET  /health /version /metrics /v1/models
+    GET  /health /version /metrics /v1/models /tokenizer_info
     POST /v1/completions /v1/chat/completions /tokenize /detokenize
     GET  /  (the chat page: weld/server/static, plain files)
 
@@ -193,6 +193,15 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         if req.return_token_strs:
             body["token_strs"] = [state.tokenizer.id_to_token(i) for i in ids]
         return body
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """The special tokens and chat template, as vLLM's /tokenizer_info: with /tokenize and
+        /detokenize, what lm-eval's remote tokenizer backend uses instead of a local tokenizer."""
+        tok = state.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                "pad_token": tok.pad_token, "chat_template": tok.chat_template,
+                "model_max_length": config.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
