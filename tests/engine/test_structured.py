@@ -255,12 +255,18 @@ def test_smollm2_chat_json_schema():
     assert_no_leaks(llm)
 
 
-def test_constrained_rows_speculate_with_a_mask_per_drafted_slot(tiny_llama_dir, llm):
+@pytest.mark.parametrize("width", [4, 1])
+def test_constrained_rows_speculate_with_a_mask_per_drafted_slot(tiny_llama_dir, llm, monkeypatch, width):
     """Under speculative decoding a constrained row verifies host n-gram drafts, each slot under
     the grammar's mask after the drafts before it: drafts are sent and accepted, greedy outputs
-    equal plain constrained decoding, and sampled ones still match the grammar."""
+    equal plain constrained decoding, and sampled ones still match the grammar. Width 1: the
+    adaptive policy verifies fewer drafts than num_speculative_tokens (the masks must follow the
+    call's width, not the engine's k: they did not, and constrained rows broke their grammar)."""
     spec = LLM(model=str(tiny_llama_dir[0]), dtype="float32", max_model_len=256, kv_cache_memory_gb=0.01,
-               steps_per_call=4, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+               steps_per_call=4, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                     "adaptive": width != 4})
+    if width != 4:
+        monkeypatch.setattr(spec.engine.width_policy, "choose", lambda num_rows: width)
     regex = r"(ab|cd|ef){12}"  # repeats its own phrases: lookup finds drafts the grammar takes
     greedy = [constrained(0, temperature=0, regex=regex), constrained(0, temperature=0, json=SCHEMAS["array"]),
               constrained(0, temperature=0, choice=["fox jumps over", "Paris"])]

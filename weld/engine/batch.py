@@ -117,6 +117,9 @@ def build(plan: SchedulerOutput, *, max_pages_per_seq: int, vocab_size: int, eos
             block_tables[r, g * max_pages_per_seq:g * max_pages_per_seq + len(table)] = np.maximum(table, 0)
     state_slots = np.full((b,), -1, np.int32)
     state_slots[np.asarray(rows)] = [e.seq.state_slot for e in entries]
+    if plan.kind == "verify" and token_bitmask is not None and token_bitmask.shape[1] != num_spec_tokens + 1:
+        raise ValueError(f"a verify step of {num_spec_tokens} drafts needs {num_spec_tokens + 1} masks a row, "
+                         f"got {token_bitmask.shape[1]}")
     host = HostBatch(plan.kind, rows, block_tables, sampling_arrays(entries, rows, b),
                      stop_arrays(entries, rows, b, eos_ids), penalty_arrays(entries, rows, b, vocab_size),
                      bitmask_rows(token_bitmask, rows, b, vocab_size), state_slots)

@@ -171,7 +171,7 @@ class EngineCore:
         rest, except grammar-constrained sequences: the host drafts for them (n-gram lookup), as
         far as the grammar accepts the drafts, with the mask of every drafted position; they
         verify one round per call."""
-        k = self.scheduler.num_spec_tokens
+        k = plan.spec_width  # this call's drafts per round (adaptive: at most num_spec_tokens)
         n = len(plan.entries)
         drafts = np.full((n, k), -1, np.int32)
         num_drafts = np.zeros(n, np.int32)
