@@ -4,16 +4,21 @@ Thin: each command parses flags, builds an `LLM` and prints. The engine's flags 
 cache, batching, speculative decoding) are defined once, in `weld.config`, for generate, chat,
 serve and bench alike. Errors caused by the user (a
 missing model file, a bad flag value, an over-long prompt) print one line on stderr and exit
-with status 1; bugs keep their traceback.
+with status 1; bugs keep their traceback. Ctrl-C and SIGTERM end any command, at any moment, with
+one line and status 130 / 143 (`weld.utils.interrupts`); in an interactive chat Ctrl-C stops the
+reply, and `serve` drains first.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from typing import Sequence
 
 from weld.engine.sampling_params import DEFAULT_SAMPLING
+from weld.utils import interrupts
 from weld.utils.errors import InvalidInputError, WeldError
 
 DESCRIPTION = """weld: an LLM inference engine for JAX.
@@ -257,8 +262,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if interactive:
         print("weld chat: /reset starts over, /exit or Ctrl-D leaves.", file=sys.stderr)
     while True:
-        try:
-            line = input("> " if interactive else "")
+        try:  # interactive: Interrupted leaves input() through readline's cleanup, then main() exits
+            with interrupts.raising() if interactive else contextlib.nullcontext():
+                line = input("> " if interactive else "")
         except EOFError:
             return 0
         text = line.strip()
@@ -274,13 +280,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
         prompt = {"prompt": prompt_text,
                   "prompt_token_ids": llm.tokenizer.encode(prompt_text, add_special_tokens=False)}
         reply = []
-        try:
-            for delta in llm.stream(prompt, params):
-                reply.append(delta)
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-        except KeyboardInterrupt:
-            sys.stdout.write(" [stopped]")
+        try:  # interactive: Ctrl-C stops the reply, not the chat (piped: it ends the run)
+            with interrupts.sigint_stops() if interactive else contextlib.nullcontext() as stop, \
+                    contextlib.closing(llm.stream(prompt, params)) as stream:
+                for delta in stream:
+                    reply.append(delta)
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+                    if stop is not None and stop.is_set():
+                        sys.stdout.write(" [stopped]")
+                        break
         except WeldError as err:  # e.g. the history outgrew the context: say so, keep chatting
             history.pop()
             print(f"weld: error: {err}", file=sys.stderr)
@@ -357,8 +366,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"weld: sampling defaults for requests that leave them out: "
           + ", ".join(f"{k} {v}" for k, v in server.sampling_defaults.items()), file=sys.stderr)
     print(f"weld: serving {server.served_model_name} on http://{args.host}:{args.port}", file=sys.stderr)
-    serve(engine, server, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    with interrupts.foreign():  # uvicorn's handlers drain the server, then raise the signal again
+        status = serve(engine, server, host=args.host, port=args.port, log_level=args.log_level)
+    return 0 if status is None else status
 
 
 def _serve_headless(config) -> int:
@@ -426,15 +436,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except WeldError as err:
-        print(f"weld: error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("", file=sys.stderr)
-        return 130
+    with interrupts.handled():
+        args = build_parser().parse_args(argv)
+        try:
+            return args.func(args)
+        except WeldError as err:
+            print(f"weld: error: {err}", file=sys.stderr)
+            return 1
+        except interrupts.Interrupted as stop:
+            interrupts.exit_now(stop.signum)
+        except KeyboardInterrupt:  # raised by hand somewhere: the handlers never raise it
+            interrupts.exit_now(signal.SIGINT)
 
 
 if __name__ == "__main__":

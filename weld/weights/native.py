@@ -101,6 +101,7 @@ def convert(source, out: str | pathlib.Path, quantization: str | None = None, dt
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob("*.partial")) + list(out.glob("*.data")):
         stale.unlink()
+    _write_json(out / PROGRESS, {**options, "shards": done})  # first: a run stopped from here on resumes
 
     declared = dict(iter_specs(src.family.weight_specs(src.cfg)))
     by_name = {path_str(p): p for p in declared}

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 from typing import Any
 
@@ -391,9 +392,12 @@ def save(directory: str | pathlib.Path, params: dict, cfg: DraftConfig, metadata
                for path, _ in iter_specs(weight_specs(cfg))}
     if cfg.draft_vocab_size:
         tensors[VOCAB_TENSOR] = np.asarray(params[VOCAB_TENSOR], np.int32)
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": FORMAT})
     document = {"format": FORMAT, "version": 1, "config": cfg.to_dict(), **({"training": metadata} if metadata else {})}
-    (directory / "config.json").write_text(json.dumps(document, indent=2) + "\n")
+    # each file under a temporary name, then renamed: an interrupted save leaves no half-written file
+    save_file(tensors, str(directory / (WEIGHTS_FILE + ".tmp")), metadata={"format": FORMAT})
+    os.replace(directory / (WEIGHTS_FILE + ".tmp"), directory / WEIGHTS_FILE)
+    (directory / "config.json.tmp").write_text(json.dumps(document, indent=2) + "\n")
+    os.replace(directory / "config.json.tmp", directory / "config.json")
 
 
 def load(directory: str | pathlib.Path, dtype: Any = jnp.float32) -> tuple[dict, DraftConfig]:
