@@ -85,7 +85,8 @@ def questions() -> list[str]:
 def run_all(url: str, model: str, hf: HFLM, stops: list[str]):
     """Loglikelihood and generation through local-completions (the remote tokenizer, found by
     itself, and batches of 4 token-id prompts), generation through local-chat-completions with
-    the chat template, each against the HF backend; generation stops at `stops`."""
+    the chat template (2 requests at a time), each against the HF backend; generation stops at
+    `stops`."""
     gen_kwargs = {"until": stops}
     # the premise: greedy decoding meets a stop in some of these answers (else stops go untested)
     body = {"model": model, "prompt": [f"Question: {q}\nAnswer:" for q in questions()], "max_tokens": MAX_GEN_TOKS,
@@ -100,7 +101,7 @@ def run_all(url: str, model: str, hf: HFLM, stops: list[str]):
     check_loglikelihoods(weld["weld_capitals"], ref["weld_capitals"])
     check_generations(weld["weld_arithmetic"], ref["weld_arithmetic"], stops)
 
-    chat = local_client("local-chat-completions", url, model)
+    chat = local_client("local-chat-completions", url, model, num_concurrent=2)  # lm-eval's aiohttp path
     weld = evaluate(chat, ["weld_arithmetic"], apply_chat_template=True, gen_kwargs=gen_kwargs)
     ref = evaluate(hf, ["weld_arithmetic"], apply_chat_template=True, gen_kwargs=gen_kwargs)
     check_generations(weld["weld_arithmetic"], ref["weld_arithmetic"], stops)
