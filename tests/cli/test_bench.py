@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -16,9 +17,12 @@ from weld.bench import engines, roofline, runner, summary
 from weld.bench import flags as bench_flags
 from weld.utils.errors import InvalidInputError, WeldError
 
+from test_bench_chart import RESULTS, check_chart
 
-def weld(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WELD_PROGRESS": "0", "JAX_PLATFORMS": "cpu"}
+
+def weld(*args: str, timeout: int = 300, progress: bool = False) -> subprocess.CompletedProcess:
+    """`weld ARGS` in a subprocess, stderr captured (not a terminal): progress lines only if asked."""
+    env = {**os.environ, "WELD_PROGRESS": "1" if progress else "0", "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, "-m", "weld.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -30,11 +34,19 @@ def assert_clean_error(proc: subprocess.CompletedProcess, needle: str):
     assert needle in lines[0], lines[0]
 
 
-def test_tiny_run_writes_json_and_prints_a_table(tiny_llama_dir, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_run(tiny_llama_dir, tmp_path_factory):
+    """One real `weld bench` of the tiny llama at batch 1 and 2, two repetitions, with progress
+    asked for (WELD_PROGRESS=1) on a stderr that is not a terminal. Returns (process, JSON path)."""
     directory, _ = tiny_llama_dir
-    out = tmp_path / "nested" / "bench.json"
+    out = tmp_path_factory.mktemp("bench") / "nested" / "bench.json"
     proc = weld("bench", "--model", str(directory), "--batch-sizes", "1,2", "--input-len", "8", "--output-len", "4",
-                "--prefill-len", "16", "--runs", "1", "--bandwidth-gb", "0.05", "--out", str(out))
+                "--prefill-len", "16", "--runs", "2", "--bandwidth-gb", "0.05", "--out", str(out), progress=True)
+    return proc, out
+
+
+def test_tiny_run_writes_json_and_prints_a_table(tiny_run):
+    proc, out = tiny_run
     assert proc.returncode == 0, proc.stderr
     assert "decode tok/s, batch 2" in proc.stdout and str(out) in proc.stdout
     result = json.loads(out.read_text())
@@ -49,12 +61,51 @@ def test_tiny_run_writes_json_and_prints_a_table(tiny_llama_dir, tmp_path):
     assert w["ttft_s"] > 0 and w["prefill"]["tok_s"] > 0 and w["load_s"] > 0
     for b in (1, 2):
         d = w["decode"][str(b)]
-        assert len(d["t_full_s"]) == len(d["t_one_s"]) == 1
-        t_full, t_one = d["t_full_s"][0], d["t_one_s"][0]
-        assert t_full > 0 and t_one > 0 and d["floor_tok_s"] > 0
-        # The rate is the stated formula of the raw times (None only if noise made t_full <= t_one).
-        expected = b * 3 / (t_full - t_one) if t_full > t_one else None
-        assert d["tok_s"] == pytest.approx(expected)
+        assert len(d["t_full_s"]) == len(d["t_one_s"]) == 2
+        for t_full, t_one, rate in zip(d["t_full_s"], d["t_one_s"], d["tok_s_per_run"]):
+            assert t_full > 0 and t_one > 0 and d["floor_tok_s"] > 0
+            # The rate is the stated formula of the raw times (None only if noise made t_full <= t_one).
+            assert rate == pytest.approx(b * 3 / (t_full - t_one) if t_full > t_one else None)
+        valid = [r for r in d["tok_s_per_run"] if r is not None]
+        assert d["tok_s"] == pytest.approx(statistics.median(valid) if valid else None)
+
+
+def test_tiny_run_shows_each_finished_step_on_stderr(tiny_run):
+    """Not a terminal, WELD_PROGRESS=1: one line per warm-up and timed step (no bar: no carriage
+    returns), each naming the engine, the batch or prefill, the run i of n and a running count;
+    the timed decode lines carry that run's tok/s, which is the JSON's."""
+    proc, out = tiny_run
+    assert proc.returncode == 0, proc.stderr
+    assert "\r" not in proc.stderr
+    label = json.loads(out.read_text())["engines"]["weld"]["label"]
+    per_run = {b: d["tok_s_per_run"] for b, d in json.loads(out.read_text())["engines"]["weld"]["decode"].items()}
+    steps = [line for line in proc.stderr.splitlines() if line.startswith("[")]
+    # weld: warm-up at batch 1, 2 and the prefill; then 2 repetitions of batch 1, 2 and the prefill
+    assert len(steps) == 3 + 2 * 3, proc.stderr
+    assert all(f"/{len(steps)}]" in line and f"| {label} |" in line for line in steps), steps
+    assert [line.split("] ", 1)[1].split(":")[0] for line in steps] == [
+        f"warm-up + compile | {label} | batch 1", f"warm-up + compile | {label} | batch 2",
+        f"warm-up + compile | {label} | prefill 16 tokens",
+        *(f"timed run {i}/2 | {label} | {what}" for i in (1, 2) for what in ("batch 1", "batch 2", "prefill 16 tokens"))]
+    elapsed = [float(line[1:].split("s", 1)[0]) for line in steps]
+    assert elapsed == sorted(elapsed) and elapsed[0] >= 0
+    for b in ("1", "2"):
+        lines = [line for line in steps if "timed run" in line and f"batch {b}:" in line]
+        assert len(lines) == len(per_run[b]) == 2
+        for line, rate in zip(lines, per_run[b]):
+            assert (f"decode {rate:.1f} tok/s" if rate is not None else "decode tok/s n/a") in line, line
+    if None not in per_run["2"]:
+        assert "(median " in steps[-2]  # batch 2's second run: the median of the two so far
+    assert all("prefill " in line and "tok/s" in line for line in steps if "timed" in line and "prefill" in line)
+    assert [line for line in proc.stderr.splitlines() if line.startswith("Loading weld ...")], proc.stderr
+
+
+def test_tiny_run_writes_its_chart_next_to_the_json(tiny_run):
+    proc, out = tiny_run
+    assert proc.returncode == 0, proc.stderr
+    svg = out.with_suffix(".svg")
+    assert str(svg) in proc.stdout
+    check_chart(svg, json.loads(out.read_text()))
 
 
 def test_floor_bytes_hand_count_for_the_tiny_llama(tiny_llama_dir):
@@ -117,6 +168,8 @@ def test_parse_batch_sizes_rejects(text, needle):
     (["--runs", "0"], "--runs"),
     (["--vs", "vllm"], "unknown engine 'vllm'"),
     (["--model", "/nonexistent/model.gguf"], "no such file"),
+    (["--chart", "/nonexistent/result.json"], "--chart /nonexistent/result.json: no such file"),
+    (["--chart", str(RESULTS / "perplexity_2026-12-01_smollm2.json")], "is not a `weld bench` result"),
 ])
 def test_bad_flags_give_one_line(args, needle):
     assert_clean_error(weld("bench", "--bandwidth-gb", "0.01", *args), needle)
@@ -183,8 +236,10 @@ def test_speculative_run_reports_both_engines_and_the_engine_acceptance(tiny_lla
                 "--bandwidth-gb", "0.05", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "speculative decoding: ngram" in proc.stdout and "mean accepted len" in proc.stdout
+    assert "timed run" not in proc.stderr and "warm-up" not in proc.stderr  # WELD_PROGRESS=0: no progress
     result = json.loads(out.read_text())
     assert list(result["engines"]) == ["weld", engines.SPEC_ENGINE] and result["ratios"] == {}
+    check_chart(out.with_suffix(".svg"), result)  # plain and speculative: a series each
     assert result["workload"]["num_prompts"] == 3 and result["workload"]["stop_at_eos"]
     spec = result["speculative"]
     assert spec["config"] == SPEC

@@ -4,6 +4,12 @@
     weld bench --vs hf --vs llamacpp --runs 3   # the same prompts through the other engines, interleaved
     weld bench --spec ngram --prompts benchmarks/prompts/copy_edit.txt --chat --batch-sizes 1
                                                 # weld with and without n-gram speculation, interleaved
+    weld bench --chart benchmarks/results/X.json  # redraw X.svg from a result file; runs nothing
+
+Next to the JSON (--out X.json) goes X.svg: decode tok/s against batch size per engine, with
+each engine's floor. While it runs, stderr shows the step running (engine, batch size, warm-up
+or timed run i of n), the elapsed time and the last run's tok/s: a bar on a terminal; one line
+per finished step elsewhere with WELD_PROGRESS=1 (e.g. in CI); nothing with WELD_PROGRESS=0.
 
 What is measured (every engine gets the same random prompt token ids, greedy, exactly
 `--output-len` new tokens whatever it samples; with `--prompts FILE`, the file's texts, one per
@@ -29,8 +35,9 @@ the engine: this package sits above it, like the CLI.
 """
 
 # The package: flags.py (the flags, BenchConfig), engines.py (weld, HF, llama.cpp), roofline.py
-# (bandwidth and the floor), runner.py (the interleaved run), summary.py (raw times -> figures),
-# report.py (the table). This module is what weld/cli.py calls: add_arguments and main.
+# (bandwidth and the floor), runner.py (the interleaved run), progress.py (what runs, on stderr),
+# summary.py (raw times -> figures), report.py (the table), chart.py (the SVG). This module is what
+# weld/cli.py calls: add_arguments and main.
 
 from __future__ import annotations
 
@@ -47,7 +54,12 @@ __all__ = ["add_arguments", "main"]
 
 
 def main(args: argparse.Namespace) -> int:
-    """`weld bench`: validates the flags, runs, prints the table, writes the JSON."""
+    """`weld bench`: validates the flags, runs, prints the table, writes the JSON and its chart
+    (X.json -> X.svg). `--chart FILE...` only redraws the charts of existing result files."""
+    from weld.bench.chart import chart_files, write_chart
+
+    if args.chart:
+        return chart_files(args.chart)
     from weld.bench.report import default_out_path, format_table
     from weld.bench.runner import run
 
@@ -59,5 +71,8 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(result))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    try:
+        print(f"wrote {out} and its chart {write_chart(result, out)}")
+    except InvalidInputError as err:  # e.g. no run gave a decode rate: the JSON still stands
+        print(f"wrote {out} (no chart: {err})")
     return 0

@@ -56,7 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth-gb", type=float, default=1.0, metavar="GB",
                    help="size of the array the memory bandwidth is measured on (default: 1.0)")
     p.add_argument("--out", default=None, metavar="PATH",
-                   help="JSON result file (default: benchmarks/results/bench_<date>_<time>.json)")
+                   help="JSON result file, its chart goes next to it as PATH with .svg "
+                        "(default: benchmarks/results/bench_<date>_<time>.json)")
+    p.add_argument("--chart", nargs="+", default=None, metavar="RESULT.json",
+                   help="only draw the charts (RESULT.svg) of existing result files, running nothing")
     g = p.add_argument_group("text prompts (instead of --input-len random token ids; weld only)")
     g.add_argument("--prompts", default=None, metavar="FILE",
                    help="a text file, one prompt per line (blank lines skipped); at batch B the prompts run "

@@ -21,10 +21,11 @@ import numpy as np
 from weld.bench.engines import SPEC_ENGINE, HFEngine, LlamaCppEngine, WeldEngine
 from weld.bench.flags import DEFAULT_PREFILL_LEN, BenchConfig, read_prompts
 from weld.bench.roofline import machine_info, measure_bandwidth, versions
-from weld.bench.summary import ratios, spec_add, spec_delta, speculative_summary, summarize_engine
+from weld.bench.progress import BenchProgress
+from weld.bench.summary import decode_rate, ratios, spec_add, spec_delta, speculative_summary, summarize_engine
 from weld.engine.spec.policy import bucket
 from weld.utils.errors import InvalidInputError
-from weld.utils.progress import Progress, progress_enabled, status
+from weld.utils.progress import progress_enabled, status
 
 
 def make_prompts(vocab_size: int, rows: int, length: int, seed: int) -> list[list[int]]:
@@ -131,30 +132,51 @@ def load_engines(cfg: BenchConfig, source, text_prompts: list[list[int]] | None,
     return Loaded(engines, load_s, prompts, prefill_prompt, prefill_len, model_len)
 
 
-def warm_up(loaded: Loaded, groups: dict[int, list[list[list[int]]]], cfg: BenchConfig, show: bool) -> dict:
+def warm_up_steps(engines: list[Any], cfg: BenchConfig) -> int:
+    """How many progress steps `warm_up` takes: weld one per batch size, the others one; each a
+    prefill more."""
+    return sum((len(cfg.batch_sizes) if isinstance(e, WeldEngine) else 1) + 1 for e in engines)
+
+
+def timed_steps(runs: dict[str, int], cfg: BenchConfig) -> int:
+    """How many progress steps `timed_runs` takes: per repetition, each batch size and the prefill."""
+    return sum(n * (len(cfg.batch_sizes) + 1) for n in runs.values())
+
+
+def _batch_text(batch: int, groups: list) -> str:
+    return f"batch {batch}" + (f" ({len(groups)} groups)" if len(groups) > 1 else "")
+
+
+def warm_up(loaded: Loaded, groups: dict[int, list[list[list[int]]]], cfg: BenchConfig,
+            progress: BenchProgress) -> dict:
     """Untimed runs; returns their seconds per engine. weld compiles a program per bucket, so it
     runs every batch size (every group of text prompts: their lengths fall in different buckets),
     and an adaptive speculative weld until it has run every speculation width at each (its first
     call of a width compiles it); the others warm their allocators and caches at batch 1."""
     warmup_s: dict[str, float] = {}
     for e in loaded.engines:
-        with status(f"Warming up {e.label}", enabled=show):
-            start = time.perf_counter()
-            if isinstance(e, WeldEngine):
-                warm = [group for batch in cfg.batch_sizes for group in groups[batch]]
-            else:
-                warm = [loaded.prompts[:1]]
+        start = time.perf_counter()
+        is_weld = isinstance(e, WeldEngine)
+        phase = f"warm-up + compile | {e.label}" if is_weld else f"warm-up | {e.label}"
+        for batch in cfg.batch_sizes if is_weld else (1,):
+            warm = groups[batch] if is_weld else [loaded.prompts[:1]]
+            what = f"{phase} | {_batch_text(batch, warm)}"
+            progress.begin(what)
+            step_start = time.perf_counter()
             for group in warm:
                 e.generate(group, min(cfg.output_len, 24))
                 e.generate(group, 1)
-                if isinstance(e, WeldEngine):  # an adaptive speculative engine: compile every width too
+                if is_weld:  # an adaptive speculative engine: compile every width too
                     policy = e.llm.engine.width_policy
                     for _ in range(2 * len(policy.widths)):
                         if all((bucket(len(group)), w) in policy.rates for w in policy.widths) or len(policy.widths) == 1:
                             break
                         e.generate(group, min(cfg.output_len, 24))
-            e.generate(loaded.prefill_prompt, 1)
-            warmup_s[e.name] = time.perf_counter() - start
+            progress.finish(what, time.perf_counter() - step_start)
+        what = f"{phase} | prefill {loaded.prefill_len} tokens"
+        progress.begin(what)
+        progress.finish(what, timed(lambda: e.generate(loaded.prefill_prompt, 1))[0])
+        warmup_s[e.name] = time.perf_counter() - start
     return warmup_s
 
 
@@ -181,7 +203,8 @@ def time_workload(engine, groups: list[list[list[int]]], output_len: int) -> tup
     return sums, produced, counts
 
 
-def timed_runs(loaded: Loaded, groups: dict, runs: dict[str, int], cfg: BenchConfig, show: bool) -> tuple:
+def timed_runs(loaded: Loaded, groups: dict, runs: dict[str, int], cfg: BenchConfig,
+               progress: BenchProgress) -> tuple:
     """The timed repetitions, interleaved. Returns the raw times per engine, the speculative
     counters per batch size (summed over the timed full runs) and each engine's outputs of its
     first repetition per batch size."""
@@ -191,25 +214,29 @@ def timed_runs(loaded: Loaded, groups: dict, runs: dict[str, int], cfg: BenchCon
            for e in engines}
     spec_counts: dict[int, dict[str, Any] | None] = {b: None for b in cfg.batch_sizes}
     outputs: dict[str, dict[int, list[list[int]]]] = {e.name: {} for e in engines}
-    total = sum(runs[e.name] * (2 * len(cfg.batch_sizes) + 1) for e in engines)
-    with Progress(total, "Benchmarking", unit="run", enabled=show) as bar:
-        for rep in range(cfg.runs):
-            order = engines if rep % 2 == 0 else engines[::-1]
-            for batch in cfg.batch_sizes:
-                for e in order:
-                    if rep >= runs[e.name]:
-                        continue
-                    sums, produced, counts = time_workload(e, groups[batch], cfg.output_len)
-                    if counts is not None:
-                        spec_counts[batch] = spec_add(spec_counts[batch], counts)
-                    outputs[e.name].setdefault(batch, produced)
-                    for key, value in sums.items():
-                        raw[e.name]["decode"][batch][key].append(value)
-                    bar.update(2)
+    for rep in range(cfg.runs):
+        order = engines if rep % 2 == 0 else engines[::-1]
+        for batch in cfg.batch_sizes:
             for e in order:
-                if rep < runs[e.name]:
-                    raw[e.name]["prefill_s"].append(timed(lambda: e.generate(loaded.prefill_prompt, 1))[0])
-                    bar.update(1)
+                if rep >= runs[e.name]:
+                    continue
+                what = f"timed run {rep + 1}/{runs[e.name]} | {e.label} | {_batch_text(batch, groups[batch])}"
+                progress.begin(what)
+                sums, produced, counts = time_workload(e, groups[batch], cfg.output_len)
+                if counts is not None:
+                    spec_counts[batch] = spec_add(spec_counts[batch], counts)
+                outputs[e.name].setdefault(batch, produced)
+                for key, value in sums.items():
+                    raw[e.name]["decode"][batch][key].append(value)
+                rate = decode_rate(sums["t_full"], sums["t_one"], sums["tokens_full"], sums["tokens_one"])
+                progress.finish(what, sums["t_one"] + sums["t_full"], decode=(e.label, batch, rate))
+        for e in order:
+            if rep < runs[e.name]:
+                what = f"timed run {rep + 1}/{runs[e.name]} | {e.label} | prefill {loaded.prefill_len} tokens"
+                progress.begin(what)
+                seconds = timed(lambda: e.generate(loaded.prefill_prompt, 1))[0]
+                raw[e.name]["prefill_s"].append(seconds)
+                progress.finish(what, seconds, prefill_tok_s=loaded.prefill_len / seconds)
     return raw, spec_counts, outputs
 
 
@@ -233,9 +260,10 @@ def run(cfg: BenchConfig) -> dict:
     groups = {batch: workload(prompts, batch, texts is not None) for batch in cfg.batch_sizes}
     runs = {e.name: cfg.vs_runs if e.name in cfg.vs else cfg.runs for e in engines}
     welds = [e for e in engines if isinstance(e, WeldEngine)]
-    warmup_s = warm_up(loaded, groups, cfg, show)
-    compiles_before = {e.name: e.num_compiles() for e in welds}
-    raw, spec_counts, outputs = timed_runs(loaded, groups, runs, cfg, show)
+    with BenchProgress(warm_up_steps(engines, cfg) + timed_steps(runs, cfg), enabled=show) as progress:
+        warmup_s = warm_up(loaded, groups, cfg, progress)
+        compiles_before = {e.name: e.num_compiles() for e in welds}
+        raw, spec_counts, outputs = timed_runs(loaded, groups, runs, cfg, progress)
     for e in engines:
         if hasattr(e, "close"):
             e.close()

@@ -50,15 +50,21 @@ def acceptance(counts: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def decode_rate(t_full: float, t_one: float, tokens_full: int, tokens_one: int) -> float | None:
+    """Decode tok/s of one repetition: the tokens after the first over the time they took, (tokens
+    of the full runs - tokens of the 1-token runs) / (t_full - t_one); None when noise made
+    t_full <= t_one."""
+    return (tokens_full - tokens_one) / (t_full - t_one) if t_full > t_one else None
+
+
 def summarize_engine(engine, raw: dict, cfg: BenchConfig, input_len: int, prefill_len: int, bw_gb_s: float) -> dict:
     """One engine's figures from its raw times (which the result keeps alongside)."""
     decode = {}
     for batch, times in raw["decode"].items():
         if not times["t_full"]:
             continue
-        per_run = [(n_full - n_one) / (f - o) if f > o else None
-                   for f, o, n_full, n_one in zip(times["t_full"], times["t_one"], times["tokens_full"],
-                                                  times["tokens_one"])]
+        per_run = [decode_rate(*run) for run in zip(times["t_full"], times["t_one"], times["tokens_full"],
+                                                      times["tokens_one"])]
         valid = [r for r in per_run if r is not None]
         tok_s = statistics.median(valid) if valid else None
         step_bytes = floor_bytes(engine.weight_bytes, engine.kv_bytes_per_token, batch, input_len, cfg.output_len)

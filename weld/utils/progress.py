@@ -34,6 +34,11 @@ class Progress:
         if self._bar is not None:
             self._bar.update(n)
 
+    def set_description(self, desc: str) -> None:
+        """Replaces the text before the bar (e.g. the step now running)."""
+        if self._bar is not None:
+            self._bar.set_description(desc)
+
     def set_postfix(self, **values) -> None:
         """Shows values after the bar (e.g. a training loss)."""
         if self._bar is not None:
