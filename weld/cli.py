@@ -215,6 +215,10 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    help="the most completions one request may ask for (`n`; default: 128)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info)")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces of completion and chat requests to this OTLP collector; "
+                        "$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc (default) or http/protobuf; needs "
+                        "pip install 'weld[otel]' (docs/observability.md) (default: no tracing)")
     g.add_argument("--headless", action="store_true",
                    help="a rank > 0 of a multi-host run (--nnodes): no HTTP server, only run the device calls "
                         "rank 0 sends (docs/distributed.md)")
@@ -354,6 +358,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise InvalidInputError("--headless is for the ranks > 0 of a multi-host run: give --nnodes N and "
                                     "--node-rank R (1 <= R < N); rank 0 serves HTTP")
         return _serve_headless(config)
+    tracing = None
+    if args.otlp_traces_endpoint:  # before the model loads: a missing package is a one-line error now
+        from weld.server.tracing import Tracing
+
+        tracing = Tracing.otlp(args.otlp_traces_endpoint)
     _check_port_free(args.host, args.port)  # before minutes of loading and compiling
     engine = AsyncLLM(engine_config=config, progress=None)
     warmup(engine, args.warmup)
@@ -367,7 +376,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           + ", ".join(f"{k} {v}" for k, v in server.sampling_defaults.items()), file=sys.stderr)
     print(f"weld: serving {server.served_model_name} on http://{args.host}:{args.port}", file=sys.stderr)
     with interrupts.foreign():  # uvicorn's handlers drain the server, then raise the signal again
-        status = serve(engine, server, host=args.host, port=args.port, log_level=args.log_level)
+        status = serve(engine, server, host=args.host, port=args.port, log_level=args.log_level, tracing=tracing)
     return 0 if status is None else status
 
 

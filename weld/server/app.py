@@ -5,7 +5,9 @@
     GET  /  (the chat page: weld/server/static, plain files)
 
 The engine is injected (`build_app(engine, config)`): anything with AsyncLLM's `generate`,
-`abort`, `stats`, `first_step_start`, `tokenizer`, `is_running` and `shutdown` will do. With an
+`abort`, `stats`, `first_step_start`, `tokenizer`, `is_running` and `shutdown` will do. So is
+tracing (`build_app(..., tracing=Tracing(provider))`, `weld.server.tracing`): without it the
+OpenTelemetry SDK is never imported. With an
 API key, every route needs `Authorization: Bearer <key>` but /health and the chat page's files
 (they hold no data): the page asks for the key and sends it on its own API calls.
 """
@@ -24,7 +26,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -79,7 +81,8 @@ async def _json_body(request: Request, limit: int) -> Any:
         raise APIError(400, "the request body nests too deeply") from None
 
 
-def build_app(engine: Any, config: ServerConfig) -> FastAPI:
+def build_app(engine: Any, config: ServerConfig, tracing: Any = None) -> FastAPI:
+    """The app; `tracing`: a `weld.server.tracing.Tracing` to trace completion and chat requests."""
     state = ServerState(engine, config)
 
     @contextlib.asynccontextmanager
@@ -87,6 +90,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         yield
         state.draining = True
         await asyncio.to_thread(engine.shutdown)
+        if tracing is not None:
+            await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(title="weld", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
 
@@ -167,13 +172,30 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
                 "max_model_len": config.max_model_len}
         return {"object": "list", "data": [card]}
 
+    async def generation(request: Request, operation: str, handler: Any):
+        """A completion or chat request, traced when tracing is on (the trace ends with the
+        response, or with a streaming response's last chunk)."""
+        if tracing is None:
+            return await handler(state, await _json_body(request, config.max_body_bytes), request)
+        trace = tracing.begin(operation, config.served_model_name, request.headers, request.url.path)
+        try:
+            response = await handler(state, await _json_body(request, config.max_body_bytes), request, trace)
+        except BaseException as err:
+            trace.end(500, err)
+            raise
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = trace.until_end(response.body_iterator)
+        else:
+            trace.end(response.status_code)
+        return response
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await create_completion(state, await _json_body(request, config.max_body_bytes), request)
+        return await generation(request, "text_completion", create_completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await create_chat_completion(state, await _json_body(request, config.max_body_bytes), request)
+        return await generation(request, "chat", create_chat_completion)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -216,7 +238,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
 
 
 def serve(engine: Any, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> int:
+          log_level: str = "info", tracing: Any = None) -> int:
     """Runs the app under uvicorn until SIGINT/SIGTERM or the engine thread's death, and returns
     the exit status: 130 / 143 after SIGINT / SIGTERM (new requests get a 503, or find the socket
     closed, while those in flight finish; then the engine shuts down), 1 when the engine thread
@@ -224,7 +246,7 @@ def serve(engine: Any, config: ServerConfig, host: str = "127.0.0.1", port: int 
     rather than hang or answer 503 forever), else 0."""
     import uvicorn
 
-    app = build_app(engine, config)
+    app = build_app(engine, config, tracing)
     status = [0]
 
     class _Server(uvicorn.Server):

@@ -149,7 +149,8 @@ def _api_tool_call(call: ParsedToolCall) -> dict:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-async def create_chat_completion(state: ServerState, body: Any, raw_request: Any):
+async def create_chat_completion(state: ServerState, body: Any, raw_request: Any, trace: Any = None):
+    """`trace`: the request's `weld.server.tracing.RequestTrace` when tracing is on."""
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
     state.check_model(req.model)
     state.check_n(req.n)
@@ -196,7 +197,9 @@ async def create_chat_completion(state: ServerState, body: Any, raw_request: Any
     completion_id = random_id("chatcmpl")
     created = int(time.time())
     admission = state.admit(params.n)
-    request = EngineRequest(state, completion_id, {"prompt": text, "prompt_token_ids": ids}, params, arrival)
+    if trace is not None:
+        trace.response_id = completion_id
+    request = EngineRequest(state, completion_id, {"prompt": text, "prompt_token_ids": ids}, params, arrival, trace)
     ctx = _ChatContext(state, req, params, completion_id, created, mode, opening, named)
     try:
         if req.stream:

@@ -47,7 +47,8 @@ def _echo_text(state: ServerState, prompt: dict) -> str:
     return prompt["prompt"]
 
 
-async def create_completion(state: ServerState, body: Any, raw_request: Any):
+async def create_completion(state: ServerState, body: Any, raw_request: Any, trace: Any = None):
+    """`trace`: the request's `weld.server.tracing.RequestTrace` when tracing is on."""
     from weld.server.protocol import parse_body
 
     req: CompletionRequest = parse_body(CompletionRequest, body)
@@ -72,7 +73,9 @@ async def create_completion(state: ServerState, body: Any, raw_request: Any):
     completion_id = random_id("cmpl")
     created = int(time.time())
     admission = state.admit(len(prompts) * n, param="prompt" if len(prompts) > 1 else "n")
-    requests = [EngineRequest(state, f"{completion_id}-{i}", p, sp, arrival)
+    if trace is not None:
+        trace.response_id = completion_id
+    requests = [EngineRequest(state, f"{completion_id}-{i}", p, sp, arrival, trace)
                 for i, (p, sp) in enumerate(zip(prompts, params))]
     try:
         if req.stream:

@@ -167,12 +167,17 @@ def sampling_params(req: Any, state: "ServerState", *, max_tokens: int, logprobs
 # ----- running engine requests -----
 
 class EngineRequest:
-    """One prompt's engine request, started (its first output is in) and timed for metrics."""
+    """One prompt's engine request, started (its first output is in) and timed for metrics (and
+    for the request's trace, when tracing is on)."""
 
-    def __init__(self, state: ServerState, request_id: str, prompt: dict, params: SamplingParams, arrival: float):
+    def __init__(self, state: ServerState, request_id: str, prompt: dict, params: SamplingParams, arrival: float,
+                 trace: Any = None):
         self.state = state
         self.request_id = request_id
         self.timer = RequestTimer(state.metrics, arrival, len(prompt["prompt_token_ids"]))
+        # `weld.server.tracing.RequestTrace` when tracing is on
+        self.timeline = (trace.engine_request(request_id, len(prompt["prompt_token_ids"]), params)
+                         if trace is not None else None)
         self._gen = state.engine.generate(prompt, params, request_id)
         self._first: RequestOutput | None = None
 
@@ -187,8 +192,11 @@ class EngineRequest:
         """Times an output; a completion that ended in an engine fault (finish_reason "error":
         non-finite logits) fails the whole request with a 500, its siblings aborted."""
         now = time.monotonic()
-        self.timer.on_output(now, sum(len(c.token_ids) for c in out.outputs),
-                             self.state.engine.first_step_start(self.request_id))
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        first_step_start = self.state.engine.first_step_start(self.request_id)
+        self.timer.on_output(now, num_tokens, first_step_start)
+        if self.timeline is not None:
+            self.timeline.on_output(now, out, num_tokens, first_step_start)
         failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
         if out.finished or failed is not None:
             self.timer.on_finish(now, "error" if failed is not None else out.outputs[0].finish_reason)
