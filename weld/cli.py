@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import signal
 import sys
+import time
 from typing import Sequence
 
 from weld.engine.sampling_params import DEFAULT_SAMPLING
@@ -364,8 +366,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         tracing = Tracing.otlp(args.otlp_traces_endpoint)
     _check_port_free(args.host, args.port)  # before minutes of loading and compiling
+    started = time.perf_counter()
+    _log_to_stderr(args.log_level)
     engine = AsyncLLM(engine_config=config, progress=None)
     warmup(engine, args.warmup)
+    logging.getLogger("weld").info("ready in %.1f s (%d programs compiled; --warmup %s)",
+                                   time.perf_counter() - started, engine.engine.runner.num_compiles, args.warmup)
     source = engine.llm.model.source
     server = ServerConfig(served_model_name=args.served_model_name or source.name,
                           max_model_len=engine.llm.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
@@ -378,6 +384,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with interrupts.foreign():  # uvicorn's handlers drain the server, then raise the signal again
         status = serve(engine, server, host=args.host, port=args.port, log_level=args.log_level, tracing=tracing)
     return 0 if status is None else status
+
+
+def _log_to_stderr(level: str) -> None:
+    """weld's own log lines (what loads, the KV budget, each compile, the ready time) on stderr as
+    `weld: ...`, at the server's --log-level."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("weld: %(message)s"))
+    log = logging.getLogger("weld")
+    log.addHandler(handler)
+    log.setLevel(getattr(logging, level.upper(), logging.INFO))
+    log.propagate = False
 
 
 def _serve_headless(config) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import time
 from typing import Any, Iterable, Sequence as Seq
 
 import jax
@@ -77,6 +79,14 @@ def _host_proposer(spec: SpeculativeConfig):
     return NgramProposer(k=spec.k, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
 
 
+logger = logging.getLogger("weld.engine")
+
+
+def _nbytes(tree: Any) -> int:
+    """Bytes of every array in a pytree."""
+    return sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(tree))
+
+
 def _keeps_state(drafter) -> bool:
     """Whether a device drafter keeps per-token state on the target's pages."""
     return drafter is not None and drafter.cache_spec() is not None
@@ -122,9 +132,13 @@ class LLM:
         self.kv_dtype = self.dtype if kv == "auto" else jnp.dtype(kv)
         # Over a mesh, the mesh is made from the checkpoint's config before any weight is read, so
         # that every process reads only the slices of the weights its devices hold.
+        started = time.perf_counter()
         self.model = load_model(resolve_model(config.model), dtype=self.dtype, progress=progress,
                                 quantization=config.load_quantization,
                                 mesh_for=lambda family, cfg: self._mesh(family, config, cfg))
+        source = self.model.source
+        logger.info("loaded %s (%s %s, %s) in %.1f s: %.2f GB read", source.name, self.model.family.__name__.rsplit(".")[-1],
+                    source.kind, source.path, time.perf_counter() - started, self.model.bytes_read / 1e9)
         self.cfg = self.model.cfg
         family = self.model.family
         check_config(self.cfg)
@@ -186,6 +200,10 @@ class LLM:
         self._counter = itertools.count()
         self._progress = progress
         release_free_memory()  # the loader's temporaries
+        logger.info("weights on device: %.2f GB (%s, quantization %s); KV cache: %s pages of %d tokens, %.2f GB %s; "
+                    "max_model_len %d, max_num_seqs %d", _nbytes(self.model.weights) / 1e9, jnp.dtype(self.dtype).name,
+                    config.load_quantization or "as stored", "+".join(map(str, num_pages)), cache.page_size,
+                    _nbytes(runner.cache) / 1e9, jnp.dtype(self.kv_dtype).name, self.max_model_len, sched.max_num_seqs)
 
     def _mesh(self, family, config: EngineConfig, cfg: Any = None):
         """The device mesh of config.parallel (None: one device), its layout checked against the

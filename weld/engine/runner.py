@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import time
 from types import ModuleType
 from typing import Any
 
@@ -25,6 +27,8 @@ from weld.engine.sampling_params import MAX_LOGPROBS
 from weld.engine.scheduler import SchedulerOutput, bucket
 from weld.models.common import sharding
 from weld.utils.progress import Progress
+
+logger = logging.getLogger("weld.engine")
 
 BACKENDS = ("xla", "megakernel")
 
@@ -163,8 +167,24 @@ class ModelRunner:
         own = (self.weights, self.cache, self.draft_params, self.draft_state)
         per_call = [("own", i) if any(a is o for o in own) else a for i, a in enumerate(args)]
         leaves, tree = jax.tree_util.tree_flatten(per_call)
-        self._programs.add((name, tuple(sorted(static.items())), tree,
-                            tuple((np.shape(x), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)))
+        key = (name, tuple(sorted(static.items())), tree,
+               tuple((np.shape(x), str(getattr(x, "dtype", type(x).__name__))) for x in leaves))
+        if key not in self._programs:
+            self._programs.add(key)
+            start = time.perf_counter()
+            out = self._run_program(name, program, args, static)
+            first = per_call[len(own)] if len(per_call) > len(own) else per_call[-1]  # after the runner's own trees
+            shapes = "+".join("x".join(map(str, np.shape(x))) for x in jax.tree_util.tree_leaves(first))
+            if name != "copy" and args[-1] is not None:
+                shapes += ", grammar masks"
+            logger.info("compiled %s (%s%s) in %.1f s: %d programs", name, shapes,
+                        "".join(f", {k} {v}" for k, v in sorted(static.items()) if k != "cfg"),
+                        time.perf_counter() - start, len(self._programs))
+            return out
+        return self._run_program(name, program, args, static)
+
+    def _run_program(self, name: str, program, args, static):
+        own = (self.weights, self.cache, self.draft_params, self.draft_state)
         if self.on_call is not None:  # e.g. rank 0 of a multi-host run sends the call to the other ranks
             self.on_call(name, [next((Own(k) for k, o in enumerate(own) if a is o and o is not None), a)
                                 for a in args], static)

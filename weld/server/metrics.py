@@ -62,6 +62,8 @@ class Metrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prefix cache queries, in tokens.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens.")
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.compiled_programs = gauge("compiled_programs", "Device programs compiled so far (one per distinct "
+                                                            "batch shape and variant; each costs memory and seconds).")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         self.request_success = Counter(PREFIX + "request_success", "Count of finished requests.",
@@ -81,11 +83,22 @@ class Metrics:
         self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
         self._spec: _SpecMetrics | None = None  # made at the first stats with speculative counters
 
+    def start_from(self, stats: dict[str, Any]) -> None:
+        """Counts the engine's cumulative counters from their values in `stats` on: what ran
+        before the server (the warm-up) is not counted."""
+        self._seen = {key: stats[key] for key in self._seen}
+        if "spec_num_drafts" in stats:
+            self._spec = _SpecMetrics(self.registry, self.model_name)
+            self._spec.seen = {name: stats[key] for name, key in _SpecMetrics.COUNTERS.items()}
+            self._spec.seen.update({(name, position): value for name, key in _SpecMetrics.PER_POSITION.items()
+                                    for position, value in enumerate(stats[key])})
+
     def update_from_stats(self, stats: dict[str, Any]) -> None:
         self.num_requests_running.set(stats["running"])
         self.num_requests_waiting.set(stats["waiting"])
         pages = stats["num_pages"]
         self.kv_cache_usage_perc.set((pages - stats["num_free_pages"]) / pages if pages else 0.0)
+        self.compiled_programs.set(stats.get("num_compiles", 0))
         for key in self._seen:
             self._seen[key] = _advance(getattr(self, key), self._seen[key], stats[key])
         if "spec_num_drafts" in stats:

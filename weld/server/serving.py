@@ -45,6 +45,7 @@ class ServerState:
         self.tokenizer = engine.tokenizer
         self.config = config
         self.metrics = Metrics(config.served_model_name)
+        self.metrics.start_from(engine.stats())  # the warm-up's work is not the server's
         self.in_flight = 0  # sequences (requests x n) admitted and not yet finished
         self.draining = False
         self.created = int(time.time())
