@@ -148,18 +148,24 @@ def launch(kind: str, model: str | None, threads: int, extra: list[str]) -> tupl
         raise SystemExit(f"unknown server kind {kind!r}")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+    wait_until_up(proc, url + "/v1/models", 600, f"{kind} server ({' '.join(cmd)})")
+    return proc, url
+
+
+def wait_until_up(proc: subprocess.Popen, probe: str, timeout: float, name: str) -> None:
+    """Polls `probe` until it answers 200; a server that exits or stays down `timeout` s ends the run."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"{kind} server exited with {proc.returncode}: {' '.join(cmd)}")
+            raise SystemExit(f"{name} exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return proc, url
+            if httpx.get(probe, timeout=2).status_code == 200:
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise SystemExit(f"{kind} server did not come up in 600 s")
+    raise SystemExit(f"{name} did not come up in {timeout:.0f} s")
 
 
 def served_model(url: str, api_key: str | None) -> str:

@@ -29,13 +29,14 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 from typing import Any
 
 import httpx
+
+from serve_bench import _free_port, wait_until_up  # benchmarks/ is on the path when a script there runs
 
 WORDS = ("the of and to in is was for on that with as by at from his her it an were are which this be or has "
          "had not but what all when there can more one about if out so up into them some could time these two "
@@ -264,30 +265,14 @@ async def soak(url: str, pid: int | None, requests: list[dict], concurrency: int
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "weld.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", args.model, "--warmup", "full", "--log-level", "warning", *args.serve_args]
     proc = subprocess.Popen(cmd, env={**os.environ, "WELD_PROGRESS": "0"}, stdout=sys.stderr, stderr=sys.stderr)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.launch_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"soak: weld serve exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"soak: weld serve was not healthy after {args.launch_timeout} s")
+    wait_until_up(proc, url + "/health", args.launch_timeout, "soak: weld serve")
+    return proc, url
 
 
 def main(argv: list[str] | None = None) -> int:
