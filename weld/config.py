@@ -82,12 +82,14 @@ class CacheConfig:
 class SchedulerConfig:
     """Batching: at most max_num_seqs sequences and max_num_batched_tokens prompt tokens per step;
     max_model_len caps prompt + output (None: the model's context); steps_per_call decode steps
-    run in one device call."""
+    run in one device call; a streamed request's tokens go out every stream_interval tokens, from
+    inside the call (vLLM's name; 1: each as it is sampled)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     steps_per_call: int = 8
+    stream_interval: int = 1
 
     def __post_init__(self):
         _int_in("max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS)
@@ -95,6 +97,7 @@ class SchedulerConfig:
         if self.max_model_len is not None:
             _int_in("max_model_len", self.max_model_len, 1)
         _int_in("steps_per_call", self.steps_per_call, 1, MAX_STEPS_PER_CALL)
+        _int_in("stream_interval", self.stream_interval, 1, MAX_STEPS_PER_CALL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +322,7 @@ class EngineConfig:
                           page_size=args.block_size, num_pages=args.num_pages, kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, steps_per_call=args.steps_per_call,
-                          **parallel_settings_from_args(args))
+                          stream_interval=args.stream_interval, **parallel_settings_from_args(args))
 
 
 def parallel_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -372,6 +375,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *,
                    help=f"prompt tokens per prefill step (default: {sched.max_num_batched_tokens})")
     g.add_argument("--steps-per-call", type=int, default=sched.steps_per_call, metavar="K",
                    help=f"decode steps per device call (default: {sched.steps_per_call})")
+    g.add_argument("--stream-interval", type=int, default=sched.stream_interval, metavar="N",
+                   help="a streamed request's tokens go out every N tokens, from inside the device call "
+                        f"(default: {sched.stream_interval}: each as it is sampled; steps-per-call or more: after each call)")
     add_speculative_arguments(p)
     add_parallel_arguments(p)
 

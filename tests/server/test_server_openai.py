@@ -54,6 +54,17 @@ def test_health_version_models(server, client):
     assert [m.id for m in models] == ["tiny"] and models[0].object == "model"
 
 
+def test_routes_not_built_say_so(client, server):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.embeddings.create(model="tiny", input="hello")
+    assert "does not serve /v1/embeddings" in err.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model="tiny", input="hello")
+    assert "does not serve /v1/responses" in err.value.body["message"]
+    other = httpx.post(server.url + "/v1/nothing", json={})
+    assert other.status_code == 404 and other.json()["error"]["message"] == "Not Found"
+
+
 def test_completion_equals_llm(client, llm):
     resp = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
     ref = greedy(llm, PROMPTS[0])
@@ -78,14 +89,14 @@ def test_completion_batch_of_prompts_and_token_ids(client, llm):
 def test_streaming_completion_with_usage(client, llm):
     ref = greedy(llm, PROMPTS[1], 16, ignore_eos=True)
     chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0,
-                                            ignore_eos=True, stream=True,
-                                            stream_options={"include_usage": True}) if False else
-                  client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
+                                            stream=True, stream_options={"include_usage": True}, logprobs=1,
                                             extra_body={"ignore_eos": True}))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == ref.text
-    assert len([c for c in chunks if c.choices]) > 1  # streamed in pieces
+    # each token as it is sampled, though the server runs 4 decode steps per device call (a
+    # chunk holds two only where the first ended inside a character)
+    per_chunk = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum(per_chunk) == 16 and per_chunk.count(1) >= 12, per_chunk
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
     assert all(c.usage is None for c in chunks[:-1])
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"

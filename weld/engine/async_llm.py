@@ -43,13 +43,14 @@ class AsyncLLM:
         self.engine = self.llm.engine
         self._lock = threading.Lock()  # the engine: held for a whole step
         self._wake = threading.Condition(threading.Lock())  # guards _pending and _stopping only
-        self._pending: list[tuple] = []  # ("add", id, token_ids, params, text) | ("abort", id)
+        self._pending: list[tuple] = []  # ("add", id, token_ids, params, text, stream) | ("abort", id)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self._has_work = False  # the engine has unfinished requests (written by the engine thread)
         # request id -> time.monotonic() at the start of the step that gave its first output
         self._first_step_start: dict[str, float] = {}
         self._error: BaseException | None = None
+        self.engine.on_stream = self._deliver_all  # streamed requests' tokens, from inside each device call
         self._thread = threading.Thread(target=self._loop, name="weld-engine", daemon=True)
         self._thread.start()
 
@@ -66,9 +67,9 @@ class AsyncLLM:
             pending, self._pending = self._pending, []
         for op, request_id, *rest in pending:
             if op == "add":
-                token_ids, params, text = rest
+                token_ids, params, text, stream = rest
                 try:
-                    self.engine.add_request(request_id, token_ids, params, prompt=text)
+                    self.engine.add_request(request_id, token_ids, params, prompt=text, stream=stream)
                 except WeldError as err:
                     self._deliver(err, request_id)
             else:
@@ -99,6 +100,10 @@ class AsyncLLM:
             for request_id in list(self._streams):
                 self._deliver(err, request_id)
 
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._deliver(out)
+
     def _deliver(self, item: RequestOutput | BaseException, request_id: str | None = None) -> None:
         request_id = request_id or item.request_id
         stream = self._streams.get(request_id)
@@ -121,8 +126,9 @@ class AsyncLLM:
         return self._error
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Streams cumulative outputs of one request until it finishes.
+                       request_id: str, stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """Streams cumulative outputs of one request until it finishes: with stream, one every
+        `stream_interval` tokens (from inside the device calls), else one per device call.
 
         Leaving the loop early (break, cancellation, a client disconnect) aborts the request
         and frees its pages.
@@ -135,7 +141,7 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise InvalidInputError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
-            self._pending.append(("add", request_id, token_ids, sampling_params, text))
+            self._pending.append(("add", request_id, token_ids, sampling_params, text, stream))
             self._wake.notify()
         finished = False
         try:

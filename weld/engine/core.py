@@ -3,14 +3,16 @@
 It owns the scheduler (pure Python: which sequences run, page bookkeeping), the model runner
 (the device) and the output processor (ids -> text, logprobs, finish reasons). It checks each
 request when it arrives, drafts on the host for grammar-constrained sequences under speculative
-decoding (every other row drafts on the device) and counts acceptance.
+decoding (every other row drafts on the device) and counts acceptance. A request added with
+stream=True has its outputs handed to `on_stream` as its tokens are sampled, while the device
+call runs (every `stream_interval` tokens: the runner's), besides `step()`'s return at its end.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -43,6 +45,9 @@ class EngineCore:
         self.outputs = OutputProcessor(tokenizer, max_model_len)
         self.grammars = GrammarCompiler(tokenizer, tuple(eos_token_ids))
         self.proposer = proposer
+        # Called with the outputs of streaming requests a call in flight has advanced (on another
+        # thread, while step() waits for that call); None: not streamed.
+        self.on_stream: Callable[[list[RequestOutput]], None] | None = None
         # how many drafts per round each speculative call verifies, from the throughput measured
         self.width_policy = WidthPolicy(runner.spec_widths or (scheduler.num_spec_tokens,))
         k = scheduler.num_spec_tokens
@@ -61,7 +66,7 @@ class EngineCore:
     # ----- requests -----
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, stream: bool = False) -> None:
         if request_id in self.requests:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
@@ -96,7 +101,8 @@ class EngineCore:
             completions.append(Completion(seq, detok, logprobs=[] if params.logprobs is not None else None,
                                           matcher=matchers[index]))
         self.outputs.add(Request(request_id, prompt, ids, params, completions,
-                                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None))
+                                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                                 stream=stream))
         for c in completions:
             if params.max_tokens == 0 and params.prompt_logprobs is None:
                 self.scheduler.finish(c.seq, "length")
@@ -131,16 +137,17 @@ class EngineCore:
                 raise RuntimeError(f"scheduler is stuck: {self.stats()} waiting={list(self.scheduler.waiting)}")
             return finished
         compiles, start = self.runner.num_compiles, time.perf_counter()
-        result, with_prompt_logprobs = self._run(plan)
+        taken: dict[int, int] = {}  # seq_id -> tokens taken from this call while it ran (streamed)
+        result, with_prompt_logprobs = self._run(plan, taken)
         seconds = time.perf_counter() - start
-        outputs = self._postprocess(plan, result, with_prompt_logprobs)
+        outputs = self._postprocess(plan, result, with_prompt_logprobs, taken)
         if plan.kind in ("decode", "verify") and self.runner.num_compiles == compiles:  # a compile is no measure
             self.width_policy.record(len(plan.entries), plan.spec_width, int(np.sum(result.token_ids >= 0)), seconds)
         return finished + outputs
 
-    def _run(self, plan: SchedulerOutput) -> tuple[StepResult, bool]:
+    def _run(self, plan: SchedulerOutput, taken: dict[int, int]) -> tuple[StepResult, bool]:
         """The device call of a plan, with what its requests ask for (logprobs, grammar masks,
-        host drafts)."""
+        host drafts, tokens streamed while it runs)."""
         owners = [self.outputs.owner(e.seq) for e in plan.entries]
         want_lp = any(r.params.logprobs is not None for r in owners)
         want_prompt_lp = any(
@@ -151,15 +158,26 @@ class EngineCore:
         else:
             drafts = num_drafts = host_drafted = None
             bitmask = self._token_bitmask(plan, owners)
+        on_tokens = None
+        if self.on_stream is not None and plan.kind in ("decode", "verify") and any(r.stream for r in owners):
+            on_tokens = lambda partial: self._stream(plan, partial, taken)  # noqa: E731
         result = self.runner.execute(plan, want_logprobs=want_lp, want_prompt_logprobs=want_prompt_lp,
                                      token_bitmask=bitmask, drafts=drafts, num_drafts=num_drafts,
-                                     host_drafted=host_drafted)
+                                     host_drafted=host_drafted, on_tokens=on_tokens)
         return result, want_prompt_lp
 
-    def _postprocess(self, plan: SchedulerOutput, result: StepResult, with_prompt_logprobs: bool) -> list[RequestOutput]:
+    def _stream(self, plan: SchedulerOutput, partial: StepResult, taken: dict[int, int]) -> None:
+        """A call in flight handed over its outputs so far: take them, and send on the outputs
+        of the streaming requests they advanced."""
+        touched = self.outputs.process_partial(plan, partial, taken)
+        if touched and self.on_stream is not None:
+            self.on_stream([self.outputs.snapshot(r) for r in touched])
+
+    def _postprocess(self, plan: SchedulerOutput, result: StepResult, with_prompt_logprobs: bool,
+                     taken: dict[int, int]) -> list[RequestOutput]:
         if result.num_drafts is not None:
             self._count_acceptance(result)
-        appended, touched = self.outputs.process(plan, result, with_prompt_logprobs)
+        appended, touched = self.outputs.process(plan, result, with_prompt_logprobs, taken)
         self.scheduler.update_from_output(plan, appended)
         return self.outputs.outputs(touched)
 

@@ -188,7 +188,8 @@ class LLM:
                              steps_per_call=sched.steps_per_call, eos_token_ids=eos, backend=config.backend,
                              drafter=drafter, draft_params=draft_params, num_spec_tokens=spec.k,
                              spec_widths=spec.widths(), spec_rounds=spec.rounds(sched.steps_per_call),
-                             num_state_slots=block_manager.num_state_slots, mesh=self.mesh)
+                             num_state_slots=block_manager.num_state_slots, mesh=self.mesh,
+                             stream_interval=sched.stream_interval)
         scheduler = Scheduler(block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                               max_model_len=self.max_model_len,
                               steps_per_call=sched.steps_per_call, num_spec_tokens=spec.k,

@@ -5,6 +5,8 @@ incrementally, records logprobs, and ends a sequence where it must: where the de
 last token was a stop (EOS or a stop id, `programs.stop_hit`), at a stop string (checked here,
 on the host; text past it is dropped), when its grammar is complete, or at its token limit. It
 only records the reason (`Sequence.stop`); the scheduler frees the pages afterwards.
+A streaming call hands over its outputs so far from inside the loop (`process_partial`): they are
+taken the same way then, and the call's end takes only what came after.
 Structured outputs: each constrained sequence has a grammar matcher that writes its row of the
 token bitmask before a call and accepts each token after.
 """
@@ -49,6 +51,7 @@ class Request:
     params: SamplingParams
     completions: list[Completion]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    stream: bool = False  # its outputs go out as each token is sampled (else after each call)
 
     @property
     def finished(self) -> bool:
@@ -73,9 +76,11 @@ class OutputProcessor:
     def owner(self, seq: Sequence) -> Request:
         return self._owner[seq.seq_id]
 
-    def process(self, plan: SchedulerOutput, result: StepResult,
-                with_prompt_logprobs: bool) -> tuple[list[int], list[Request]]:
-        """Appends the call's tokens; returns how many each entry took and the requests touched."""
+    def process(self, plan: SchedulerOutput, result: StepResult, with_prompt_logprobs: bool,
+                taken: dict[int, int] | None = None) -> tuple[list[int], list[Request]]:
+        """Appends the call's tokens (past those `process_partial` took with the same `taken`);
+        returns how many each entry took in the call and the requests touched."""
+        taken = {} if taken is None else taken
         appended, touched = [], {}
         for i, entry in enumerate(plan.entries):
             request = self.owner(entry.seq)
@@ -83,10 +88,27 @@ class OutputProcessor:
             if (with_prompt_logprobs and i < plan.num_prefill and request.prompt_logprobs is not None
                     and entry.seq.index == 0):
                 self._record_prompt_logprobs(request, entry, result, i)
-            appended.append(self._take_tokens(request, entry, result, i))
+            appended.append(self._take_tokens(request, entry, result, i, taken))
         return appended, list(touched.values())
 
-    def _take_tokens(self, request: Request, entry: ScheduledSeq, result: StepResult, i: int) -> int:
+    def process_partial(self, plan: SchedulerOutput, result: StepResult, taken: dict[int, int]) -> list[Request]:
+        """Appends what a call in flight has produced so far for its streaming requests (rows
+        filled as far as its loop got), counting in `taken` (seq_id -> tokens taken from this
+        call); returns the requests that changed."""
+        touched = {}
+        for i, entry in enumerate(plan.entries):
+            request, seq = self.owner(entry.seq), entry.seq
+            if not request.stream or seq.stopping:
+                continue
+            before = taken.get(seq.seq_id, 0)
+            if self._take_tokens(request, entry, result, i, taken) > before or seq.stopping:
+                touched[request.request_id] = request
+        return list(touched.values())
+
+    def _take_tokens(self, request: Request, entry: ScheduledSeq, result: StepResult, i: int,
+                     taken: dict[int, int]) -> int:
+        """Appends row i's tokens past the ones already taken from this call; returns how many
+        the call has given the sequence in all."""
         seq = entry.seq
         if not entry.sample:
             return 0
@@ -94,18 +116,19 @@ class OutputProcessor:
             seq.stop("length")
             return 0
         emitted = int(np.sum(result.token_ids[i] >= 0))
-        taken = 0
-        for k in range(emitted):
+        count = taken.get(seq.seq_id, 0)
+        for k in range(count, emitted):
             if seq.stopping:
                 break
             self._append_token(request, seq, result, i, k, device_stop=bool(result.stopped[i]) and k == emitted - 1)
-            taken += 1
+            count += 1
+        taken[seq.seq_id] = count
         if not seq.stopping and np.any(result.token_ids[i] == NONFINITE):
             logger.error("request %s: the model's logits held NaN or inf; ending it with an error", request.request_id)
             self._finish(request.completion(seq), "error", NONFINITE_LOGITS)
         if seq.stopping:
             request.completion(seq).matcher = None
-        return taken
+        return count
 
     def _record_prompt_logprobs(self, request: Request, entry: ScheduledSeq, result: StepResult, i: int):
         num_prompt = len(request.prompt_token_ids)

@@ -7,6 +7,10 @@ on EOS and stop ids, a grammar's mask) and one rule for where a row ends (`stop_
 ignore_eos, or a stop id, once min_tokens are out), and they report per row whether its last
 token ended it (`stopped`), so the host never re-derives it.
 
+Streaming: the decode and verify loops hand the host what they have produced so far every
+stream[0] steps (rounds) through `sink` (`hand_over`), so a streamed token reaches its client
+when it is sampled, not when the call ends.
+
 Conventions: b rows; v the vocabulary; ids -1 mark "no token" (padding, or after a row ended).
 state_slots: each row's recurrent-state slot ([b], -1: none; in a prefill, a tuple with one
 entry per row group), or None for a model without linear-attention layers.
@@ -65,6 +69,23 @@ def stop_hit(ids: jax.Array, num_out: jax.Array, stop: StopArrays) -> jax.Array:
     return hit & (num_out >= stop.min_tokens.reshape((b,) + extra))
 
 
+def hand_over(sink: Callable | None, stream, step, last_step, out_ids, out_lp, stopped, num_top: int):
+    """Inside a loop: hands the host the call's outputs so far (the buffers the loop fills, -1
+    where nothing is yet) through sink(call id, ids, stopped, *logprobs) (`weld.engine.streaming`)
+    after every stream[0]-th step but the last (its outputs come back with the call); stream[1]
+    is the call's id. stream[0] == 0: never. Returns stream for the next step (a loop carries it:
+    each hand-over takes the id the one before returned, which keeps them in order)."""
+    if sink is None or stream is None:
+        return stream
+    every, call_id = stream[0], stream[1]
+
+    def put():
+        return stream.at[1].set(sink(call_id, out_ids, stopped, *(out_lp if num_top else ())))
+
+    fire = (every > 0) & ((step + 1) % jnp.maximum(every, 1) == 0) & ~last_step
+    return jax.lax.cond(fire, put, lambda: stream)
+
+
 def _allowed(bitmask: jax.Array | None, vocab_size: int) -> jax.Array | None:
     return None if bitmask is None else unpack_bitmask(bitmask, vocab_size)
 
@@ -110,8 +131,8 @@ def prefill(forward: Callable, drafter: Any, weights, cache, draft_params, draft
 
 
 def decode(forward: Callable, drafter: Any, weights, cache, draft_params, draft_state, tokens, positions, block_tables,
-           state_slots, sampling: SamplingArrays, stop: StopArrays, penalties, token_bitmask, *, cfg, steps: int,
-           num_top: int):
+           state_slots, sampling: SamplingArrays, stop: StopArrays, penalties, token_bitmask, stream=None, *, cfg,
+           steps: int, num_top: int, sink: Callable | None = None):
     """Up to `steps` decode steps in one device call.
 
     tokens, positions [b]: each row's last token (not yet in the cache) and its position.
@@ -122,7 +143,7 @@ def decode(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
     the first step only: a constrained row has a step budget of 1 (its next mask is computed on
     the host). A finished row's padding leaves its recurrent state too as it was. A drafter
     (an engine that speculates, running a plain call) observes every step, so its state covers
-    every position when the next call drafts.
+    every position when the next call drafts. stream, sink: `hand_over` after each step.
     Returns (cache, draft_state, ids [b, steps] (-1 after a row ended), logprobs or None, stopped [b]).
     """
     b = tokens.shape[0]
@@ -138,7 +159,7 @@ def decode(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
         return (i < steps) & ~jnp.all(done)
 
     def body(carry):
-        i, cache, draft_state, tok, pos, done, num_out, out_ids, out_lp, pen, stopped = carry
+        i, cache, draft_state, tok, pos, done, num_out, out_ids, out_lp, pen, stopped, stream = carry
         live = ~done
         fed = jnp.where(live, pos, -1)[:, None]
         logits, features, cache = forward(weights, cfg, tok[:, None], fed, cache, batch, jnp.zeros((b, 1), jnp.int32),
@@ -163,18 +184,19 @@ def decode(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
             pen = dataclasses.replace(pen, counts=pen.counts.at[jnp.arange(b), counted].add(1, mode="drop"))
         tok = jnp.where(live & finite, new, tok)
         pos = jnp.where(live, pos + 1, pos)
-        return (i + 1, cache, draft_state, tok, pos, done | (live & ended), num_out, out_ids, out_lp, pen,
-                stopped | hit)
+        done, stopped = done | (live & ended), stopped | hit
+        stream = hand_over(sink, stream, i, (i + 1 >= steps) | jnp.all(done), out_ids, out_lp, stopped, num_top)
+        return i + 1, cache, draft_state, tok, pos, done, num_out, out_ids, out_lp, pen, stopped, stream
 
     carry = (jnp.int32(0), cache, draft_state, tokens, positions, stop.max_steps <= 0, stop.num_output, out_ids,
-             out_lp, penalties, jnp.zeros((b,), bool))
-    _, cache, draft_state, _, _, _, _, out_ids, out_lp, _, stopped = jax.lax.while_loop(cond, body, carry)
+             out_lp, penalties, jnp.zeros((b,), bool), stream)
+    _, cache, draft_state, _, _, _, _, out_ids, out_lp, _, stopped, _ = jax.lax.while_loop(cond, body, carry)
     return cache, draft_state, out_ids, (out_lp if num_top else None), stopped
 
 
 def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_state, tokens, positions, num_drafts,
            host_drafted, history, block_tables, state_slots, sampling: SamplingArrays, stop: StopArrays, penalties,
-           token_bitmask, *, cfg, num_top: int, rounds: int):
+           token_bitmask, stream=None, *, cfg, num_top: int, rounds: int, sink: Callable | None = None):
     """Up to `rounds` speculative rounds (propose -> verify -> accept) in one device call.
 
     tokens [b, k+1]: each row's last token (not yet in the cache), then its host drafts, ignored
@@ -196,7 +218,8 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
     token, so when any row rejected a draft, each row's state is restored from before the
     forward and recomputed over the `count` tokens the row keeps (a second forward, with the
     rest masked; its attention layers rewrite the same K/V). Penalties apply to slot 0 (rows
-    using them send no drafts); min_tokens applies to every slot.
+    using them send no drafts); min_tokens applies to every slot. stream, sink: `hand_over`
+    after each round.
     Returns (cache, draft_state, ids [b, rounds * (k+1)] (the row's tokens, then -1), logprobs
     or None, (drafts sent, accepted) [b, rounds] each (-1: not in that round), stopped [b]).
     """
@@ -222,7 +245,7 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
         return (r < rounds) & ~jnp.all(done)
 
     def body(carry):
-        r, cache, draft_state, last, done, made, out_ids, out_lp, sent_log, pen, stopped, history = carry
+        r, cache, draft_state, last, done, made, out_ids, out_lp, sent_log, pen, stopped, history, stream = carry
         live = ~done
         budget = jnp.where(live, stop.max_steps - made, 0)  # slots the row still owns
         pos = positions + made
@@ -285,9 +308,12 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
         hit = live & (first_stop < count)
         made = made + count
         done = done | hit | faulted | (made >= stop.max_steps) | from_host
-        return r + 1, cache, draft_state, last, done, made, out_ids, out_lp, sent_log, pen, stopped | hit, history
+        stopped = stopped | hit
+        stream = hand_over(sink, stream, r, (r + 1 >= rounds) | jnp.all(done), out_ids, out_lp, stopped, num_top)
+        return r + 1, cache, draft_state, last, done, made, out_ids, out_lp, sent_log, pen, stopped, history, stream
 
     carry = (jnp.int32(0), cache, draft_state, tokens[:, 0], stop.max_steps <= 0, jnp.zeros((b,), jnp.int32),
-             jnp.full((b, width), -1, jnp.int32), out_lp, sent_log, penalties, jnp.zeros((b,), bool), history)
-    _, cache, draft_state, _, _, _, out_ids, out_lp, sent_log, _, stopped, _ = jax.lax.while_loop(cond, body, carry)
+             jnp.full((b, width), -1, jnp.int32), out_lp, sent_log, penalties, jnp.zeros((b,), bool), history, stream)
+    _, cache, draft_state, _, _, _, out_ids, out_lp, sent_log, _, stopped, _, _ = jax.lax.while_loop(cond, body,
+                                                                                                        carry)
     return cache, draft_state, out_ids, (out_lp if num_top else None), sent_log, stopped

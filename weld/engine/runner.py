@@ -16,15 +16,16 @@ import functools
 import logging
 import time
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from weld.engine import batch as host_batch
-from weld.engine import programs
+from weld.engine import programs, streaming
 from weld.engine.sampling_params import MAX_LOGPROBS
 from weld.engine.scheduler import SchedulerOutput, bucket
+from weld.kernels import cpu as cpu_kernels
 from weld.models.common import sharding
 from weld.utils.progress import Progress
 
@@ -51,6 +52,14 @@ class StepResult:
     # Verify steps, per round: drafts each row sent and how many were accepted (-1: not in that round).
     num_drafts: np.ndarray | None = None  # [n, rounds]
     num_accepted: np.ndarray | None = None  # [n, rounds]
+
+
+def _step_result(rows: np.ndarray, ids: np.ndarray, stopped: np.ndarray, chosen: tuple | None) -> StepResult:
+    """A call's sampled ids, stops and chosen-token logprobs (device rows), for the plan's entries."""
+    result = StepResult(token_ids=ids[rows], stopped=stopped[rows])
+    if chosen is not None:
+        result.logprobs, result.ranks, result.top_ids, result.top_logprobs = (x[rows] for x in chosen)
+    return result
 
 
 def decode_forward(family: ModuleType, cfg: Any, backend: str):
@@ -87,7 +96,8 @@ class ModelRunner:
     def __init__(self, family: ModuleType, cfg: Any, weights: Any, *, num_pages: int | tuple[int, ...], page_size: int,
                  kv_dtype: Any, max_model_len: int, steps_per_call: int = 8, eos_token_ids: tuple[int, ...] = (),
                  backend: str = "xla", drafter: Any = None, draft_params: Any = None, num_spec_tokens: int = 0,
-                 spec_widths: tuple[int, ...] = (), spec_rounds: int = 1, num_state_slots: int = 0, mesh: Any = None):
+                 spec_widths: tuple[int, ...] = (), spec_rounds: int = 1, num_state_slots: int = 0, mesh: Any = None,
+                 stream_interval: int = 1):
         self.family = family
         self.mesh = mesh  # a device mesh (`weld.models.common.sharding`), or None: one device
         # data-parallel attention: each rank's rows and its own shard of the pools (num_pages in all)
@@ -132,9 +142,17 @@ class ModelRunner:
         self._prefill = jit(functools.partial(programs.prefill, prefill_fwd, drafter), "prefill",
                             static_argnames=("cfg", "num_top", "with_prompt_logprobs"),
                             donate_argnames=("cache", "draft_state"))
-        self._verify = jit(functools.partial(programs.verify, decode_fwd, drafter), "verify",
+        # streamed rows' tokens leave the decode and verify loops every stream_interval steps
+        # (rounds): through the native mailbox on CPU (one device: the partitioner of a mesh wants
+        # a sharding on every side effect), else a Python callback (`weld.engine.streaming`); an
+        # interval no call reaches leaves the hand-over out of the programs
+        self.stream_interval = stream_interval
+        self._native_stream = mesh is None and cpu_kernels.available()
+        sink = (streaming.sink(self._native_stream) if stream_interval < max(steps_per_call, spec_rounds)
+                else None)
+        self._verify = jit(functools.partial(programs.verify, decode_fwd, drafter, sink=sink), "verify",
                            static_argnames=("cfg", "num_top", "rounds"), donate_argnames=("cache", "draft_state"))
-        self._decode = jit(functools.partial(programs.decode, decode_fwd, drafter), "decode",
+        self._decode = jit(functools.partial(programs.decode, decode_fwd, drafter, sink=sink), "decode",
                            static_argnames=("cfg", "steps", "num_top"), donate_argnames=("cache", "draft_state"))
         self._copy = jit(programs.copy_slots, "copy", donate_argnames=("cache",))
 
@@ -175,7 +193,8 @@ class ModelRunner:
             out = self._run_program(name, program, args, static)
             first = per_call[len(own)] if len(per_call) > len(own) else per_call[-1]  # after the runner's own trees
             shapes = "+".join("x".join(map(str, np.shape(x))) for x in jax.tree_util.tree_leaves(first))
-            if name != "copy" and args[-1] is not None:
+            mask = args[-2] if name in ("decode", "verify") else args[-1]  # (..., bitmask, stream) there
+            if name != "copy" and mask is not None:
                 shapes += ", grammar masks"
             logger.info("compiled %s (%s%s) in %.1f s: %d programs", name, shapes,
                         "".join(f", {k} {v}" for k, v in sorted(static.items()) if k != "cfg"),
@@ -210,8 +229,12 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput, want_logprobs: bool = False,
                 want_prompt_logprobs: bool = False, token_bitmask: np.ndarray | None = None,
                 drafts: np.ndarray | None = None, num_drafts: np.ndarray | None = None,
-                host_drafted: np.ndarray | None = None) -> StepResult:
-        """Runs `plan` (see `batch.build` for the bitmask and draft arguments), after its slot copies."""
+                host_drafted: np.ndarray | None = None,
+                on_tokens: Callable[[StepResult], None] | None = None) -> StepResult:
+        """Runs `plan` (see `batch.build` for the bitmask and draft arguments), after its slot copies.
+        on_tokens: a decode or verify call hands it its outputs so far (a StepResult whose rows
+        are filled as far as the loop got, -1 after) every `stream_interval` steps (rounds) while
+        it runs, on another thread; never after this method returns."""
         for wave in plan.slot_copies:
             self.copy_slots(wave)
         num_top = MAX_LOGPROBS if want_logprobs or want_prompt_logprobs else 0
@@ -227,34 +250,53 @@ class ModelRunner:
         common = (host.sampling, host.stop, host.penalties)
         slots = host.state_slots if self.recurrent else None
         prompt = sent_log = None
-        if plan.kind == "decode":
-            self.cache, self.draft_state, ids, chosen, stopped = self._call(
-                "decode", self._decode, self.weights, self.cache, self.draft_params, self.draft_state, host.tokens,
-                host.positions, host.block_tables, slots, *common, host.bitmask, cfg=self.cfg,
-                steps=self.steps_per_call, num_top=num_top)
-        elif plan.kind == "verify":
-            self.cache, self.draft_state, ids, chosen, sent_log, stopped = self._call(
-                "verify", self._verify, self.weights, self.cache, self.draft_params, self.draft_state, host.tokens,
-                host.positions, host.num_drafts, host.host_drafted, host.history, host.block_tables, slots, *common,
-                host.bitmask, cfg=self.cfg,
-                num_top=num_top, rounds=self.spec_rounds)
-        else:
-            tokens, positions, tables, last, group_slots = zip(*host.groups)
-            self.cache, self.draft_state, ids, chosen, prompt, stopped = self._call(
-                "prefill", self._prefill, self.weights, self.cache, self.draft_params, self.draft_state, tokens,
-                positions, tables, last, group_slots if self.recurrent else None, *common, host.prompt_targets,
-                host.bitmask, cfg=self.cfg, num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
-        ids, stopped, chosen, prompt, sent_log = jax.device_get((ids, stopped, chosen, prompt, sent_log))
         rows = np.asarray(host.rows)
-        result = StepResult(token_ids=ids[rows], stopped=stopped[rows])
-        if chosen is not None:
-            result.logprobs, result.ranks, result.top_ids, result.top_logprobs = (x[rows] for x in chosen)
+        stream, call_id = np.zeros(2, np.int32), None  # (every, call id): 0 hands nothing over
+        if on_tokens is not None and plan.kind in ("decode", "verify"):
+            call_id = self._open_hand_over(plan, host, num_top, rows, on_tokens)
+            stream[:] = self.stream_interval, call_id
+        try:
+            if plan.kind == "decode":
+                self.cache, self.draft_state, ids, chosen, stopped = self._call(
+                    "decode", self._decode, self.weights, self.cache, self.draft_params, self.draft_state,
+                    host.tokens, host.positions, host.block_tables, slots, *common, host.bitmask, stream, cfg=self.cfg,
+                    steps=self.steps_per_call, num_top=num_top)
+            elif plan.kind == "verify":
+                self.cache, self.draft_state, ids, chosen, sent_log, stopped = self._call(
+                    "verify", self._verify, self.weights, self.cache, self.draft_params, self.draft_state,
+                    host.tokens, host.positions, host.num_drafts, host.host_drafted, host.history, host.block_tables,
+                    slots, *common, host.bitmask, stream, cfg=self.cfg, num_top=num_top, rounds=self.spec_rounds)
+            else:
+                tokens, positions, tables, last, group_slots = zip(*host.groups)
+                self.cache, self.draft_state, ids, chosen, prompt, stopped = self._call(
+                    "prefill", self._prefill, self.weights, self.cache, self.draft_params, self.draft_state, tokens,
+                    positions, tables, last, group_slots if self.recurrent else None, *common, host.prompt_targets,
+                    host.bitmask, cfg=self.cfg, num_top=num_top, with_prompt_logprobs=want_prompt_logprobs)
+            ids, stopped, chosen, prompt, sent_log = jax.device_get((ids, stopped, chosen, prompt, sent_log))
+        finally:
+            if call_id is not None:
+                streaming.HANDOVERS.close(call_id)
+        result = _step_result(rows, ids, stopped, chosen)
         if sent_log is not None:
             result.num_drafts, result.num_accepted = (x[rows] for x in sent_log)
         if prompt is not None:  # prompt chunks only: the first num_prefill entries
             (result.prompt_logprobs, result.prompt_ranks, result.prompt_top_ids,
              result.prompt_top_logprobs) = (x[rows[:plan.num_prefill]] for x in prompt)
         return result
+
+    def _open_hand_over(self, plan: SchedulerOutput, host: Any, num_top: int, rows: np.ndarray,
+                        on_tokens: Callable[[StepResult], None]) -> int:
+        """Opens the hand-over of a decode or verify call about to run: the buffers its loop fills
+        (`programs.hand_over`), for on_tokens as a StepResult of the plan's entries."""
+        b = host.tokens.shape[0]
+        width = self.steps_per_call if plan.kind == "decode" else self.spec_rounds * host.tokens.shape[1]
+        layout = [((b, width), np.int32), ((b,), np.bool_)]
+        if num_top:
+            layout += [((b, width), np.float32), ((b, width), np.int32), ((b, width, num_top), np.int32),
+                       ((b, width, num_top), np.float32)]
+        return streaming.HANDOVERS.open(
+            layout, lambda arrays: on_tokens(_step_result(rows, arrays[0], arrays[1], tuple(arrays[2:]) or None)),
+            native=self._native_stream)
 
     def copy_slots(self, copies: list[tuple[int, int]]) -> None:
         """Copies recurrent-state slots (source, destination) in one call, every source read

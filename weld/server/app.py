@@ -48,6 +48,10 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' d
                 "X-Content-Type-Options": "nosniff"}
 # what --api-key leaves open: a load balancer's probe, and the chat page's static files
 OPEN_ROUTES = frozenset({"/health", *PAGE_FILES})
+# OpenAI and vLLM routes weld does not serve (yet): their 404 says so (the README's "Not built yet")
+NOT_BUILT = ("/v1/responses", "/v1/embeddings", "/v1/audio", "/v1/images", "/v1/moderations", "/v1/files",
+             "/v1/batches", "/v1/fine_tuning", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
+             "/v2/rerank")
 
 
 def _page_file(name: str):
@@ -136,6 +140,10 @@ def build_app(engine: Any, config: ServerConfig, tracing: Any = None) -> FastAPI
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, err: StarletteHTTPException):
+        path = request.url.path
+        if err.status_code == 404 and any(path == p or path.startswith(p + "/") for p in NOT_BUILT):
+            return APIError(404, f"weld does not serve {path} yet: it serves /v1/completions and "
+                                 "/v1/chat/completions (the routes are listed at /docs)").response()
         return APIError(err.status_code, str(err.detail)).response()
 
     @app.exception_handler(RequestValidationError)

@@ -199,7 +199,8 @@ async def create_chat_completion(state: ServerState, body: Any, raw_request: Any
     admission = state.admit(params.n)
     if trace is not None:
         trace.response_id = completion_id
-    request = EngineRequest(state, completion_id, {"prompt": text, "prompt_token_ids": ids}, params, arrival, trace)
+    request = EngineRequest(state, completion_id, {"prompt": text, "prompt_token_ids": ids}, params, arrival, trace,
+                            stream=bool(req.stream))
     ctx = _ChatContext(state, req, params, completion_id, created, mode, opening, named)
     try:
         if req.stream:

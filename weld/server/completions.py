@@ -75,7 +75,7 @@ async def create_completion(state: ServerState, body: Any, raw_request: Any, tra
     admission = state.admit(len(prompts) * n, param="prompt" if len(prompts) > 1 else "n")
     if trace is not None:
         trace.response_id = completion_id
-    requests = [EngineRequest(state, f"{completion_id}-{i}", p, sp, arrival, trace)
+    requests = [EngineRequest(state, f"{completion_id}-{i}", p, sp, arrival, trace, stream=bool(req.stream))
                 for i, (p, sp) in enumerate(zip(prompts, params))]
     try:
         if req.stream:

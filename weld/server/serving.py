@@ -172,14 +172,14 @@ class EngineRequest:
     for the request's trace, when tracing is on)."""
 
     def __init__(self, state: ServerState, request_id: str, prompt: dict, params: SamplingParams, arrival: float,
-                 trace: Any = None):
+                 trace: Any = None, stream: bool = False):
         self.state = state
         self.request_id = request_id
         self.timer = RequestTimer(state.metrics, arrival, len(prompt["prompt_token_ids"]))
         # `weld.server.tracing.RequestTrace` when tracing is on
         self.timeline = (trace.engine_request(request_id, len(prompt["prompt_token_ids"]), params)
                          if trace is not None else None)
-        self._gen = state.engine.generate(prompt, params, request_id)
+        self._gen = state.engine.generate(prompt, params, request_id, stream=stream)
         self._first: RequestOutput | None = None
 
     async def start(self) -> None:

@@ -1,7 +1,8 @@
 """Native CPU kernels, called from jitted code through the XLA FFI.
 
 XLA:CPU leaves some work far from what the machine can do: paged decode attention
-(paged_attention.cc) and the projections, on weights packed in panels (matmul.cc). These kernels
+(paged_attention.cc) and the projections, on weights packed in panels (matmul.cc). stream.cc is
+the mailbox a decode loop hands its outputs to while it runs (`stream_put`, `stream_take`). These kernels
 are C++ sources shipped with weld and compiled on first use on the machine that runs them
 (-O3 -march=native), into ~/.cache/weld/kernels (or $WELD_KERNEL_CACHE_DIR). The build key
 covers the sources, the flags, the compiler, jax/jaxlib and the CPU, so a shared home directory
@@ -34,13 +35,13 @@ from weld.utils.errors import InvalidInputError
 
 log = logging.getLogger("weld")
 
-_SOURCES = ("paged_attention.cc", "matmul.cc", "quant_matmul.cc")
+_SOURCES = ("paged_attention.cc", "matmul.cc", "quant_matmul.cc", "stream.cc")
 _HEADERS = ("parallel.h", "half.h")
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
           # lets the compiler vectorize the dot products' sums; no NaN/inf assumptions are made
           "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
 _TARGETS = {"weld_paged_attention": "WeldPagedAttention", "weld_packed_matmul": "WeldPackedMatmul",
-            "weld_quant_matmul": "WeldQuantMatmul"}
+            "weld_quant_matmul": "WeldQuantMatmul", "weld_stream_put": "WeldStreamPut"}
 # The quantized matmul's instruction-set paths (its `isa` attribute), fastest last.
 ISAS = ("scalar", "avx2", "avx512vnni")
 # KV pool element types the paged attention kernel reads (widened to f32 as it reads them).
@@ -135,7 +136,39 @@ def _register(path: Path) -> None:
     lib = ctypes.CDLL(str(path))
     for target, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    lib.weld_stream_take.restype = ctypes.c_int64
+    lib.weld_stream_take.argtypes = [ctypes.c_uint64, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p,
+                                     ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    lib.weld_stream_seq.restype = ctypes.c_int64
     _state["lib"] = lib  # keep it loaded
+
+
+def stream_put(call_id: jax.Array, *buffers: jax.Array) -> jax.Array:
+    """Inside a program: copies `buffers` into the process's streaming mailbox, tagged with
+    call_id (s32[]), replacing what it held; returns call_id, for the next put to take (which
+    orders the puts). The program does not wait for the reader to handle them."""
+    return jax.ffi.ffi_call("weld_stream_put", jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)(
+        call_id.astype(jnp.int32), *buffers)
+
+
+def stream_seq() -> int:
+    """The sequence number of the mailbox's newest hand-over (0: none yet)."""
+    return int(_state["lib"].weld_stream_seq())
+
+
+def stream_take(after: int, timeout_s: float, capacity: int = 1 << 20) -> tuple[int, int, bytes] | None:
+    """On the host (releases the GIL while it waits): the mailbox's newest hand-over newer than
+    sequence number `after`, as (sequence number, call id, bytes), or None after timeout_s."""
+    lib = _state["lib"]
+    call, size = ctypes.c_int32(), ctypes.c_int64()
+    while True:
+        buf = ctypes.create_string_buffer(capacity)
+        seq = lib.weld_stream_take(after, int(timeout_s * 1000), ctypes.byref(call), buf, capacity, ctypes.byref(size))
+        if seq == 0:
+            return None
+        if seq > 0:
+            return seq, call.value, buf.raw[:size.value]
+        capacity = 2 * size.value  # it grew; try again with room
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
