@@ -2,8 +2,9 @@
 (`programs.hand_over`), so that a streamed request's tokens go out as they are sampled.
 
 Two ways out of the loop:
-- on CPU with the native kernels, the loop copies its buffers into a C++ mailbox
-  (`weld.kernels.cpu.stream_put`) and goes on without waiting; a reader thread here takes them;
+- on CPU with the native kernels, the loop queues a copy of its buffers in a C++ mailbox
+  (`weld.kernels.cpu.stream_put`) and goes on without waiting; a reader thread here takes them
+  in order (late, when the GIL or the cores are busy, but none is lost);
 - elsewhere, an `io_callback` runs `HandOvers.deliver` from inside the loop, which waits for it.
   JAX keeps programs that hold Python callbacks out of its persistent compile cache, so there the
   decode and verify programs compile at every start (`--stream-interval` >= `--steps-per-call`
@@ -91,9 +92,8 @@ class HandOvers:
     def _read(self) -> None:
         from weld.kernels import cpu
 
-        seq = 0
         while True:
-            taken = cpu.stream_take(seq, timeout_s=1.0)
+            taken = cpu.stream_take(timeout_s=1.0)
             if taken is None:
                 continue
             seq, call_id, data = taken

@@ -137,38 +137,38 @@ def _register(path: Path) -> None:
     for target, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     lib.weld_stream_take.restype = ctypes.c_int64
-    lib.weld_stream_take.argtypes = [ctypes.c_uint64, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p,
-                                     ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    lib.weld_stream_take.argtypes = [ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p, ctypes.c_int64,
+                                     ctypes.POINTER(ctypes.c_int64)]
     lib.weld_stream_seq.restype = ctypes.c_int64
     _state["lib"] = lib  # keep it loaded
 
 
 def stream_put(call_id: jax.Array, *buffers: jax.Array) -> jax.Array:
-    """Inside a program: copies `buffers` into the process's streaming mailbox, tagged with
-    call_id (s32[]), replacing what it held; returns call_id, for the next put to take (which
-    orders the puts). The program does not wait for the reader to handle them."""
+    """Inside a program: queues a copy of `buffers` in the process's streaming mailbox, tagged
+    with call_id (s32[]); returns call_id, for the next put to take (which orders the puts). The
+    program does not wait for a reader (unless 64 hand-overs are queued)."""
     return jax.ffi.ffi_call("weld_stream_put", jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)(
         call_id.astype(jnp.int32), *buffers)
 
 
 def stream_seq() -> int:
-    """The sequence number of the mailbox's newest hand-over (0: none yet)."""
+    """How many hand-overs have been put into the mailbox (the newest one's sequence number)."""
     return int(_state["lib"].weld_stream_seq())
 
 
-def stream_take(after: int, timeout_s: float, capacity: int = 1 << 20) -> tuple[int, int, bytes] | None:
-    """On the host (releases the GIL while it waits): the mailbox's newest hand-over newer than
-    sequence number `after`, as (sequence number, call id, bytes), or None after timeout_s."""
+def stream_take(timeout_s: float, capacity: int = 1 << 16) -> tuple[int, int, bytes] | None:
+    """On the host (releases the GIL while it waits): the oldest hand-over in the mailbox, moved
+    out, as (sequence number, call id, bytes), or None after timeout_s."""
     lib = _state["lib"]
     call, size = ctypes.c_int32(), ctypes.c_int64()
     while True:
         buf = ctypes.create_string_buffer(capacity)
-        seq = lib.weld_stream_take(after, int(timeout_s * 1000), ctypes.byref(call), buf, capacity, ctypes.byref(size))
+        seq = lib.weld_stream_take(int(timeout_s * 1000), ctypes.byref(call), buf, capacity, ctypes.byref(size))
         if seq == 0:
             return None
         if seq > 0:
             return seq, call.value, buf.raw[:size.value]
-        capacity = 2 * size.value  # it grew; try again with room
+        capacity = 2 * size.value  # too big for the buffer: it is still queued; take it with room
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,

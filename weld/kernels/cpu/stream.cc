@@ -1,24 +1,22 @@
 // The streaming mailbox: a device loop (programs.hand_over) copies its outputs so far into it, and a
 // host thread takes them while the loop runs on. An XLA FFI call, not a Python callback: programs
 // holding Python callbacks never enter JAX's persistent compile cache, and the loop does not wait
-// for Python here (it only copies a few hundred bytes and signals).
+// for Python here (it copies a few hundred bytes into a queue and signals).
 //
 // weld_stream_put (the FFI target): args = an s32[] call id, then any buffers; returns the call
-// id, which the loop feeds to its next put: XLA:CPU may otherwise run the puts of successive
-// iterations out of order, since nothing else depends on them. The buffers' bytes are
-// concatenated into the mailbox, replacing what was there. Once a reader has taken from the
-// mailbox, a put first waits (up to a second) until the reader took the previous hand-over, so
-// none is skipped: the reader handles hand-over n while the loop computes step n + 1, and the
-// loop waits only for a reader slower than a step. (Each hand-over holds everything the call has
-// produced so far, so a skipped one would lose nothing but its timing.)
-// weld_stream_seq (for ctypes): the newest hand-over's sequence number.
-// weld_stream_take (for ctypes): waits up to timeout_ms for a hand-over newer than `after`, copies
-// it out and returns its sequence number (0 on timeout, -seq when `capacity` is too small).
+// id, which the loop feeds to its next put (that orders the puts: nothing else depends on them).
+// The buffers' bytes go to the back of a queue. A reader held up (the GIL, a busy core) takes the
+// hand-overs late but in order and none is lost; the loop waits only when 64 are queued (or a
+// second has passed), so the device never waits on Python in the common case.
+// weld_stream_seq (for ctypes): the number of hand-overs put so far.
+// weld_stream_take (for ctypes): waits up to timeout_ms for a hand-over, moves the oldest out and
+// returns its sequence number (0 on timeout, -seq when `capacity` is too small: it stays queued).
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <vector>
 
@@ -28,14 +26,19 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+constexpr size_t kMaxQueued = 64;
+
+struct HandOver {
+  uint64_t seq;
+  int32_t call;
+  std::vector<char> data;
+};
+
 struct Mailbox {
   std::mutex mu;
   std::condition_variable cv;
-  uint64_t seq = 0;
-  uint64_t taken = 0;   // the newest hand-over a reader took
-  bool reader = false;  // a reader has taken from the mailbox
-  int32_t call = -1;
-  std::vector<char> data;
+  uint64_t seq = 0;  // hand-overs put so far
+  std::deque<HandOver> queue;
 };
 
 Mailbox& mailbox() {
@@ -44,22 +47,23 @@ Mailbox& mailbox() {
 }
 
 ffi::Error StreamPut(ffi::Buffer<ffi::S32> call, ffi::RemainingArgs buffers, ffi::ResultBuffer<ffi::S32> echo) {
+  HandOver item{0, call.typed_data()[0], {}};
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    auto buffer = buffers.get<ffi::AnyBuffer>(i);
+    if (!buffer.has_value()) return ffi::Error::InvalidArgument("weld_stream_put: arguments must be buffers");
+    const char* bytes = static_cast<const char*>(buffer->untyped_data());
+    item.data.insert(item.data.end(), bytes, bytes + buffer->size_bytes());
+  }
   Mailbox& box = mailbox();
   {
     std::unique_lock<std::mutex> lock(box.mu);
-    if (box.reader) box.cv.wait_for(lock, std::chrono::seconds(1), [&] { return box.taken >= box.seq; });
-    box.data.clear();
-    for (size_t i = 0; i < buffers.size(); ++i) {
-      auto buffer = buffers.get<ffi::AnyBuffer>(i);
-      if (!buffer.has_value()) return ffi::Error::InvalidArgument("weld_stream_put: arguments must be buffers");
-      const char* bytes = static_cast<const char*>(buffer->untyped_data());
-      box.data.insert(box.data.end(), bytes, bytes + buffer->size_bytes());
-    }
-    box.call = call.typed_data()[0];
-    ++box.seq;
+    box.cv.wait_for(lock, std::chrono::seconds(1), [&] { return box.queue.size() < kMaxQueued; });
+    if (box.queue.size() >= kMaxQueued) box.queue.pop_front();  // no reader: keep the newest
+    item.seq = ++box.seq;
+    box.queue.push_back(std::move(item));
   }
-  echo->typed_data()[0] = call.typed_data()[0];
   box.cv.notify_all();
+  echo->typed_data()[0] = call.typed_data()[0];
   return ffi::Error::Success();
 }
 
@@ -77,18 +81,18 @@ extern "C" int64_t weld_stream_seq() {
   return static_cast<int64_t>(box.seq);
 }
 
-extern "C" int64_t weld_stream_take(uint64_t after, int32_t timeout_ms, int32_t* call, void* dst,
-                                    int64_t capacity, int64_t* size) {
+extern "C" int64_t weld_stream_take(int32_t timeout_ms, int32_t* call, void* dst, int64_t capacity, int64_t* size) {
   Mailbox& box = mailbox();
   std::unique_lock<std::mutex> lock(box.mu);
-  box.reader = true;
-  if (!box.cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return box.seq > after; })) return 0;
-  *size = static_cast<int64_t>(box.data.size());
-  if (*size > capacity) return -static_cast<int64_t>(box.seq);
-  std::memcpy(dst, box.data.data(), box.data.size());
-  *call = box.call;
-  const uint64_t seq = box.taken = box.seq;  // read under the lock: a put may follow at once
+  if (!box.cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return !box.queue.empty(); })) return 0;
+  HandOver& front = box.queue.front();
+  *size = static_cast<int64_t>(front.data.size());
+  const int64_t seq = static_cast<int64_t>(front.seq);
+  if (*size > capacity) return -seq;
+  std::memcpy(dst, front.data.data(), front.data.size());
+  *call = front.call;
+  box.queue.pop_front();
   lock.unlock();
-  box.cv.notify_all();  // a put waiting for this take
-  return static_cast<int64_t>(seq);
+  box.cv.notify_all();  // a put waiting for room
+  return seq;
 }
