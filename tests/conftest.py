@@ -231,3 +231,53 @@ def tiny_draft_dir(tmp_path_factory, tiny_llama_dir):
     make_tiny_hf_model("llama", d, seed=11, vocab_size=hf.config.vocab_size, bos_token_id=None, eos_token_id=2,
                        pad_token_id=0, max_position_embeddings=256, num_hidden_layers=1)
     return d
+
+
+# ----- the default suite's budget -----
+# `make test` (CI: 2 cores) should take ~15 minutes. These variants add little over their siblings
+# that stay in it (each feature and family keeps at least one default test), so they run with
+# `make test-slow` only. Listed here, in one place, by node id (tests/test_suite_layout.py checks
+# that each still names a test function).
+_FAMILIES = ("deepseek_v2", "deepseek_v3", "gemma3_text", "gpt_oss", "kimi_linear", "llama", "mistral", "mixtral",
+             "qwen2", "qwen3", "qwen3_moe:norm", "qwen3_moe", "qwen3_next")
+_QUANTIZED = "tests/engine/test_quantized_engine.py::test_every_family_quantizes"
+SLOW_VARIANTS = frozenset({
+    "tests/engine/test_smollm2_vs_hf.py::test_greedy_32_tokens_equal_hf",
+    "tests/spec/test_train.py::test_features_and_teacher_are_the_targets_own_per_answer",
+    "tests/spec/test_train.py::test_a_draft_vocabulary_scores_its_own_tokens_and_equals_the_full_loss_when_whole",
+    "tests/engine/test_gemma3_gguf.py::test_ids_and_decoding_equal_hf",
+    "tests/engine/test_gemma3_gguf.py::test_kept_blocks_score_text_as_the_dequantized_model",
+    "tests/engine/test_gemma3_gguf.py::test_tokenizer_facts",
+    "tests/weights/test_convert.py::test_cli_convert_and_generate",
+    "tests/weights/test_convert.py::test_every_family_converts_quantized[deepseek_v2]",
+    "tests/spec/test_shipped_drafter.py::test_shipped_drafter_is_accepted_on_held_out_prompts",
+    "tests/engine/test_quantized_engine.py::test_quantization_of_a_gguf[int4-0.05]",
+    "tests/engine/test_quantized_engine.py::test_quantization_of_a_gguf[int4_g128-0.08]",
+    "tests/cli/test_interrupts.py::test_interactive_chat_ctrl_c_stops_the_reply_then_leaves_at_the_prompt",
+    "tests/cli/test_interrupts.py::test_piped_chat_terminated_while_waiting_for_input",
+    "tests/cli/test_interrupts.py::test_generate_interrupted_while_decoding_keeps_the_text_so_far",
+    "tests/parallel/test_sharded_engine.py::test_layouts_match_one_device[qwen3_next]",
+    "tests/parallel/test_sharded_engine.py::test_layouts_match_one_device[qwen3_moe]",
+    "tests/parallel/test_multihost.py::test_data_parallel_over_two_hosts_answers_as_one_process",
+    "tests/engine/test_speculative.py::test_dspark_paged_drafts_match_dense_reference[False]",
+    "tests/engine/test_families_engine.py::test_ngram_speculation_equals_plain[qwen3_next]",
+    "tests/engine/test_families_engine.py::test_ngram_speculation_equals_plain[kimi_linear]",
+    "tests/engine/test_families_engine.py::test_ngram_speculation_equals_plain[qwen3_moe:norm]",
+    "tests/engine/test_families_engine.py::test_prefix_cache_hits_and_chunked_prefill_keep_outputs[kimi_linear]",
+    "tests/engine/test_families_engine.py::test_prefix_cache_hits_and_chunked_prefill_keep_outputs[qwen3_moe:norm]",
+    "tests/weights/test_memory.py::test_peak_rss_of_loading_a_weld_checkpoint",
+    "tests/cli/test_bench.py::test_speculative_run_reports_both_engines_and_the_engine_acceptance",
+    "tests/kernels/test_megakernel_decode.py::test_int8_weights_match_xla_on_dequantized_weights[qwen-tied]",
+    "tests/kernels/test_megakernel_moe.py::test_hidden_states_out_equal_xla_capture",
+    "tests/kernels/test_megakernel_moe.py::test_int8_expert_stacks_match_xla_on_dequantized_weights",
+    "tests/server/test_server_families.py::test_completions_equal_hf_greedy[qwen3_moe]",
+    "tests/server/test_server_families.py::test_completions_equal_hf_greedy[gpt_oss]",
+    # int8 for every family; the other modes on llama only
+    *(f"{_QUANTIZED}[{m}-{f}]" for m in ("int4", "int4_g128", "int8_channel") for f in _FAMILIES if f != "llama"),
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in SLOW_VARIANTS:
+            item.add_marker(pytest.mark.slow)
