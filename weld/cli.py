@@ -253,9 +253,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InvalidInputError("the prompt is empty")
     params = _sampling(args)  # validate flags before the slow model load
     llm = _make_llm(args)
-    for delta in llm.stream(prompt, params):
+
+    def write(delta: str) -> None:
         sys.stdout.write(delta)
         sys.stdout.flush()
+
+    for delta in llm.stream(prompt, params, on_text=write):  # each token as it is sampled
+        write(delta)
     sys.stdout.write("\n")
     return 0
 
@@ -286,13 +290,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
         prompt = {"prompt": prompt_text,
                   "prompt_token_ids": llm.tokenizer.encode(prompt_text, add_special_tokens=False)}
         reply = []
+
+        stop = None
+
+        def say(delta: str) -> None:
+            if stop is not None and stop.is_set():  # Ctrl-C: the rest of the call in flight is not shown
+                return
+            reply.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
         try:  # interactive: Ctrl-C stops the reply, not the chat (piped: it ends the run)
             with interrupts.sigint_stops() if interactive else contextlib.nullcontext() as stop, \
-                    contextlib.closing(llm.stream(prompt, params)) as stream:
-                for delta in stream:
-                    reply.append(delta)
-                    sys.stdout.write(delta)
-                    sys.stdout.flush()
+                    contextlib.closing(llm.stream(prompt, params, on_text=say)) as stream:
+                for delta in stream:  # what the device call's hand-overs did not bring (`say` did)
+                    say(delta)
                     if stop is not None and stop.is_set():
                         sys.stdout.write(" [stopped]")
                         break

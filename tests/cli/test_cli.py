@@ -99,9 +99,12 @@ class ChatRecorder:
         assert not add_special_tokens  # the template already wrote them
         return [len(text)]
 
-    def stream(self, prompt, params):
+    def stream(self, prompt, params, on_text=None):
         self.streamed.append(prompt)
-        yield "reply "
+        if on_text is not None:
+            on_text("reply ")  # as a device call's hand-over brings it
+        else:
+            yield "reply "
         yield str(len(self.streamed))
 
 

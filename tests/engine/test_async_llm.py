@@ -179,3 +179,22 @@ def test_speculative_rounds_stream_as_they_are_verified(tiny_llama_dir):
     assert len(streamed) > len(per_call)
     assert max(_growth(streamed)) <= 4  # a round emits at most its 3 drafts and one more token
     assert stats["spec_num_accepted_tokens"] > 0 and stats["running"] == 0
+
+
+def test_llm_stream_hands_each_token_to_on_text_and_holds_back_a_stop_string(tiny_llama_dir):
+    """The CLI's path: `LLM.stream(on_text=...)` gets tokens from inside the device calls."""
+    directory, _ = tiny_llama_dir
+    llm = LLM(model=str(directory), max_model_len=128, kv_cache_memory_gb=0.01, steps_per_call=4)
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    full = llm.generate(["Once upon a time"], greedy)[0].outputs[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), full
+    for params, expected in ((greedy, full), (SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                             stop=[stop]), full[:full.index(stop)])):
+        events = []
+        for delta in llm.stream("Once upon a time", params, on_text=lambda d: events.append(("call", d))):
+            events.append(("end", delta))
+        assert "".join(d for _, d in events) == expected
+        assert sum(kind == "call" for kind, _ in events) >= len(events) // 2  # most came from inside the calls
+    per_call = list(llm.stream("Once upon a time", greedy))
+    assert "".join(per_call) == full and len(per_call) <= 8  # without on_text: one piece per call

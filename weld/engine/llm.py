@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Any, Iterable, Sequence as Seq
+from typing import Any, Callable, Iterable, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ from weld.config import DEFAULT_KV_CACHE_GB, EngineConfig, SpeculativeConfig
 from weld.engine import distributed
 from weld.engine.block_manager import SNAPSHOT_INTERVAL, BlockManager, DataParallelBlockManager
 from weld.engine.core import EngineCore
-from weld.engine.outputs import RequestOutput
+from weld.engine.outputs import RequestOutput, TextCursor
 from weld.engine.runner import ModelRunner
 from weld.engine.sampling_params import SamplingParams
 from weld.engine.scheduler import Scheduler
@@ -428,22 +428,32 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams) -> Iterable[str]:
-        """Yields the new text of a single completion as it is generated (for the CLI)."""
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams,
+               on_text: Callable[[str], None] | None = None) -> Iterable[str]:
+        """Yields the new text of a single completion as it is generated (for the CLI), holding
+        back what may be the start of a stop string. With on_text, each token's text goes to
+        on_text as it is sampled, from another thread while a device call runs (`AsyncLLM`'s
+        streaming), and the generator yields what is left after each call."""
         text, token_ids = self.encode_prompt(prompt)
         request_id = str(next(self._counter))
-        self.engine.add_request(request_id, token_ids, sampling_params, prompt=text)
-        sent = 0
+        self.engine.add_request(request_id, token_ids, sampling_params, prompt=text, stream=on_text is not None)
+        cursor = TextCursor(sampling_params.stop)
+
+        def partial(outputs: list[RequestOutput]) -> None:  # never while the generator runs: step() waits
+            for out in outputs:
+                if out.request_id == request_id and (delta := cursor.text_delta(out.outputs[0].text, out.finished)):
+                    on_text(delta)
+
+        self.engine.on_stream = partial if on_text is not None else None
         try:
             while True:
-                outs = [o for o in self.engine.step() if o.request_id == request_id]
-                for out in outs:
-                    new = out.outputs[0].text
-                    if len(new) > sent:
-                        yield new[sent:]
-                        sent = len(new)
+                for out in [o for o in self.engine.step() if o.request_id == request_id]:
+                    delta = cursor.text_delta(out.outputs[0].text, out.finished)
+                    if delta:
+                        yield delta
                     if out.finished:
                         self.last_output = out
                         return
         finally:
+            self.engine.on_stream = None
             self.engine.abort(request_id)

@@ -41,3 +41,22 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache, not computed (vLLM's name)
+
+
+class TextCursor:
+    """How much of one completion's cumulative text a stream has sent.
+
+    While a completion runs, the last (longest stop string - 1) characters are held back: the
+    engine cuts a stop string out of the text once it is complete, so text that may be its start
+    must not be sent yet.
+    """
+
+    def __init__(self, stop: list[str] | None):
+        self.holdback = max((len(s) for s in stop or ()), default=1) - 1
+        self.sent_chars = 0
+
+    def text_delta(self, text: str, finished: bool) -> str:
+        end = len(text) if finished else max(self.sent_chars, len(text) - self.holdback)
+        delta = text[self.sent_chars:end]
+        self.sent_chars = end
+        return delta

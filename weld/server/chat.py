@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from weld.engine.sampling_params import StructuredOutputsParams
 from weld.server.errors import APIError
 from weld.server.protocol import ChatCompletionRequest, parse_body
-from weld.server.serving import (SSE_DONE, EngineRequest, ServerState, TextCursor, chat_logprobs, holdback_for,
+from weld.server.serving import (SSE_DONE, EngineRequest, ServerState, StreamCursor, chat_logprobs,
                                  merged, random_id, released_after, resolve_max_tokens, sampling_params, sse, start_all,
                                  stream_error, unless_disconnected, usage)
 from weld.server.structured_outputs import engine_structured_outputs, parse_structured_outputs
@@ -280,7 +280,7 @@ class _ChoiceStream:
     """One choice's stream state: sent text, the tool-call parser, calls sent so far."""
 
     def __init__(self, ctx: _ChatContext):
-        self.cursor = TextCursor(holdback_for(ctx.params))
+        self.cursor = StreamCursor(ctx.params)
         self.parser = ToolCallStreamParser() if ctx.parse_tools else None
         self.ctx, self.text = ctx, ""  # the reply so far (a forced call cut short is rebuilt from it)
         self.num_calls = 0

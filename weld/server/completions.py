@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from weld.server.errors import APIError
 from weld.server.protocol import CompletionRequest
-from weld.server.serving import (SSE_DONE, EngineRequest, ServerState, TextCursor, check_token_ids,
+from weld.server.serving import (SSE_DONE, EngineRequest, ServerState, StreamCursor, check_token_ids,
                                  completion_logprobs, stream_error,
-                                 holdback_for, merged, random_id, released_after, resolve_max_tokens, sampling_params, sse,
+                                 merged, random_id, released_after, resolve_max_tokens, sampling_params, sse,
                                  start_all, unless_disconnected, usage)
 from weld.server.structured_outputs import engine_structured_outputs, parse_structured_outputs
 
@@ -127,7 +127,7 @@ async def _collect(state, req, prompts, requests, completion_id, created, n) -> 
 async def _stream(state, req, prompts, params, requests, completion_id, created, n):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-    cursors = {(i, j): TextCursor(holdback_for(params[i])) for i in range(len(prompts)) for j in range(n)}
+    cursors = {(i, j): StreamCursor(params[i]) for i in range(len(prompts)) for j in range(n)}
     prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     tokens_so_far: dict[tuple[int, int], int] = {}
     cached: dict[int, int] = {}  # per prompt

@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from weld.engine.outputs import PositionLogprobs, RequestOutput
+from weld.engine.outputs import PositionLogprobs, RequestOutput, TextCursor
 from weld.engine.sampling_params import DEFAULT_SAMPLING, NEUTRAL_SAMPLING, SamplingParams
 from weld.server.errors import APIError
 from weld.server.metrics import Metrics, RequestTimer
@@ -288,34 +288,19 @@ async def unless_disconnected(raw_request: Any, coro: Any, poll_s: float = 0.25)
 
 # ----- streaming text and logprobs -----
 
-class TextCursor:
-    """How much of one completion's cumulative text and tokens a stream has sent.
+class StreamCursor(TextCursor):
+    """A stream's place in one completion: the text sent (`TextCursor`, with its stop-string
+    holdback), the tokens sent, and whether it began and ended."""
 
-    While a completion runs, the last (longest stop string - 1) characters are held back: the
-    engine cuts a stop string out of the text once it is complete, so text that may be its start
-    must not be sent yet.
-    """
-
-    def __init__(self, holdback: int):
-        self.holdback = holdback
-        self.sent_chars = 0
+    def __init__(self, params: SamplingParams):
+        super().__init__(params.stop)
         self.sent_tokens = 0
         self.started = False  # a chunk went out (for echo and the chat role)
         self.finished = False  # the chunk with the finish reason went out
 
-    def text_delta(self, text: str, finished: bool) -> str:
-        end = len(text) if finished else max(self.sent_chars, len(text) - self.holdback)
-        delta = text[self.sent_chars:end]
-        self.sent_chars = end
-        return delta
-
     def token_range(self, num_tokens: int) -> tuple[int, int]:
         start, self.sent_tokens = self.sent_tokens, num_tokens
         return start, num_tokens
-
-
-def holdback_for(params: SamplingParams) -> int:
-    return max((len(s) for s in params.stop), default=1) - 1
 
 
 def _lp(value: float) -> float:
