@@ -205,3 +205,25 @@ def test_n_completions_share_prompt_pages(tiny_llama_dir):
     assert llm.engine.stats()["prefix_cache_hits"] == 2 * full_pages * 4  # both siblings reused the prompt
     assert len(out.outputs) == 3
     assert_no_leaks(llm)
+
+
+def test_near_the_memory_map_limit_compiled_programs_are_dropped_and_come_back(tiny_llama_dir, monkeypatch, caplog):
+    """Each XLA:CPU program holds hundreds of memory mappings; past vm.max_map_count the process
+    dies in LLVM. Near it the runner drops its programs, and they recompile as they are used."""
+    from weld.engine import runner as runner_module
+
+    directory, _ = tiny_llama_dir
+    llm = LLM(model=str(directory), max_model_len=128, kv_cache_memory_gb=0.01)
+    params = SamplingParams(max_tokens=10, temperature=0)
+    before = llm.generate(["The quick brown fox", "Paris"], params)
+    runner = llm.engine.runner
+    held, compiles = len(runner._programs), runner.num_compiles
+    assert held > 0
+    usage = runner_module.memory_maps()
+    assert usage is not None and 0 < usage[0] < usage[1]  # this machine tells
+    monkeypatch.setattr(runner_module, "memory_maps", lambda: (60_000, 65_530))
+    with caplog.at_level("WARNING", logger="weld.engine"):
+        after = llm.generate(["The quick brown fox", "Paris", "Once upon a time"], params)  # a new batch shape
+    assert runner.num_evictions >= 1 and "vm.max_map_count" in caplog.text
+    assert runner.num_compiles > compiles and len(runner._programs) < held + 2
+    assert [o.outputs[0].token_ids for o in after[:2]] == [o.outputs[0].token_ids for o in before]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import time
 from types import ModuleType
@@ -27,9 +28,12 @@ from weld.engine.sampling_params import MAX_LOGPROBS
 from weld.engine.scheduler import SchedulerOutput, bucket
 from weld.kernels import cpu as cpu_kernels
 from weld.models.common import sharding
+from weld.utils.memory import memory_maps
 from weld.utils.progress import Progress
 
 logger = logging.getLogger("weld.engine")
+# The share of vm.max_map_count past which the runner drops its compiled programs (`_make_room`).
+MAP_BUDGET = 0.6
 
 BACKENDS = ("xla", "megakernel")
 
@@ -128,7 +132,9 @@ class ModelRunner:
         self.spec_rounds = spec_rounds  # speculative rounds per device call
         self.steps_per_call = steps_per_call
         self.eos_token_ids = np.asarray(sorted(set(eos_token_ids)) or [-1], np.int32)
-        self._programs: set[tuple] = set()
+        self._programs: set[tuple] = set()  # the keys of the programs compiled and held now
+        self._num_compiles = 0
+        self.num_evictions = 0  # times `_make_room` dropped every compiled program
         decode_fwd = decode_forward(family, cfg, backend)  # the verification block runs where decode runs
         prefill_fwd = family.forward
         out = {}
@@ -173,8 +179,26 @@ class ModelRunner:
 
     @property
     def num_compiles(self) -> int:
-        """Distinct program shapes requested so far (each compiled once)."""
-        return len(self._programs)
+        """Programs compiled (or loaded from the compile cache) so far: each shape once, again after
+        `_make_room` dropped it."""
+        return self._num_compiles
+
+    def _make_room(self) -> None:
+        """Before a new program: if the process holds over MAP_BUDGET of the memory mappings the
+        kernel allows, drops every compiled program (they come back from the on-disk compile cache
+        in a second or two as they are used). Each XLA:CPU program holds hundreds of mappings, so
+        a full warm-up of large limits (or a long-lived server's many shapes) would otherwise run
+        out of them and die in LLVM ("Cannot allocate memory")."""
+        usage = memory_maps()
+        if usage is None or usage[0] <= MAP_BUDGET * usage[1]:
+            return
+        logger.warning("%d compiled programs hold %d of the %d memory mappings this process may have "
+                       "(vm.max_map_count); dropping them: they reload from the compile cache when next used",
+                       len(self._programs), usage[0], usage[1])
+        self._programs.clear()
+        jax.clear_caches()
+        gc.collect()
+        self.num_evictions += 1
 
     def _call(self, name: str, program, *args, **static):
         """Runs a jitted program, recording the key jit compiles it under (statics, tree
@@ -188,7 +212,9 @@ class ModelRunner:
         key = (name, tuple(sorted(static.items())), tree,
                tuple((np.shape(x), str(getattr(x, "dtype", type(x).__name__))) for x in leaves))
         if key not in self._programs:
+            self._make_room()
             self._programs.add(key)
+            self._num_compiles += 1
             start = time.perf_counter()
             out = self._run_program(name, program, args, static)
             first = per_call[len(own)] if len(per_call) > len(own) else per_call[-1]  # after the runner's own trees

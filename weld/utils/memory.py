@@ -41,3 +41,18 @@ def release_mapped(data: np.memmap | None, begin: int, end: int) -> None:
         raw.madvise(advise, start, min(end, len(raw)) - start)
     except (OSError, ValueError):
         pass
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory mappings this process holds, the most the kernel allows it: vm.max_map_count), or
+    None where /proc does not tell. Every program XLA:CPU compiles holds hundreds of mappings
+    (~480 for a decode step of the bundled model), and a process past the limit cannot map
+    memory any more: LLVM fails to compile and the process dies."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            count = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None
+    return count, limit
