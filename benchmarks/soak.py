@@ -268,7 +268,7 @@ async def soak(url: str, pid: int | None, requests: list[dict], concurrency: int
 def launch(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "weld.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", args.model, "--warmup", "full", "--log-level", "warning", *args.serve_args]
+           "--served-model-name", args.model, "--warmup", args.warmup, "--log-level", "warning", *args.serve_args]
     proc = subprocess.Popen(cmd, env={**os.environ, "WELD_PROGRESS": "0"}, stdout=sys.stderr, stderr=sys.stderr)
     url = f"http://127.0.0.1:{port}"
     wait_until_up(proc, url + "/health", args.launch_timeout, "soak: weld serve")
@@ -281,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pid", type=int, help="the server's process id, for its RSS (with --url)")
     p.add_argument("--launch", action="store_true", help="start `weld serve` (SERVE_ARGS after --) and stop it after")
     p.add_argument("--launch-timeout", type=float, default=900.0)
+    p.add_argument("--warmup", default="basic", choices=["none", "basic", "full"],
+                   help="`weld serve --warmup` with --launch (default: basic; the soak's own warm-up passes "
+                        "compile what its traffic needs: full compiles every shape of the limits, which for the "
+                        "defaults with speculation is more programs than one process holds at once)")
     p.add_argument("--model", default="soak", help="the served model name requests use")
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--concurrency", type=int, default=32)
