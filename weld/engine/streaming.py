@@ -90,16 +90,22 @@ class HandOvers:
         return arrays if offset == len(data) else None
 
     def _read(self) -> None:
+        """The reader thread: never ends (a dead reader would make each streamed call wait for it)."""
         from weld.kernels import cpu
 
+        take = cpu.stream_taker()
         while True:
-            taken = cpu.stream_take(timeout_s=1.0)
-            if taken is None:
+            try:
+                taken = take(timeout_s=1.0)
+                if taken is None:
+                    continue
+                seq, call_id, data = taken
+                arrays = self._parse(call_id, data)
+                if arrays is not None:
+                    self.deliver(call_id, *arrays)
+            except Exception:  # a bug: keep reading
+                logger.exception("reading the streaming mailbox failed")
                 continue
-            seq, call_id, data = taken
-            arrays = self._parse(call_id, data)
-            if arrays is not None:
-                self.deliver(call_id, *arrays)
             with self._done:
                 self._done_seq = seq
                 self._done.notify_all()

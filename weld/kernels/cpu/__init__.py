@@ -2,7 +2,7 @@
 
 XLA:CPU leaves some work far from what the machine can do: paged decode attention
 (paged_attention.cc) and the projections, on weights packed in panels (matmul.cc). stream.cc is
-the mailbox a decode loop hands its outputs to while it runs (`stream_put`, `stream_take`). These kernels
+the mailbox a decode loop hands its outputs to while it runs (`stream_put`, `stream_taker`). These kernels
 are C++ sources shipped with weld and compiled on first use on the machine that runs them
 (-O3 -march=native), into ~/.cache/weld/kernels (or $WELD_KERNEL_CACHE_DIR). The build key
 covers the sources, the flags, the compiler, jax/jaxlib and the CPU, so a shared home directory
@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloa
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool once tried; "error": why not
+_stream_lib: ctypes.CDLL | None = None  # the library the streaming mailbox lives in, once registered
 
 
 def enabled() -> bool:
@@ -141,6 +143,8 @@ def _register(path: Path) -> None:
                                      ctypes.POINTER(ctypes.c_int64)]
     lib.weld_stream_seq.restype = ctypes.c_int64
     _state["lib"] = lib  # keep it loaded
+    global _stream_lib
+    _stream_lib = lib
 
 
 def stream_put(call_id: jax.Array, *buffers: jax.Array) -> jax.Array:
@@ -153,22 +157,26 @@ def stream_put(call_id: jax.Array, *buffers: jax.Array) -> jax.Array:
 
 def stream_seq() -> int:
     """How many hand-overs have been put into the mailbox (the newest one's sequence number)."""
-    return int(_state["lib"].weld_stream_seq())
+    return int(_stream_lib.weld_stream_seq())
 
 
-def stream_take(timeout_s: float, capacity: int = 1 << 16) -> tuple[int, int, bytes] | None:
-    """On the host (releases the GIL while it waits): the oldest hand-over in the mailbox, moved
-    out, as (sequence number, call id, bytes), or None after timeout_s."""
-    lib = _state["lib"]
+def stream_taker() -> Callable[..., tuple[int, int, bytes] | None]:
+    """take(timeout_s) for the streaming mailbox's reader, bound to the loaded library: on the host
+    (releases the GIL while it waits), the oldest hand-over, moved out, as (sequence number, call
+    id, bytes), or None after timeout_s."""
+    lib = _stream_lib
     call, size = ctypes.c_int32(), ctypes.c_int64()
-    while True:
-        buf = ctypes.create_string_buffer(capacity)
-        seq = lib.weld_stream_take(int(timeout_s * 1000), ctypes.byref(call), buf, capacity, ctypes.byref(size))
-        if seq == 0:
-            return None
-        if seq > 0:
-            return seq, call.value, buf.raw[:size.value]
-        capacity = 2 * size.value  # too big for the buffer: it is still queued; take it with room
+
+    def take(timeout_s: float, capacity: int = 1 << 16) -> tuple[int, int, bytes] | None:
+        while True:
+            buf = ctypes.create_string_buffer(capacity)
+            seq = lib.weld_stream_take(int(timeout_s * 1000), ctypes.byref(call), buf, capacity, ctypes.byref(size))
+            if seq == 0:
+                return None
+            if seq > 0:
+                return seq, call.value, buf.raw[:size.value]
+            capacity = 2 * size.value  # too big for the buffer: it is still queued; take it with room
+    return take
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
