@@ -181,6 +181,15 @@ def print_table(rows: list[dict]) -> None:
         print(" | ".join(f"{row[c]:.1f}" if isinstance(row[c], float) else str(row[c]) for c in cols))
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM a launched server, and SIGKILL it if it has not exited a minute later."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", action="append", default=[], help="a running server (repeatable)")
@@ -219,11 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
         finally:
             if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop_server(proc)
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:

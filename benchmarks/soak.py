@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from serve_bench import _free_port, wait_until_up  # benchmarks/ is on the path when a script there runs
+from serve_bench import _free_port, stop_server, wait_until_up  # benchmarks/ is on the path when a script there runs
 
 WORDS = ("the of and to in is was for on that with as by at from his her it an were are which this be or has "
          "had not but what all when there can more one about if out so up into them some could time these two "
@@ -313,11 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                                   log=lambda m: print(m, file=sys.stderr, flush=True)))
     finally:
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     report["date"] = time.strftime("%Y-%m-%d %H:%M")
     report["serve_args"] = args.serve_args if args.launch else None
     text = json.dumps(report, indent=2)
