@@ -368,12 +368,14 @@ class Channel:
         if other:
             message = (f"{_ranks(other)} built a different engine than rank 0 (model, dtype, cache or parallel "
                        "settings): every rank must run the same model with the same flags")
+            # Before the refusals go out: a refused rank exits at once, and its watcher here must
+            # already know that exit is not a failure of its own (else it reports a disconnect).
+            self._stopping = True
             for rank in other:
                 try:
                     _send_frame(self.peers[rank][0], ERROR, message.encode())
                 except OSError:
                     pass
-            self._stopping = True  # the refused ranks' exits are not a failure of their own
             raise DistributedError(message)
         runner.on_call = self.send
         atexit.register(self.close)
