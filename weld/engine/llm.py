@@ -112,8 +112,8 @@ class LLM:
     "draft_model" | "dspark", "num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max":
     n-gram sizes, "model": the draft model (same tokenizer) or the DSpark drafter's directory
     (`weld train-draft`), "confidence_threshold": DSpark's survival threshold for sending
-    drafts}. Outputs are the same as without it (greedy: token for token; sampled: in distribution; with
-    quantized weights up to int8 activation rounding, docs/speculative.md).
+    drafts}. Outputs are the same as without it (greedy, or sampled with a seed: token for
+    token; unseeded: in distribution; docs/speculative.md).
     """
 
     def __init__(self, model: str | None = None, dtype: Any = "auto", *, engine_config: EngineConfig | None = None,

@@ -1,7 +1,8 @@
 """Native CPU kernels, called from jitted code through the XLA FFI.
 
 XLA:CPU leaves some work far from what the machine can do: paged decode attention
-(paged_attention.cc) and the projections, on weights packed in panels (matmul.cc). stream.cc is
+(paged_attention.cc) and the projections, on weights packed in panels (matmul.cc) or quantized
+(quant_matmul.cc). norm.cc is RMSNorm in one fixed order for every row (batch invariance). stream.cc is
 the mailbox a decode loop hands its outputs to while it runs (`stream_put`, `stream_taker`). These kernels
 are C++ sources shipped with weld and compiled on first use on the machine that runs them
 (-O3 -march=native), into ~/.cache/weld/kernels (or $WELD_KERNEL_CACHE_DIR). The build key
@@ -36,13 +37,13 @@ from weld.utils.errors import InvalidInputError
 
 log = logging.getLogger("weld")
 
-_SOURCES = ("paged_attention.cc", "matmul.cc", "quant_matmul.cc", "stream.cc")
+_SOURCES = ("paged_attention.cc", "matmul.cc", "quant_matmul.cc", "norm.cc", "stream.cc")
 _HEADERS = ("parallel.h", "half.h")
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
           # lets the compiler vectorize the dot products' sums; no NaN/inf assumptions are made
           "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
 _TARGETS = {"weld_paged_attention": "WeldPagedAttention", "weld_packed_matmul": "WeldPackedMatmul",
-            "weld_quant_matmul": "WeldQuantMatmul", "weld_stream_put": "WeldStreamPut"}
+            "weld_quant_matmul": "WeldQuantMatmul", "weld_rms_norm": "WeldRmsNorm", "weld_stream_put": "WeldStreamPut"}
 # The quantized matmul's instruction-set paths (its `isa` attribute), fastest last.
 ISAS = ("scalar", "avx2", "avx512vnni")
 # KV pool element types the paged attention kernel reads (widened to f32 as it reads them).
@@ -192,6 +193,33 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
         vmap_method="sequential")
     return call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
                 query_positions.astype(jnp.int32), window=np.int64(sliding_window or 0), scale=np.float32(scale))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+    """RMSNorm of x [m, d] f32 over d, scaled by weight [d] (or 1 + weight): norm.cc, whose rows
+    each take the same instructions in the same order whatever the row count (batch invariant).
+    Differentiable (the backward pass is XLA's)."""
+    call = jax.ffi.ffi_call("weld_rms_norm", jax.ShapeDtypeStruct(x.shape, jnp.float32), vmap_method="sequential")
+    return call(x, weight.astype(jnp.float32), eps=np.float32(eps), plus_one=np.int64(plus_one))
+
+
+def _rms_norm_fwd(x, weight, eps, plus_one):
+    return rms_norm(x, weight, eps, plus_one), (x, weight)
+
+
+def _rms_norm_bwd(eps, plus_one, res, g):
+    x, weight = res
+
+    def reference(x, weight):
+        w = weight.astype(jnp.float32)
+        return (1.0 + w if plus_one else w) * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
+
+    _, vjp = jax.vjp(reference, x, weight)
+    return vjp(g)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -6,7 +6,8 @@
 // multiply + reduction) reaches about half the FMA peak. Here each panel is read front to back
 // once per block of up to 6 rows: for every input feature, two 8-wide weight vectors are
 // multiplied by 6 broadcast inputs into 12 accumulators in registers (no horizontal sums), and
-// one row keeps 4 interleaved pairs of accumulators to hide the FMA latency. Threads split the
+// one row runs 4 panels at once to hide the FMA latency. Every output is one chain of fused
+// multiply-adds over k in order, whatever the row count (batch invariance). Threads split the
 // panels.
 
 #include <algorithm>
@@ -64,33 +65,32 @@ inline void panel_block(const float* __restrict x, const float* __restrict wp, f
   }
 }
 
-// one row: 4 k-interleaved accumulator pairs hide the FMA latency
+// One row against NP panels at once: each output's sum is the same single chain of fused
+// multiply-adds over k as in panel_block (so a row's result is the same at any row count: batch
+// invariance), and the NP independent chain pairs hide the FMA latency instead.
+template <int NP>
 inline void panel_row(const float* __restrict x, const float* __restrict wp, float* __restrict y, int64_t k,
-                      int64_t c0, int64_t width) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0v = a0, c1 = a0, d0 = a0, d1 = a0;
-  int64_t kk = 0;
-  for (; kk + 4 <= k; kk += 4) {
-    const float* w = wp + kk * 16;
-    __m256 xb = _mm256_broadcast_ss(x + kk);
-    a0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w), a0); a1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 8), a1);
-    xb = _mm256_broadcast_ss(x + kk + 1);
-    b0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 16), b0); b1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 24), b1);
-    xb = _mm256_broadcast_ss(x + kk + 2);
-    c0v = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 32), c0v); c1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 40), c1);
-    xb = _mm256_broadcast_ss(x + kk + 3);
-    d0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 48), d0); d1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 56), d1);
-  }
-  for (; kk < k; ++kk) {
+                      int64_t n, int64_t c0) {
+  __m256 acc[NP][2];
+#pragma GCC unroll 4
+  for (int q = 0; q < NP; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
+  for (int64_t kk = 0; kk < k; ++kk) {
     const __m256 xb = _mm256_broadcast_ss(x + kk);
-    a0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(wp + kk * 16), a0);
-    a1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(wp + kk * 16 + 8), a1);
+#pragma GCC unroll 4
+    for (int q = 0; q < NP; ++q) {
+      const float* w = wp + (q * k + kk) * kPanel;
+      acc[q][0] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w), acc[q][0]);
+      acc[q][1] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 8), acc[q][1]);
+    }
   }
-  a0 = _mm256_add_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(c0v, d0));
-  a1 = _mm256_add_ps(_mm256_add_ps(a1, b1), _mm256_add_ps(c1, d1));
-  alignas(32) float tmp[16];
-  _mm256_store_ps(tmp, a0);
-  _mm256_store_ps(tmp + 8, a1);
-  std::copy(tmp, tmp + width, y + c0);
+#pragma GCC unroll 4
+  for (int q = 0; q < NP; ++q) {
+    alignas(32) float tmp[16];
+    _mm256_store_ps(tmp, acc[q][0]);
+    _mm256_store_ps(tmp + 8, acc[q][1]);
+    const int64_t col = c0 + q * kPanel;
+    std::copy(tmp, tmp + std::min<int64_t>(kPanel, n - col), y + col);
+  }
 }
 
 #endif
@@ -98,15 +98,25 @@ inline void panel_row(const float* __restrict x, const float* __restrict wp, flo
 // Panels p_begin..p_end-1 of y: columns 16 p .. 16 p + 15 (fewer in a last, padded panel).
 void packed_range(const float* x, const float* wp, float* y, int64_t m, int64_t k, int64_t n, int64_t p_begin,
                   int64_t p_end) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (m == 1) {
+    for (int64_t p = p_begin; p < p_end; p += 4) {
+      const float* panel = wp + p * k * kPanel;
+      switch (std::min<int64_t>(4, p_end - p)) {
+        case 1: panel_row<1>(x, panel, y, k, n, p * kPanel); break;
+        case 2: panel_row<2>(x, panel, y, k, n, p * kPanel); break;
+        case 3: panel_row<3>(x, panel, y, k, n, p * kPanel); break;
+        default: panel_row<4>(x, panel, y, k, n, p * kPanel); break;
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t p = p_begin; p < p_end; ++p) {
     const float* panel = wp + p * k * kPanel;
     const float* next = p + 1 < p_end ? panel + k * kPanel : nullptr;  // fetched during the first block
     const int64_t c0 = p * kPanel, width = std::min<int64_t>(kPanel, n - c0);
 #if defined(__AVX2__) && defined(__FMA__)
-    if (m == 1) {
-      panel_row(x, panel, y, k, c0, width);
-      continue;
-    }
     int64_t r = 0;
     for (; r + 6 <= m; r += 6) panel_block<6>(x, panel, y, k, n, r, c0, width, r == 0 ? next : nullptr);
     switch (m - r) {

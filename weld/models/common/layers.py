@@ -24,7 +24,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, plus_one: bool = Fa
 
     Plain (Llama, DeepSeek): cast back to x's dtype, then scaled by weight. plus_one (Gemma,
     Qwen3-Next): scaled by (1 + weight) in f32, then cast; such weights are stored around 0.
+    f32 on the CPU with the native kernels: `cpu_kernels.rms_norm` (batch invariant).
     """
+    if x.dtype == jnp.float32 and cpu_kernels.available() and sharding.active_mesh() is None:
+        # the native kernel: the same result for a row whatever else is in the batch
+        y = cpu_kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps, plus_one)
+        return y.reshape(x.shape).astype(x.dtype)
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     if plus_one:

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from weld.models.common.rounding import rounded
+
 BLOCK = 32
 PANEL = 16
 CHUNK_ROWS = 64 * PANEL  # `quantize` works through a matrix this many rows at a time
@@ -172,7 +174,7 @@ class QuantWeight:
         """Rows of the matrix (a quantized embedding's lookups): ids.shape + (k,), f32."""
         ids = jnp.asarray(ids)
         if self.rows:
-            return self.codes[ids].astype(jnp.float32) * self.scales[ids][..., None]
+            return rounded(self.codes[ids].astype(jnp.float32) * self.scales[ids][..., None])
         flat = ids.reshape(-1)
         panel, out = flat // PANEL, flat % PANEL
         codes = self._values(unpack_codes(self.codes[panel], self.bits))  # [r, nb, 16, 32]
@@ -185,8 +187,13 @@ class QuantWeight:
             return jnp.take_along_axis(v, out[:, None, None, None], axis=3)
 
         d = pick(self.scales[panel])
-        mv = pick(self.mins[panel]) if self.mins is not None else -self.offset * d
-        w = (d * rows + mv).reshape(flat.shape[0], -1)[:, :self.k]
+        # one rounding per weight in every program (`rounding`): d (c - offset) is exact but for its
+        # product; with mins the product is rounded before the min is added
+        if self.mins is not None:
+            w = rounded(d * rows) + pick(self.mins[panel])
+        else:
+            w = rounded(d * (rows - self.offset))
+        w = w.reshape(flat.shape[0], -1)[:, :self.k]
         return w.reshape(ids.shape + (self.k,))
 
 

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from weld.models.common.rounding import rounded
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -156,7 +158,8 @@ def rotate(x: jax.Array, angles: tuple[jax.Array, jax.Array], interleaved: bool 
     half, dtype = x.shape[-1] // 2, x.dtype
     x = x.astype(jnp.float32)
     swapped = jnp.concatenate([x[..., half:], x[..., :half]], axis=-1)
-    return (x * cos + swapped * sin).astype(dtype)
+    # each product rounded on its own (`rounded`): one result whatever program this is fused into
+    return (rounded(x * cos) + rounded(swapped * sin)).astype(dtype)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, mscale: float,
