@@ -105,3 +105,11 @@ def test_rounded_is_the_identity_and_rounds_each_product():
     fused = (a.astype(np.float64) * b + c).astype(np.float32)  # one rounding (a fused multiply-add)
     assert not np.array_equal(separate, fused)  # the two differ on this data, so the check below can fail
     assert np.array_equal(np.asarray(jax.jit(lambda a, b, c: rounded(a * b) + c)(a, b, c)), separate)
+
+
+def test_rounded_differentiates_as_the_identity():
+    x = jnp.asarray([0.5, -2.0, 3.0], jnp.float32)
+    grad = jax.grad(lambda x: jnp.sum(rounded(x * x)))(x)
+    np.testing.assert_array_equal(np.asarray(grad), 2 * np.asarray(x))
+    _, tangent = jax.jvp(rounded, (x,), (jnp.ones(3, jnp.float32),))
+    np.testing.assert_array_equal(np.asarray(tangent), np.ones(3))

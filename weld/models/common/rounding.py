@@ -19,10 +19,19 @@ import jax.numpy as jnp
 _WITNESS = 0x7FC0_0001
 
 
+@jax.custom_jvp
 def rounded(x: jax.Array) -> jax.Array:
     """x (f32), unchanged except one NaN pattern for another, through an integer xor whose operand
     depends on x at run time: no compiler can see through it, so x is materialized as a rounded
-    f32 and never contracted into the operation that consumes it."""
+    f32 and never contracted into the operation that consumes it. Differentiable as the identity
+    (the bit casts alone would give a zero gradient: the DSpark trainer differentiates the rotary
+    rotation)."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
     bits = bits ^ (bits == _WITNESS).astype(jnp.int32)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+@rounded.defjvp
+def _rounded_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return rounded(x), t.astype(jnp.float32)
