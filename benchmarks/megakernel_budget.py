@@ -25,7 +25,26 @@ KIMI_K2 = plan.MegakernelSpec(hidden=7168, intermediate=18432, num_heads=64, num
                               vocab=163840, num_layers=61, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
                               nope_dim=128, rope_dim=64, v_dim=128, sparse_layers=tuple(range(1, 61)),
                               num_experts=384, top_k=8, expert_intermediate=2048, shared_intermediate=2048)
-SHAPES = {"Qwen3-30B-A3B (MoE)": QWEN3_MOE_30B, "Kimi-K2 (MLA + MoE)": KIMI_K2}
+# Qwen3-Next-80B-A3B: 48 layers, 3 Gated DeltaNet (16 key heads of 128 serving 32 value heads of
+# 128, conv 4) to 1 gated full attention (16 heads, 2 KV heads of 256, RoPE over 64 dims); every
+# layer sparse: 512 experts, top-10, width 512, a gated shared expert of 512
+QWEN3_NEXT_80B = plan.MegakernelSpec(
+    hidden=2048, intermediate=5120, num_heads=16, num_kv_heads=2, head_dim=256, vocab=151936, num_layers=48,
+    rotary_dim=64, output_gate=True, qk_norm=True, linear_layers=tuple(i for i in range(48) if i % 4 != 3),
+    linear_kind="gdn", linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128, conv_width=4,
+    sparse_layers=tuple(range(48)), num_experts=512, top_k=10, expert_intermediate=512, shared_intermediate=512,
+    shared_expert_gate=True)
+# Kimi-Linear-48B-A3B: 27 layers, KDA (32 heads of 128, conv 4) with NoPE MLA (32 heads, latent
+# 512 + 64, no q LoRA) on layers 4, 8, ..., 24 and 27 (1-indexed); a dense first layer, then 256
+# experts, top-8, width 1024, a shared expert
+KIMI_LINEAR_48B = plan.MegakernelSpec(
+    hidden=2304, intermediate=9216, num_heads=32, num_kv_heads=1, head_dim=512 + 64, vocab=163840, num_layers=27,
+    attention="mla", kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128, rope=False,
+    linear_layers=tuple(i for i in range(27) if i not in (3, 7, 11, 15, 19, 23, 26)), linear_kind="kda",
+    linear_k_heads=32, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128, conv_width=4,
+    sparse_layers=tuple(range(1, 27)), num_experts=256, top_k=8, expert_intermediate=1024, shared_intermediate=1024)
+SHAPES = {"Qwen3-30B-A3B (MoE)": QWEN3_MOE_30B, "Kimi-K2 (MLA + MoE)": KIMI_K2,
+          "Qwen3-Next-80B-A3B (GDN 3:1 + MoE)": QWEN3_NEXT_80B, "Kimi-Linear-48B-A3B (KDA 3:1 MLA + MoE)": KIMI_LINEAR_48B}
 
 
 def rows(context: int):

@@ -88,7 +88,7 @@ def test_cli_backend_flag():
         parser.parse_args(["serve", "--backend", "cuda"])
 
 
-@pytest.mark.parametrize("variant,needle", [("qwen3_next", "linear-attention layers"),
+@pytest.mark.parametrize("variant,needle", [("gemma3_text", "does not cover gemma3"),
                                             ("mistral", "no sliding-window attention")])
 def test_what_the_megakernel_does_not_cover_is_a_one_line_input_error(tiny_family_dir, variant, needle):
     from weld.utils.errors import InvalidInputError
@@ -98,13 +98,15 @@ def test_what_the_megakernel_does_not_cover_is_a_one_line_input_error(tiny_famil
     assert str(err.value).startswith("backend 'megakernel': ") and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("variant", ["qwen3_moe", "deepseek_v3"])
-def test_moe_megakernel_in_the_engine_matches_xla(tiny_family_dir, variant, monkeypatch):
-    """Qwen3-MoE (a dense first layer, then sparse ones) and DeepSeek-V3 (MLA, group-limited
-    sigmoid routing, a shared expert) on the megakernel in the engine: three prompts in a batch
-    bucket of four (a padding row), the fused decode loop, then speculative verification (the
-    verify block) on drafts of the XLA continuation whose third draft is wrong: the XLA
-    backend's greedy tokens, drafts accepted, and no page leaked."""
+@pytest.mark.parametrize("variant", ["qwen3_moe", "deepseek_v3", "qwen3_next", "kimi_linear"])
+def test_families_on_the_megakernel_in_the_engine_match_xla(tiny_family_dir, variant, monkeypatch):
+    """Qwen3-MoE (a dense first layer, then sparse ones), DeepSeek-V3 (MLA, group-limited
+    sigmoid routing, a shared expert), Qwen3-Next (Gated DeltaNet and gated full attention, MoE)
+    and Kimi Linear (KDA and NoPE MLA, MoE) on the megakernel in the engine: three prompts in a
+    batch bucket of four (a padding row), the fused decode loop, then speculative verification
+    (the verify block; the linear layers' states rolled back past rejected drafts) on drafts of
+    the XLA continuation whose third draft is wrong: the XLA backend's greedy tokens, drafts
+    accepted, and no page leaked."""
     directory = tiny_family_dir(variant)[0]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = PROMPTS[:2] + ["Paris is the capital of France. Paris is the capital of"]  # 3 rows: bucket 4

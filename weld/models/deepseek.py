@@ -241,7 +241,7 @@ def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     """On the XLA backend: gate/up fused (dense MLPs, shared experts, expert stacks), and on the
     CPU with the native kernels, f32 projections and the LM head packed in panels."""
     if target.backend != "xla":
-        return weights
+        return decoder.megakernel_weights(weights)
     return decoder.prepare_layers(weights, target, PROJECTIONS, fuse_gate_up)
 
 
@@ -269,9 +269,4 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
     return logits, states, cache
 
 
-def megakernel(cfg: Config) -> Callable:
-    """The forward of the TPU decode megakernel for this config (ValueError for what it does not cover)."""
-    from weld.models import megakernel
-
-    megakernel.check_supported(cfg)
-    return megakernel.forward
+megakernel = decoder.megakernel  # the TPU decode megakernel's forward (ValueError for what it does not cover)

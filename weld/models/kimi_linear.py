@@ -278,9 +278,10 @@ PROJECTIONS = ("wq", "wq_a", "wq_b", "wkv_a", "wo", "w_gate_up", "w_gate", "w_up
 
 def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     """On XLA: the KDA layers' input projections and convs fused, gate/up fused (dense MLPs,
-    shared and routed experts), then the projections in `layers.prepared_matrix`'s form."""
+    shared and routed experts), then the projections in `layers.prepared_matrix`'s form. The
+    megakernel streams them as declared, with the three convs as one."""
     if target.backend != "xla":
-        raise ValueError("the kimi_linear family runs on the XLA backend only")
+        return decoder.megakernel_weights(weights, la.fuse_convs)
 
     def fuse(lw: dict) -> None:
         if "w_out" in lw:  # a KDA layer
@@ -318,5 +319,4 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
     return logits, states, cache
 
 
-def megakernel(cfg: Config) -> Callable:
-    raise ValueError("the TPU megakernel does not cover kimi_linear's KDA and MLA layers yet")
+megakernel = decoder.megakernel  # the TPU decode megakernel's forward (ValueError for what it does not cover)

@@ -19,7 +19,6 @@ import jax
 import numpy as np
 
 from weld.models.common import moe as moe_lib
-from weld.models.common import quant
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, PagedKV
 from weld.models.common.checkpoint import Convert, KeyMap, unpermute_rows
 from weld.models.common import decoder
@@ -355,8 +354,8 @@ def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
         if target.fuse:
             fuse_projections(weights)
         prepare_projections(weights, target)
-    elif quant.is_quantized(weights["embed"]):
-        weights["embed_table"] = jax.block_until_ready(weights["embed"].unpacked().astype(weights["final_norm"].dtype))
+    else:
+        decoder.megakernel_weights(weights)
     return weights
 
 
@@ -434,9 +433,4 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
     return logits, states, cache
 
 
-def megakernel(cfg: Config) -> Callable:
-    """The forward of the TPU decode megakernel for this config (ValueError for what it does not cover)."""
-    from weld.models import megakernel
-
-    megakernel.check_supported(cfg)
-    return megakernel.forward
+megakernel = decoder.megakernel  # the TPU decode megakernel's forward (ValueError for what it does not cover)

@@ -1,4 +1,6 @@
-"""The llama family (dense and MoE) and the deepseek family (MLA + MoE) on the TPU decode megakernel.
+"""The model families on the TPU decode megakernel: llama (dense and MoE), deepseek (MLA + MoE),
+and the hybrids with linear-attention layers, qwen3_next (Gated DeltaNet + gated GQA with partial
+RoPE and (1 + w) norms, MoE) and kimi_linear (KDA + NoPE MLA, MoE).
 
 The kernel (`weld.kernels.megakernel.decode`) knows plain numbers and arrays; this adapter maps a
 family's `Config` to its `MegakernelSpec`, the family's weight tree to the kernel's operands
@@ -18,24 +20,42 @@ from jax.experimental.pallas import tpu as pltpu
 
 from weld.kernels.megakernel.decode import MATRICES, Int8Matrix, decode_step
 from weld.kernels.megakernel.plan import MegakernelSpec
-from weld.models import deepseek, llama
+from weld.models import deepseek, kimi_linear, llama, qwen3_next
+from weld.models.common import linear_attention as la
 from weld.models.common import moe as moe_lib
-from weld.models.common.cache import AttentionBatch, Cache, KVPages, LatentPages
+from weld.models.common.cache import AttentionBatch, Cache, KVPages, LatentPages, RecurrentState
 from weld.models.common.quant import QuantWeight
 
+FAMILIES = (llama.Config, deepseek.Config, qwen3_next.Config, kimi_linear.Config)
+NORM_PLUS_ONE = (qwen3_next.Config,)  # families whose RMSNorm weights are (1 + w), stored around 0
+LINEAR = "linear_attention"  # a hybrid's layer type for its linear-attention layers
 # the kernel's matrix names -> the family's weight names (a sparse layer's under lw["moe"]: the
-# expert stacks under the same names, the shared expert's under "shared")
+# expert stacks under the same names, the shared expert's under "shared"); a linear layer's
+# matrices have the family's own names
 _WEIGHT_NAMES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down",
                  "q_a": "wq_a", "q_b": "wq_b", "kv_a": "wkv_a", "w_uk": "w_uk", "w_uv": "w_uv"}
+LINEAR_MATRICES = (*la.INPUT_NAMES, "w_fb", "w_gb", "w_out")  # a linear layer's, under the family's names
 _SHARED_NAMES = {"shared_gate": "w_gate", "shared_up": "w_up", "shared_down": "w_down"}
+
+
+def _mla(cfg):
+    return getattr(cfg, "mla", None)
+
+
+def _linear_layers(cfg) -> tuple[int, ...]:
+    return tuple(i for i, kind in enumerate(getattr(cfg, "layer_types", None) or ()) if kind == LINEAR) \
+        if hasattr(cfg, "linear") else ()
 
 
 def check_supported(cfg) -> None:
     """Raises ValueError for what the megakernel does not cover."""
-    if not isinstance(cfg, (llama.Config, deepseek.Config)):
-        raise ValueError(f"the megakernel runs the llama and deepseek families, got a {type(cfg).__module__} config")
-    if isinstance(cfg, deepseek.Config) and cfg.mla.rope is None:
-        raise ValueError("the megakernel's MLA needs a rotary part (NoPE layers are not covered); use backend='xla'")
+    if not isinstance(cfg, FAMILIES):
+        raise ValueError(f"the megakernel runs the llama, deepseek, qwen3_next and kimi_linear families, got a "
+                         f"{type(cfg).__module__} config")
+    mla = _mla(cfg)
+    if isinstance(cfg, deepseek.Config) and mla.rope is None:
+        raise ValueError("the megakernel's deepseek MLA needs a rotary part (NoPE layers are not covered); "
+                         "use backend='xla'")
     moe = cfg.moe
     if moe is not None and (moe.expert_bias or moe.activation != "swiglu"):
         raise ValueError(f"the megakernel's experts are SwiGLU without biases ({cfg.architecture} has "
@@ -49,8 +69,9 @@ def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight
              pages_per_kv_tile: int = 8, int8: bool = False) -> MegakernelSpec:
     """The kernel's spec for `cfg` at this batch shape."""
     check_supported(cfg)
-    mla = cfg.mla if isinstance(cfg, deepseek.Config) else None
-    _, mscale = (mla.rope if mla else cfg.rope).tables()
+    mla = _mla(cfg)
+    rope = mla.rope if mla else cfg.rope
+    mscale = rope.tables()[1] if rope is not None else 1.0
     moe = cfg.moe
     experts = {} if moe is None or not cfg.sparse_layers else dict(
         sparse_layers=tuple(cfg.sparse_layers), num_experts=moe.num_experts, top_k=moe.top_k,
@@ -60,70 +81,100 @@ def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight
         attention = dict(num_heads=mla.num_heads, num_kv_heads=1, head_dim=mla.kv_lora_rank + mla.rope_dim,
                          attention="mla", q_lora_rank=mla.q_lora_rank or 0, kv_lora_rank=mla.kv_lora_rank,
                          nope_dim=mla.nope_dim, rope_dim=mla.rope_dim, v_dim=mla.v_dim,
-                         rope_interleaved=mla.rope.interleaved, attn_scale=float(mla.scale))
+                         rope_interleaved=mla.rope is not None and mla.rope.interleaved, attn_scale=float(mla.scale),
+                         rope=mla.rope is not None)
     else:
-        attention = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                         qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm)
+        g = cfg.attention
+        attention = dict(num_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+                         qkv_bias=g.qkv_bias, o_bias=g.o_bias, qk_norm=g.qk_norm, output_gate=g.output_gate,
+                         rotary_dim=rope.dim if rope.dim < g.head_dim else 0, attn_scale=float(g.scale or 0.0))
+    linear_layers = _linear_layers(cfg)
+    linear = {} if not linear_layers else dict(
+        linear_layers=linear_layers, linear_kind=cfg.linear.kind, linear_k_heads=cfg.linear.num_k_heads,
+        linear_v_heads=cfg.linear.num_v_heads, linear_k_dim=cfg.linear.k_dim, linear_v_dim=cfg.linear.v_dim,
+        conv_width=cfg.linear.conv_width, linear_norm_eps=cfg.linear.norm_eps,
+        gate_lower_bound=float(cfg.linear.gate_lower_bound or 0.0), tiled_v_heads=cfg.linear.tiled_v_heads)
     return MegakernelSpec(
-        hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, num_layers=cfg.num_layers,
-        weight_bytes=1 if int8 else jnp.dtype(weight_dtype).itemsize, kv_bytes=jnp.dtype(kv_dtype).itemsize,
-        batch=batch, tokens_per_row=tokens_per_row, page_size=page_size, pages_per_kv_tile=pages_per_kv_tile,
-        scale_bytes=4 if int8 else 0, rms_norm_eps=cfg.rms_norm_eps, rope_mscale=float(mscale), **attention,
-        **experts)
+        hidden=cfg.hidden_size, intermediate=max(cfg.intermediate_size, 1), vocab=cfg.vocab_size,
+        num_layers=cfg.num_layers, weight_bytes=1 if int8 else jnp.dtype(weight_dtype).itemsize,
+        kv_bytes=jnp.dtype(kv_dtype).itemsize, batch=batch, tokens_per_row=tokens_per_row, page_size=page_size,
+        pages_per_kv_tile=pages_per_kv_tile, scale_bytes=4 if int8 else 0, rms_norm_eps=cfg.rms_norm_eps,
+        rope_mscale=float(mscale), **attention, **experts, **linear)
 
 
 def kernel_params(cfg, weights: dict) -> dict:
     """The kernel's params from the family's weight tree. The matrices are the tree's own arrays:
     float, or int8 per output channel as quantized at load (`quant.QuantWeight`, "int8_channel");
-    only the small vectors are stacked per call. A tied embedding quantized as the LM head is
-    looked up in `prepare_weights`' float copy ("embed_table")."""
+    only the small vectors are stacked per call (zeros for layers without them; (1 + w) norms as
+    1 + w). A tied embedding quantized as the LM head is looked up in `prepare_weights`' float
+    copy ("embed_table")."""
     layers = weights["layers"]
-    mla = cfg.mla if isinstance(cfg, deepseek.Config) else None
-    inv_freq, _ = (mla.rope if mla else cfg.rope).tables()
+    mla = _mla(cfg)
+    plus = 1.0 if isinstance(cfg, NORM_PLUS_ONE) else 0.0
+
+    def stack(key, width, pick=lambda lw, key: lw.get(key)):
+        """A per-layer vector [L, width] in f32: zeros where a layer has none."""
+        rows = [pick(lw, key) for lw in layers]
+        return jnp.stack([jnp.zeros((width,), jnp.float32) if r is None else r.reshape(-1).astype(jnp.float32)
+                          for r in rows])
+
+    d = cfg.hidden_size
     params = {
         "embed": weights.get("embed_table", weights["embed"]),
         "lm_head": _matrix(weights.get("lm_head", weights["embed"])),
         "layers": [_layer_params(lw, mla is not None) for lw in layers],
-        "attn_norm": jnp.stack([lw["attn_norm"] for lw in layers]),
-        "mlp_norm": jnp.stack([lw["mlp_norm"] for lw in layers]),
-        "final_norm": weights["final_norm"],
-        "inv_freq": jnp.asarray(np.asarray(inv_freq), jnp.float32),
+        "attn_norm": stack("attn_norm", d) + plus,
+        "mlp_norm": stack("mlp_norm", d) + plus,
+        "final_norm": weights["final_norm"].astype(jnp.float32) + plus,
     }
+    rope = mla.rope if mla else cfg.rope
+    if rope is not None:
+        params["inv_freq"] = jnp.asarray(np.asarray(rope.tables()[0]), jnp.float32)
     if mla:
-        params["kv_a_norm"] = jnp.stack([lw["kv_a_norm"] for lw in layers])
+        params["kv_a_norm"] = stack("kv_a_norm", mla.kv_lora_rank)
         if mla.q_lora_rank:
-            params["q_a_norm"] = jnp.stack([lw["q_a_norm"] for lw in layers])
-    elif cfg.qkv_bias:
-        params["qkv_bias"] = jnp.stack([jnp.concatenate([lw["bq"], lw["bk"], lw["bv"]]) for lw in layers])
-    if not mla and cfg.o_bias:
-        params["o_bias"] = jnp.stack([lw["bo"] for lw in layers])
-    if not mla and cfg.qk_norm:
-        params["q_norm"] = jnp.stack([lw["q_norm"] for lw in layers])
-        params["k_norm"] = jnp.stack([lw["k_norm"] for lw in layers])
+            params["q_a_norm"] = stack("q_a_norm", mla.q_lora_rank)
+    else:
+        g = cfg.attention
+        if g.qkv_bias:
+            params["qkv_bias"] = stack("bq", g.q_width + 2 * g.num_kv_heads * g.head_dim,
+                                       lambda lw, _: jnp.concatenate([lw["bq"], lw["bk"], lw["bv"]]) if "bq" in lw else None)
+        if g.o_bias:
+            params["o_bias"] = stack("bo", d)
+        if g.qk_norm:
+            params["q_norm"] = stack("q_norm", g.head_dim) + plus
+            params["k_norm"] = stack("k_norm", g.head_dim) + plus
+    net = getattr(cfg, "linear", None)
+    if _linear_layers(cfg):
+        params["A_log"] = stack("A_log", net.num_v_heads)
+        params["dt_bias"] = stack("dt_bias", net.value_dim if net.kind == "kda" else net.num_v_heads)
+        params["linear_norm"] = stack("norm", net.v_dim)
     moe = cfg.moe
     if moe is not None and cfg.sparse_layers:  # per-layer vectors of the sparse layers (zeros elsewhere)
-        def per_layer(key, width, pick):
-            return jnp.stack([pick(lw["moe"][key]).astype(jnp.float32) if "moe" in lw else jnp.zeros((width,), jnp.float32)
-                              for lw in layers])
+        in_moe = lambda lw, key: lw["moe"].get(key) if "moe" in lw else None  # noqa: E731
         if moe.router_bias or moe.score_bias:
-            key = "router_bias" if moe.router_bias else "score_bias"
-            params["router_bias"] = per_layer(key, moe.num_experts, lambda a: a)
+            params["router_bias"] = stack("router_bias" if moe.router_bias else "score_bias", moe.num_experts, in_moe)
         if moe.shared_gate:
-            params["shared_expert_gate"] = per_layer("shared_gate", cfg.hidden_size, lambda a: a.reshape(-1))
+            params["shared_expert_gate"] = stack("shared_gate", d, in_moe)
     return params
 
 
 def _layer_params(lw: dict, mla: bool) -> dict:
     """One layer's matrices under the kernel's names: a sparse layer's expert stacks, router
     and shared expert from lw["moe"]; MLA's W_UK / W_UV [heads, dims, latent] as [heads x dims,
-    latent] (a reshape: the same bytes)."""
-    names = [n for n in ("q", "q_a", "q_b", "kv_a", "w_uk", "w_uv", "o") if _WEIGHT_NAMES[n] in lw] if mla else MATRICES[:4]
-    out = {name: _matrix(lw[_WEIGHT_NAMES[name]]) for name in names}
-    for name in ("w_uk", "w_uv"):
-        if name in out:
-            if isinstance(out[name], Int8Matrix):
-                raise ValueError("the megakernel's MLA takes float weights (W_UK / W_UV are not quantized)")
-            out[name] = out[name].reshape(-1, out[name].shape[-1])
+    latent] (a reshape: the same bytes); a linear layer's under its own names, and its conv."""
+    if "w_out" in lw:  # a linear-attention layer
+        out = {name: _matrix(lw[name]) for name in LINEAR_MATRICES if name in lw}
+        out["conv"] = lw["conv"]
+    else:
+        names = [n for n in ("q", "q_a", "q_b", "kv_a", "w_uk", "w_uv", "o") if _WEIGHT_NAMES[n] in lw] if mla \
+            else MATRICES[:4]
+        out = {name: _matrix(lw[_WEIGHT_NAMES[name]]) for name in names}
+        for name in ("w_uk", "w_uv"):
+            if name in out:
+                if isinstance(out[name], Int8Matrix):
+                    raise ValueError("the megakernel's MLA takes float weights (W_UK / W_UV are not quantized)")
+                out[name] = out[name].reshape(-1, out[name].shape[-1])
     mlp = lw.get("moe", lw)
     out.update({name: _matrix(mlp[_WEIGHT_NAMES[name]]) for name in MATRICES[4:]})
     if "moe" in lw:
@@ -164,12 +215,13 @@ class KernelOptions:
 def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: AttentionBatch, logits_indices=None,
             capture_layers: tuple[int, ...] = (), *, options: KernelOptions = KernelOptions()):
     """The family's forward contract for one group of rows with few tokens each, on the megakernel
-    (the llama family's K/V pages, or the deepseek family's latent pages).
+    (K/V pages, or latent pages, for the attention layers; a recurrent-state slot per row,
+    `batch.state_slots`, for the linear ones).
 
     tokens, positions: int32 [b, t] (t = 1 for decode, k + 1 for a verify block; -1 = padding).
     logits_indices: int32 [b, n] picks which of the t tokens get logits (None: all).
     capture_layers: the residual streams after those layers come back concatenated (a
-    drafter's features), as `llama.forward` gives them.
+    drafter's features), as the families' `forward` gives them.
     Returns (logits f32 [b, n, v], hidden states [b, t, len(capture_layers) d] or None, the
     cache updated in place).
     """
@@ -178,19 +230,23 @@ def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: Attentio
     if interpret is None:
         interpret = False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
     params = kernel_params(cfg, weights)
-    latent = isinstance(cache.layers[0], LatentPages)
-    k_pools = [p.pool if latent else p.k for p in cache.layers]
-    v_pools = None if latent else [p.v for p in cache.layers]
-    spec = spec_for(cfg, batch=b, tokens_per_row=t, page_size=k_pools[0].shape[1], weight_dtype=params["embed"].dtype,
+    paged = [p for p in cache.layers if not isinstance(p, RecurrentState)]
+    latent = bool(paged) and isinstance(paged[0], LatentPages)
+    k_pools = [p.pool if latent else p.k for p in paged]
+    v_pools = None if latent else [p.v for p in paged]
+    states = [(s.conv, s.state) for s in cache.layers if isinstance(s, RecurrentState)]
+    spec = spec_for(cfg, batch=b, tokens_per_row=t, page_size=cache.page_size, weight_dtype=params["embed"].dtype,
                     kv_dtype=k_pools[0].dtype, pages_per_kv_tile=options.pages_per_kv_tile,
                     int8=isinstance(params["lm_head"], Int8Matrix))
-    logits, _, k, v, hidden = decode_step(spec, params, tokens, positions, batch.block_tables, k_pools, v_pools,
-                                          tile_rows=options.tile_rows,
-                                          vocab_tile_rows=options.vocab_tile_rows, ring_depth=options.ring_depth,
-                                          generation=options.generation, interpret=interpret, route=router(cfg),
-                                          capture_layers=tuple(capture_layers))
+    logits, _, k, v, hidden, states = decode_step(
+        spec, params, tokens, positions, batch.block_tables, k_pools, v_pools, linear_states=states,
+        state_slots=batch.state_slots, tile_rows=options.tile_rows, vocab_tile_rows=options.vocab_tile_rows,
+        ring_depth=options.ring_depth, generation=options.generation, interpret=interpret, route=router(cfg),
+        capture_layers=tuple(capture_layers))
     if logits_indices is not None:
         logits = jnp.take_along_axis(logits, logits_indices[:, :, None], axis=1)
-    states = jnp.concatenate(hidden, axis=-1) if hidden else None
-    layers = [LatentPages(kp) for kp in k] if latent else [KVPages(kp, vp) for kp, vp in zip(k, v)]
-    return logits, states, Cache(layers=layers)
+    pages = iter([LatentPages(kp) for kp in k] if latent else [KVPages(kp, vp) for kp, vp in zip(k, v)])
+    recurrent = iter(RecurrentState(conv=w, state=s) for w, s in states)
+    layers = [next(recurrent) if isinstance(old, RecurrentState) else next(pages) for old in cache.layers]
+    out = jnp.concatenate(hidden, axis=-1) if hidden else None
+    return logits, out, Cache(layers=layers)

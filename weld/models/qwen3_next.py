@@ -325,9 +325,9 @@ PROJECTIONS = ("wqkv", "wq", "wk", "wv", "wo", "w_gate_up", "w_gate", "w_up", "w
 def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     """On XLA: each layer's input projections fused (q/k/v, the linear layers' four, gate/up and
     the experts'), then put in `layers.prepared_matrix`'s form (packed for the CPU kernels, or
-    quantized at load), layer by layer; the LM head too."""
+    quantized at load), layer by layer; the LM head too. The megakernel streams them as declared."""
     if target.backend != "xla":
-        raise ValueError(f"the {cfg.architecture} family runs on the XLA backend only")
+        return decoder.megakernel_weights(weights)
 
     def fuse(lw: dict) -> None:
         fuse_qkv(lw)
@@ -369,5 +369,4 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
     return logits, states, cache
 
 
-def megakernel(cfg: Config) -> Callable:
-    raise ValueError(f"the TPU megakernel does not cover {cfg.architecture}'s linear-attention layers yet")
+megakernel = decoder.megakernel  # the TPU decode megakernel's forward (ValueError for what it does not cover)

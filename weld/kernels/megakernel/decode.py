@@ -4,14 +4,19 @@ Covers the dense family's switches (any layer count, GQA, any even head dim, qkv
 q / k RMSNorm, tied embeddings, rope frequencies given as a table), B rows of T tokens each
 (decode: T = 1; a speculative verify block: T = k + 1 consecutive positions, causal within the
 block), f32 / bf16 weights or int8 weights with per-output-channel scales, a paged KV cache of
-one [P, page, KV, E] pool pair per layer. Not covered: sliding windows (Mistral's window, Qwen's
-sliding layers), MoE, MLA, linear attention.
+one [P, page, KV, E] pool pair per attention layer; MoE layers (router in the kernel, only the
+chosen experts' tiles streamed), absorbed MLA on latent pages, and linear-attention layers (Gated
+DeltaNet, KDA: `linear.py`, each sequence's state read into VMEM and written back in place) in
+any hybrid layer schedule. Not covered: sliding windows (Mistral's window, Qwen's sliding
+layers).
 
 One `pallas_call` with no grid:
-  - SMEM (scalar prefetch): token ids [N], positions [N] (N = B x T, -1 = padding), block tables [B, M];
+  - SMEM (scalar prefetch): token ids [N], positions [N] (N = B x T, -1 = padding), block tables
+    [B, M], each row's recurrent-state slot [B] (linear layers);
   - VMEM inputs: the small vectors (norms, biases, rope frequencies), held whole;
   - HBM (`memory_space=pl.ANY`): the embedding table (only the N rows fetched by DMA), every
-    weight matrix, the KV pools (aliased to outputs: the new K/V is written in place);
+    weight matrix, the routers and convs (each read whole into VMEM as its layer starts), the KV
+    pools and the linear layers' state pools (aliased to outputs: updated in place);
   - outputs: f32 logits [N, V] and greedy ids [N] in VMEM, the pools in HBM.
 The weights flow through a ring of VMEM slots on the static schedule of `plan.stream_schedule`
 (q, k, v, o, gate, up, down per layer, then the LM head in vocabulary tiles), one DMA semaphore
@@ -38,14 +43,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from weld.kernels.megakernel import linear
 from weld.kernels.megakernel.attention import attend_rows, kv_scratch
 from weld.kernels.megakernel.plan import MegakernelSpec, Plan, fit_plan, make_plan
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a dense layer's, in stream order (plan.matrices)
-BUGS = (None, "skip_wait", "wrong_slot", "wrong_expert")  # planted bugs, for the tests
-_OPTIONAL_VECTORS = (("qkv_bias", "qkv_bias"), ("o_bias", "o_bias"), ("q_norm", "qk_norm"), ("k_norm", "qk_norm"),
-                     ("router_bias", "router_bias"), ("shared_expert_gate", "shared_expert_gate"),
-                     ("kv_a_norm", "mla"), ("q_a_norm", "q_lora"))
+BUGS = (None, "skip_wait", "wrong_slot", "wrong_expert") + linear.BUGS[1:]  # planted bugs, for the tests
+# the per-layer vectors a spec's switch asks for: (name, the switch)
+_OPTIONAL_VECTORS = (("inv_freq", "rope"), ("qkv_bias", "qkv_bias"), ("o_bias", "o_bias"), ("q_norm", "qk_norm"),
+                     ("k_norm", "qk_norm"), ("router_bias", "router_bias"), ("shared_expert_gate", "shared_expert_gate"),
+                     ("kv_a_norm", "mla"), ("q_a_norm", "q_lora"), ("A_log", "linear_layers"),
+                     ("dt_bias", "linear_layers"), ("linear_norm", "linear_layers"))
 LATENT_NORM_EPS = 1e-6  # MLA's q_a and kv_a norms (transformers hard-codes it)
 
 
@@ -74,34 +82,52 @@ def tpu_generation(device_kind: str) -> str:
 
 
 def _vector_names(spec: MegakernelSpec) -> list[str]:
-    names = ["attn_norm", "mlp_norm", "final_norm", "inv_freq"]
+    names = ["attn_norm", "mlp_norm", "final_norm"]
     return names + [name for name, flag in _OPTIONAL_VECTORS if getattr(spec, flag)]
 
 
-def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools):
+def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, linear_states, state_slots):
     b, t = spec.batch, spec.tokens_per_row
-    q, kv, d, e = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden, spec.head_dim
-    n_layers = spec.num_layers
+    kv, d, e = spec.num_kv_heads * spec.head_dim, spec.hidden, spec.head_dim
+    n_layers, attending = spec.num_layers, spec.attention_layers
     for name, a in (("tokens", tokens), ("positions", positions)):
         if a.shape != (b, t):
             raise ValueError(f"{name} must be [B, T] = {(b, t)} (spec.batch, spec.tokens_per_row), got {a.shape}")
     if block_tables.ndim != 2 or block_tables.shape[0] != b:
         raise ValueError(f"block_tables must be [B, max_pages] with B = {b}, got {block_tables.shape}")
+    if state_slots is not None and tuple(state_slots.shape) != (b,):
+        raise ValueError(f"state_slots must be [B] = {(b,)}, got {tuple(state_slots.shape)}")
     if spec.mla != (v_pools is None):
         raise ValueError("MLA attends over one latent pool per layer (v_pools None); GQA needs K and V pools")
     v_pools = k_pools if v_pools is None else v_pools
-    if len(params["layers"]) != n_layers or len(k_pools) != n_layers or len(v_pools) != n_layers:
-        raise ValueError(f"spec.num_layers is {n_layers} but got {len(params['layers'])} weight layers, "
-                         f"{len(k_pools)} K pools and {len(v_pools)} V pools")
-    pool_shape = (k_pools[0].shape[0], spec.page_size, spec.num_kv_heads, e)
-    for i, (kp, vp) in enumerate(zip(k_pools, v_pools)):
+    if len(params["layers"]) != n_layers or len(k_pools) != len(attending) or len(v_pools) != len(attending):
+        raise ValueError(f"spec.num_layers is {n_layers} with {len(attending)} attention layers, but got "
+                         f"{len(params['layers'])} weight layers, {len(k_pools)} K pools and {len(v_pools)} V pools")
+    pool_shape = (k_pools[0].shape[0], spec.page_size, spec.num_kv_heads, e) if k_pools else None
+    for i, (kp, vp) in zip(attending, zip(k_pools, v_pools)):
         if kp.shape != pool_shape or vp.shape != pool_shape:
             raise ValueError(f"pools of layer {i} must be [P, page, KV, E] = {pool_shape}, got {kp.shape} and {vp.shape}")
+    linear_states = linear_states or []
+    if len(linear_states) != len(spec.linear_layers):
+        raise ValueError(f"{len(spec.linear_layers)} linear layers need as many (window, state) pool pairs, "
+                         f"got {len(linear_states)}")
+    if linear_states:
+        slots = linear_states[0][0].shape[0]
+        shapes = ((slots, spec.conv_channels, spec.conv_width - 1),
+                  (slots, spec.linear_v_heads, spec.linear_k_dim, spec.linear_v_dim))
+        for i, pair in zip(spec.linear_layers, linear_states):
+            if tuple(tuple(a.shape) for a in pair) != shapes or any(a.dtype != jnp.float32 for a in pair):
+                raise ValueError(f"the state pools of layer {i} must be f32 [slots, C, K - 1], [slots, Hv, dk, dv] = "
+                                 f"{shapes}, got {[(tuple(a.shape), str(a.dtype)) for a in pair]}")
+    vd = spec.linear_value_dim
     expected = {"embed": (spec.vocab, d), "lm_head": (spec.vocab, d), "attn_norm": (n_layers, d),
-                "mlp_norm": (n_layers, d), "final_norm": (d,), "inv_freq": (spec.rope_dims // 2,), "qkv_bias": (n_layers, q + 2 * kv),
-                "o_bias": (n_layers, d), "q_norm": (n_layers, e), "k_norm": (n_layers, e),
-                "router_bias": (n_layers, spec.num_experts), "shared_expert_gate": (n_layers, d),
-                "kv_a_norm": (n_layers, spec.kv_lora_rank), "q_a_norm": (n_layers, spec.q_lora_rank)}
+                "mlp_norm": (n_layers, d), "final_norm": (d,), "inv_freq": (spec.rope_dims // 2,),
+                "qkv_bias": (n_layers, spec.q_proj_dim + 2 * kv), "o_bias": (n_layers, d), "q_norm": (n_layers, e),
+                "k_norm": (n_layers, e), "router_bias": (n_layers, spec.num_experts),
+                "shared_expert_gate": (n_layers, d), "kv_a_norm": (n_layers, spec.kv_lora_rank),
+                "q_a_norm": (n_layers, spec.q_lora_rank), "A_log": (n_layers, spec.linear_v_heads),
+                "dt_bias": (n_layers, vd if spec.linear_kind == "kda" else spec.linear_v_heads),
+                "linear_norm": (n_layers, spec.linear_v_dim)}
     for name in ["embed", "lm_head"] + _vector_names(spec):
         if name not in params:
             raise ValueError(f"params has no {name!r} (the spec's switches need it)")
@@ -112,10 +138,13 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools):
         shapes = {name: (rows, cols) for name, rows, cols in spec.matrices(i)}
         if i in spec.sparse_layers:  # the routed experts' stacks [E, out, in] and the router [E, d]
             shapes.update({name: (spec.num_experts, rows, cols) for name, rows, cols in spec.expert_matrices()})
-            router = layer.get("router")
-            if router is None or tuple(router.shape) != (spec.num_experts, d):
-                raise ValueError(f"layers[{i}]['router'] must be [E, d] = {(spec.num_experts, d)}, "
-                                 f"got {None if router is None else tuple(router.shape)}")
+        side = {"router": (spec.num_experts, d)} if i in spec.sparse_layers else {}
+        if i in spec.linear_layers:
+            side["conv"] = (spec.conv_channels, spec.conv_width)
+        for name, shape in side.items():
+            a = layer.get(name)
+            if a is None or tuple(a.shape) != shape:
+                raise ValueError(f"layers[{i}][{name!r}] must be {shape}, got {None if a is None else tuple(a.shape)}")
         for name, shape in shapes.items():
             w = layer.get(name)
             if w is None or tuple(w.shape) != shape:
@@ -127,16 +156,17 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools):
 
 
 def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tables, k_pools, v_pools, *,
-                tile_rows: int = 256, vocab_tile_rows: int = 256, ring_depth: int = 4, generation: str | None = None,
-                interpret=False, route=None, capture_layers: tuple[int, ...] = (), _bug: str | None = None):
+                linear_states=None, state_slots=None, tile_rows: int = 256, vocab_tile_rows: int = 256,
+                ring_depth: int = 4, generation: str | None = None, interpret=False, route=None,
+                capture_layers: tuple[int, ...] = (), _bug: str | None = None):
     """One call of the megakernel.
 
     spec: the model's shapes and switches, `batch` = B rows of `tokens_per_row` = T tokens.
     params: "embed" [V, d] (HBM, rows fetched by DMA), "lm_head" [V, d] (the embedding itself
       when tied), "layers": L dicts of MATRICES, each [out, in] or an `Int8Matrix` (all or none,
       the LM head too),
-      "attn_norm" / "mlp_norm" [L, d], "final_norm" [d], "inv_freq" [E / 2] (the model's rope
-      table, f32), and per the spec's switches "qkv_bias" [L, q + 2 kv], "o_bias" [L, d],
+      "attn_norm" / "mlp_norm" [L, d], "final_norm" [d], "inv_freq" [rope dims / 2] (the model's
+      rope table, f32; not with spec.rope False), and per the spec's switches "qkv_bias" [L, q + 2 kv], "o_bias" [L, d],
       "q_norm" / "k_norm" [L, E]. A sparse layer (`spec.sparse_layers`) has, in place of gate,
       up and down, the expert stacks "gate", "up" [E, I, d] and "down" [E, d, I] (float or
       `Int8Matrix` of [E, out, in] codes and [E, out] scales), the "router" [E, d] (any float
@@ -147,17 +177,24 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     capture_layers: layers whose output hidden states (the residual stream after the layer)
       are returned, f32 [B, T, d] each (a drafter's features).
     tokens, positions: int32 [B, T] (position -1: padding; a row is padding when its first is).
-    block_tables: int32 [B, M]. k_pools, v_pools: L arrays [P, page, KV, E], updated in place
-      (MLA: k_pools are the latent pools [P, page, 1, kv_lora_rank + rope_dim], v_pools None).
+    block_tables: int32 [B, M]. k_pools, v_pools: one array [P, page, KV, E] per attention layer
+      (`spec.attention_layers`), updated in place (MLA: k_pools are the latent pools [P, page, 1,
+      kv_lora_rank + rope_dim], v_pools None).
       An MLA layer has "q" (or "q_a", "q_b"), "kv_a", "w_uk" [heads x nope, latent], "w_uv"
       [heads x v, latent] and "o", and the vectors "kv_a_norm" [L, latent] ("q_a_norm" [L, q_lora]).
+      A linear layer (`spec.linear_layers`) has the matrices of `spec.linear_matrices()` and its
+      conv "conv" [C, K] (read whole into VMEM); the vectors "A_log" [L, Hv], "dt_bias" [L, Hv]
+      (KDA: [L, Hv dk]) and "linear_norm" [L, dv] (zeros for the other layers).
+    linear_states: per linear layer, its pools (conv windows f32 [S, C, K - 1], states f32 [S, Hv,
+      dk, dv]), updated in place. state_slots: int32 [B], each row's slot (-1: none; None: row i
+      uses slot i).
     generation: a TPU generation whose VMEM budget the plan must fit (the ring shrinks to fit,
       else `plan.VmemBudgetError`); None: detected on a TPU, not checked in interpret mode.
     interpret: False on a TPU; a `pltpu.InterpretParams` (or True) to run on CPU.
     Returns (logits f32 [B, T, V], greedy ids int32 [B, T], k_pools, v_pools, hidden states: one
-    f32 [B, T, d] per capture layer, in their order).
+    f32 [B, T, d] per capture layer, in their order, linear_states).
     """
-    _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools)
+    _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, linear_states, state_slots)
     if _bug not in BUGS:
         raise ValueError(f"_bug must be one of {BUGS}, got {_bug!r}")
     if spec.sparse_layers and route is None:
@@ -174,9 +211,16 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     b, t, n_tok = spec.batch, spec.tokens_per_row, spec.tokens
     h, kvh, e, d, n_layers = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden, spec.num_layers
     q_dim, kv_dim = h * e, kvh * e  # attention's query width; the new K (MLA: c_kv | k_pe) per token
-    q_proj = h * (spec.nope_dim + spec.rope_dim) if spec.mla else q_dim  # the query projection's width
-    n_pools = n_layers if spec.mla else 2 * n_layers  # MLA: one latent pool per layer
+    q_proj = spec.q_proj_dim  # the query projection's width
+    attending, lin_layers = spec.attention_layers, spec.linear_layers
+    pool_of = {layer: j for j, layer in enumerate(attending)}  # an attention layer's pools
+    state_of = {layer: j for j, layer in enumerate(lin_layers)}  # a linear layer's state pools
+    n_attn = len(attending)
     pool_list = list(k_pools) + ([] if spec.mla else list(v_pools))
+    pool_list += [a for pair in (linear_states or []) for a in pair]  # (window, state) per linear layer
+    n_pools = len(pool_list)
+    if state_slots is None:
+        state_slots = jnp.arange(b, dtype=jnp.int32)
 
     # HBM matrices in one list, indexed by (layer, name); the LM head is (-1, "lm_head").
     matrices, index = [], {}
@@ -195,16 +239,19 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     scale_ops = [m.scale.astype(jnp.float32).reshape(m.scale.shape[:-1] + (1, -1)) for m in matrices] if int8 else []
     sparse = spec.sparse_layers
     routers = [params["layers"][i]["router"] for i in sparse]  # HBM [E, d], read whole once per layer
+    convs = [params["layers"][i]["conv"] for i in lin_layers]  # HBM [C, K], read whole once per layer
     n_pairs, top_k = spec.pairs, spec.top_k
     weight_dtype = weight_ops[0].dtype
     vector_names = _vector_names(spec)
     vectors = [params[name].astype(jnp.float32).reshape(-1, params[name].shape[-1]) for name in vector_names]
-    kv_dtype = k_pools[0].dtype
+    kv_dtype = k_pools[0].dtype if k_pools else jnp.float32
     max_rows, max_cols = max(x.rows for x in tiles), max(x.cols for x in tiles)
-    n_vec, n_mat, n_scale, n_router = len(vectors), len(weight_ops), len(scale_ops), len(routers)
+    n_vec, n_mat, n_scale, n_router, n_conv = len(vectors), len(weight_ops), len(scale_ops), len(routers), len(convs)
     n_cap = len(capture_layers)
+    if _bug is not None and _bug in linear.BUGS and not lin_layers:
+        raise ValueError(f"_bug {_bug!r} needs linear layers")
 
-    def kernel(tok_ref, pos_ref, bt_ref, *refs):
+    def kernel(tok_ref, pos_ref, bt_ref, slot_ref, *refs):
         refs = list(refs)
 
         def take(count):
@@ -217,11 +264,13 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         w_refs = take(n_mat)  # HBM [out, in] each (an expert stack: [E, out, in])
         s_refs = take(n_scale)  # HBM [1, out] each, [E, 1, out] for a stack (int8 only)
         router_refs = dict(zip(sparse, take(n_router)))  # HBM [E, d] per sparse layer
+        conv_refs = dict(zip(lin_layers, take(n_conv)))  # HBM [C, K] per linear layer
         take(n_pools)  # the input pools: aliased, use the outputs
         # outputs
         logits_ref, ids_ref = take(2)  # VMEM [N, V] f32, [N, 1] int32
-        k_out = take(n_layers)  # HBM pools [P, page, KV, E]
-        v_out = [None] * n_layers if spec.mla else take(n_layers)  # MLA: the values are the latent keys
+        k_out = take(n_attn)  # HBM pools [P, page, KV, E] per attention layer
+        v_out = [None] * n_attn if spec.mla else take(n_attn)  # MLA: the values are the latent keys
+        state_out = [take(2) for _ in lin_layers]  # HBM (windows, states) per linear layer
         cap_refs = take(n_cap)  # VMEM [N, d] f32 per capture layer
         # scratch (see scratch_shapes)
         ring, ring_sems, emb_buf, emb_sems, x_ref, delta_ref, qa_ref, ka_ref, va_ref = take(9)
@@ -233,6 +282,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         if sparse:
             router_buf, router_sem, scores_ref, choice_ref, weight_ref, chosen, chosen_sem, eg_ref, eu_ref = take(9)
             sg_ref, su_ref = take(2) if spec.shared_intermediate else (None, None)
+        lin = dict(zip(linear.SCRATCH, take(len(linear.SCRATCH)))) if lin_layers else None
 
         def tile_copies(i):
             tile = tiles[i]
@@ -295,12 +345,13 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             if i == first:
                 raise AssertionError(f"schedule out of order: wanted {(layer, name, pair)}, next tile is {tiles[first]}")
 
-        def into(ref, row=None):
+        def into(ref, row=None, col=0):
+            """Writes a product's tiles into ref's columns from `col` on (one row of it: `row`)."""
             def write(start, rows, y):
                 if row is None:
-                    ref[:, start:start + rows] = y
+                    ref[:, col + start:col + start + rows] = y
                 else:
-                    ref[row:row + 1, start:start + rows] = y
+                    ref[row:row + 1, col + start:col + start + rows] = y
             return write
 
         def rms_norm(x, weight, eps=spec.rms_norm_eps):  # x [N, w] f32, weight [1, w]
@@ -363,26 +414,34 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         x_ref[...] = emb_buf[...].astype(jnp.float32)
 
         # Rotary tables for the N tokens, as the XLA path computes them (rotate-half layout).
-        pos = jnp.stack([pos_ref[n] for n in range(n_tok)]).astype(jnp.float32).reshape(n_tok, 1)
-        freqs = pos * vec["inv_freq"][...]  # [N, E/2]
-        cos = (jnp.cos(freqs) * spec.rope_mscale)[:, None, :]  # [N, 1, E/2]
-        sin = (jnp.sin(freqs) * spec.rope_mscale)[:, None, :]
+        if spec.rope:
+            pos = jnp.stack([pos_ref[n] for n in range(n_tok)]).astype(jnp.float32).reshape(n_tok, 1)
+            freqs = pos * vec["inv_freq"][...]  # [N, rope dims / 2]
+            cos = (jnp.cos(freqs) * spec.rope_mscale)[:, None, :]  # [N, 1, rope dims / 2]
+            sin = (jnp.sin(freqs) * spec.rope_mscale)[:, None, :]
 
-        def rope(z):  # [N, heads, rope dims]; interleaved pairs come out de-interleaved, as HF's
+        def rope(z):  # [N, heads, dims]: the first rope dims rotated; interleaved pairs de-interleaved, as HF's
+            if not spec.rope:
+                return z
+            rd = spec.rope_dims
+            z, rest = z[..., :rd], z[..., rd:]
             if spec.rope_interleaved:
                 z = jnp.concatenate([z[..., 0::2], z[..., 1::2]], axis=-1)
-            half = z.shape[-1] // 2
+            half = rd // 2
             z1, z2 = z[..., :half], z[..., half:]
-            return jnp.concatenate([z1 * cos - z2 * sin, z2 * cos + z1 * sin], axis=-1)
+            return jnp.concatenate([z1 * cos - z2 * sin, z2 * cos + z1 * sin, rest], axis=-1)
 
         def gqa_attention(layer, y):
             """q, k, v, attention over the K/V pools, o: the projection's output in delta_ref."""
             for name, ref in (("q", qa_ref), ("k", ka_ref), ("v", va_ref)):
                 gemv(layer, name, y, into(ref))
-            q, k, v = qa_ref[...], ka_ref[...], va_ref[...]  # [N, q], [N, kv], [N, kv]
+            q, k, v = qa_ref[...], ka_ref[...], va_ref[...]  # [N, q_proj], [N, kv], [N, kv]
             if spec.qkv_bias:
                 bias = row("qkv_bias", layer)
-                q, k, v = q + bias[:, :q_dim], k + bias[:, q_dim:q_dim + kv_dim], v + bias[:, q_dim + kv_dim:]
+                q, k, v = q + bias[:, :q_proj], k + bias[:, q_proj:q_proj + kv_dim], v + bias[:, q_proj + kv_dim:]
+            gate = None
+            if spec.output_gate:  # rows per head [q | gate]
+                q, gate = q.reshape(n_tok, h, 2 * e)[..., :e], q.reshape(n_tok, h, 2 * e)[..., e:]
             q, k = q.reshape(n_tok, h, e), k.reshape(n_tok, kvh, e)
             if spec.qk_norm:
                 q = rms_norm(q, row("q_norm", layer)[None])
@@ -390,9 +449,13 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             q_heads[...] = rope(q)
             kn_ref[...] = rope(k).astype(kv_dtype)
             vn_ref[...] = v.reshape(n_tok, kvh, e).astype(kv_dtype)
-            attend_rows(pos_ref, bt_ref, q_heads, kn_ref, vn_ref, k_out[layer], v_out[layer], att_ref, *attn_scratch,
+            pools = pool_of[layer]
+            attend_rows(pos_ref, bt_ref, q_heads, kn_ref, vn_ref, k_out[pools], v_out[pools], att_ref, *attn_scratch,
                         rows=b, tokens=t, pages_per_tile=spec.pages_per_kv_tile, scale=spec.scale)
-            gemv(layer, "o", att_ref[...].reshape(n_tok, q_dim), into(delta_ref))
+            out = att_ref[...]
+            if gate is not None:
+                out = out * jax.nn.sigmoid(gate)
+            gemv(layer, "o", out.reshape(n_tok, q_dim), into(delta_ref))
             if spec.o_bias:
                 delta_ref[...] = delta_ref[...] + row("o_bias", layer)
 
@@ -422,7 +485,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             def into_heads(start, rows, y):
                 q_heads[:, start // dn:(start + rows) // dn, :r] = y
             gemv(layer, "w_uk", None, into_heads, compute=absorb)
-            attend_rows(pos_ref, bt_ref, q_heads, kn_ref, None, k_out[layer], None, att_ref, *attn_scratch,
+            attend_rows(pos_ref, bt_ref, q_heads, kn_ref, None, k_out[pool_of[layer]], None, att_ref, *attn_scratch,
                         rows=b, tokens=t, pages_per_tile=spec.pages_per_kv_tile, scale=spec.scale)
             o_lat = att_ref[...][:, :, :r]  # [N, heads, r]: the values are c_kv, the keys' first r dims
 
@@ -434,11 +497,44 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             gemv(layer, "w_uv", None, into(ov_ref), compute=expand)
             gemv(layer, "o", ov_ref[...], into(delta_ref))
 
+        def conv_copy(layer):
+            return pltpu.make_async_copy(conv_refs[layer], lin["conv"], lin["conv_sem"].at[0])
+
+        def linear_attention(layer, y):
+            """The gated delta rule (`linear.py`): the input projections, the log-decays and betas,
+            each row's conv and recurrence over its state, the gated norm, the output projection
+            into delta_ref. The conv weights and row 0's state were started as the layer began."""
+            windows, states = state_out[state_of[layer]]
+            if spec.linear_kind == "gdn":
+                for name, ref in (("w_qkv", lin["qkv"]), ("w_z", lin["gate"]), ("w_b", lin["beta"]),
+                                  ("w_a", lin["decay"])):
+                    gemv(layer, name, y, into(ref))
+            else:
+                kd = spec.linear_key_dim
+                for name, ref, col in (("w_q", lin["qkv"], 0), ("w_k", lin["qkv"], kd), ("w_v", lin["qkv"], 2 * kd),
+                                       ("w_b", lin["beta"], 0), ("w_fa", lin["fa"], 0), ("w_ga", lin["ga"], 0)):
+                    gemv(layer, name, y, into(ref, col=col))
+                gemv(layer, "w_fb", lin["fa"][...], into(lin["decay"]))
+                gemv(layer, "w_gb", lin["ga"][...], into(lin["gate"]))
+            lin["decay"][...] = linear.log_decay(spec, lin["decay"][...], row("A_log", layer), row("dt_bias", layer))
+            lin["beta"][...] = jax.nn.sigmoid(lin["beta"][...])
+            conv_copy(layer).wait()
+            linear.recur_rows(spec, pos_ref, slot_ref, lin, windows, states,
+                              bug=_bug if _bug in linear.BUGS else None)
+            out = linear.gated_output(spec, lin["out"][...], lin["gate"][...], row("linear_norm", layer))
+            gemv(layer, "w_out", out, into(delta_ref))
+
         for layer in range(n_layers):
             if layer in sparse:  # the router lands while attention runs
                 router_copy(layer).start()
+            if layer in lin_layers:  # the conv and row 0's state land while the projections stream
+                conv_copy(layer).start()
+                linear.start_first_read(spec, pos_ref, slot_ref, lin, *state_out[state_of[layer]])
             y = rms_norm(x_ref[...], row("attn_norm", layer))  # [N, d]
-            (mla_attention if spec.mla else gqa_attention)(layer, y)
+            if layer in lin_layers:
+                linear_attention(layer, y)
+            else:
+                (mla_attention if spec.mla else gqa_attention)(layer, y)
             x_ref[...] = x_ref[...] + delta_ref[...]
             y = rms_norm(x_ref[...], row("mlp_norm", layer))
             (sparse_mlp if layer in sparse else dense_mlp)(layer, y)
@@ -492,13 +588,15 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         ]
         if spec.shared_intermediate:
             scratch += [pltpu.VMEM((n_tok, spec.shared_intermediate), f32)] * 2  # the shared expert's gate, up
-    n_in = n_vec + 1 + n_mat + n_scale + n_router
-    first_pool = 3 + n_in  # operand indices count the three scalar-prefetch operands
+    if lin_layers:
+        scratch += linear.linear_scratch(spec, convs[0].dtype)
+    n_in = n_vec + 1 + n_mat + n_scale + n_router + n_conv
+    first_pool = 4 + n_in  # operand indices count the four scalar-prefetch operands
     aliases = {first_pool + i: 2 + i for i in range(n_pools)}
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=4,
         in_specs=[pl.BlockSpec(memory_space=vmem)] * n_vec + [pl.BlockSpec(memory_space=pl.ANY)] * (
-            1 + n_mat + n_scale + n_router + n_pools),
+            1 + n_mat + n_scale + n_router + n_conv + n_pools),
         out_specs=[pl.BlockSpec(memory_space=vmem)] * 2 + [pl.BlockSpec(memory_space=pl.ANY)] * n_pools
         + [pl.BlockSpec(memory_space=vmem)] * n_cap,
         scratch_shapes=scratch,
@@ -516,7 +614,11 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         compiler_params=compiler_params,
         interpret=interpret,
     )(tokens.reshape(-1).astype(jnp.int32), positions.reshape(-1).astype(jnp.int32), block_tables.astype(jnp.int32),
-      *vectors, params["embed"], *weight_ops, *scale_ops, *routers, *pool_list)
+      jnp.asarray(state_slots, jnp.int32), *vectors, params["embed"], *weight_ops, *scale_ops, *routers, *convs,
+      *pool_list)
     pools, hidden = rest[:n_pools], [hs.reshape(b, t, d) for hs in rest[n_pools:]]
-    return (logits.reshape(b, t, spec.vocab), ids.reshape(b, t), list(pools[:n_layers]),
-            None if spec.mla else list(pools[n_layers:]), hidden)
+    n_kv = n_attn if spec.mla else 2 * n_attn
+    states = pools[n_kv:]
+    return (logits.reshape(b, t, spec.vocab), ids.reshape(b, t), list(pools[:n_attn]),
+            None if spec.mla else list(pools[n_attn:n_kv]), hidden,
+            [(states[2 * j], states[2 * j + 1]) for j in range(len(lin_layers))])

@@ -7,6 +7,11 @@ from HBM into its VMEM ring, in stream order:
     for each layer: q, k, v, o, gate, up, down   (row tiles of each [out, in] matrix)
     then the LM head                              (vocabulary tiles of [vocab, hidden])
 
+A linear-attention layer (`linear_layers`: Gated DeltaNet or KDA) streams its input projections,
+KDA's two low-rank up-projections and its output projection in place of q, k, v, o (see
+`linear_matrices`); a hybrid model (3 linear : 1 full, Qwen3-Next, Kimi Linear) is one weight
+stream over both kinds, in layer order.
+
 A sparse (mixture-of-experts) layer streams q, k, v, o, the shared expert's gate, up, down (if
 the model has one), then, for each routed pair p = (token, choice) of the call, the chosen
 expert's gate, up and down tiles (`Tile.pair` = p). Which expert a pair reads is known only
@@ -103,6 +108,21 @@ class MegakernelSpec:
     v_dim: int = 0
     rope_interleaved: bool = False  # DeepSeek's pairs (2i, 2i + 1), de-interleaved as HF does
     attn_scale: float = 0.0  # the softmax scale; 0: head_dim ** -0.5
+    rope: bool = True  # False: no rotary embedding anywhere (Kimi Linear's NoPE MLA)
+    rotary_dim: int = 0  # GQA: RoPE over the first rotary_dim dims of each head (Qwen3-Next); 0: all
+    output_gate: bool = False  # GQA: W_q's rows per head are [q | gate], out = (o * sigmoid(gate)) W_o^T
+    # linear attention (the gated delta rule over a per-sequence state): the layers in
+    # linear_layers, kind "gdn" (Gated DeltaNet) or "kda" (Kimi Delta Attention); the others attend
+    linear_layers: tuple[int, ...] = ()
+    linear_kind: str = "gdn"
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    conv_width: int = 0
+    linear_norm_eps: float = 1e-6  # of the gated output norm
+    gate_lower_bound: float = 0.0  # KDA's floor (< 0) on the log-decay; 0: none
+    tiled_v_heads: bool = False  # value head p is served by key head p mod Hk (else p // (Hv / Hk))
 
     def __post_init__(self):
         for name in ("hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "vocab",
@@ -137,6 +157,29 @@ class MegakernelSpec:
                                      f"got {getattr(self, name)!r}")
             if self.top_k > self.num_experts:
                 raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+        if not isinstance(self.rotary_dim, int) or self.rotary_dim < 0 or self.rotary_dim % 2 \
+                or self.rotary_dim > self.head_dim or (self.rotary_dim and self.mla):
+            raise ValueError(f"MegakernelSpec.rotary_dim must be even, at most head_dim ({self.head_dim}) and GQA's "
+                             f"only, got {self.rotary_dim!r}")
+        if self.output_gate and self.mla:
+            raise ValueError("an output gate is GQA's (MLA has none)")
+        if self.linear_layers:
+            if not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.linear_layers):
+                raise ValueError(f"linear_layers {self.linear_layers} must lie in [0, {self.num_layers})")
+            if self.linear_kind not in ("gdn", "kda"):
+                raise ValueError(f"MegakernelSpec.linear_kind must be 'gdn' or 'kda', got {self.linear_kind!r}")
+            for name in ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "conv_width"):
+                if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                    raise ValueError(f"MegakernelSpec.{name} must be a positive int with linear layers, "
+                                     f"got {getattr(self, name)!r}")
+            if self.linear_v_heads % self.linear_k_heads or self.conv_width < 2:
+                raise ValueError(f"linear attention needs value heads ({self.linear_v_heads}) a multiple of key heads "
+                                 f"({self.linear_k_heads}) and a conv width >= 2 (got {self.conv_width})")
+            if self.linear_kind == "kda" and (self.linear_k_heads != self.linear_v_heads
+                                              or self.linear_k_dim != self.linear_v_dim):
+                raise ValueError("KDA has as many key as value heads, of one size")
+            if self.gate_lower_bound > 0 or (self.gate_lower_bound and self.linear_kind != "kda"):
+                raise ValueError(f"a gate lower bound ({self.gate_lower_bound}) must be < 0, and only KDA has one")
 
     @property
     def tokens(self) -> int:
@@ -153,8 +196,57 @@ class MegakernelSpec:
 
     @property
     def rope_dims(self) -> int:
-        """The rotated dims of each head: all of them, or MLA's rope part."""
-        return self.rope_dim if self.mla else self.head_dim
+        """The rotated dims of each head: all of them, the first rotary_dim, or MLA's rope part."""
+        return self.rope_dim if self.mla else (self.rotary_dim or self.head_dim)
+
+    @property
+    def q_proj_dim(self) -> int:
+        """Rows of the query projection: the heads' queries (with an output gate, and their gates;
+        MLA: nope + rope dims per head)."""
+        if self.mla:
+            return self.num_heads * (self.nope_dim + self.rope_dim)
+        return self.num_heads * self.head_dim * (2 if self.output_gate else 1)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend over paged K/V (or MLA's latent pages): all but the linear ones."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_k_heads * self.linear_k_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_v_heads * self.linear_v_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """q, k and v go through the short causal conv together: [q_all | k_all | v_all]."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def decay_width(self) -> int:
+        """Log-decays per token: one per value head (GDN), one per head and key channel (KDA)."""
+        return self.linear_value_dim if self.linear_kind == "kda" else self.linear_v_heads
+
+    def state_bytes(self) -> int:
+        """One sequence's recurrent state in one linear layer: the conv window and the delta-rule
+        state [Hv, dk, dv], both f32."""
+        return 4 * (self.conv_channels * (self.conv_width - 1)
+                    + self.linear_v_heads * self.linear_k_dim * self.linear_v_dim)
+
+    def linear_matrices(self) -> list[tuple[str, int, int]]:
+        """A linear-attention layer's matrices in stream order. GDN: the conv's input [q | k | v],
+        the output gate z, beta and the decay's a; KDA: q, k, v, beta, the decay's and the output
+        gate's low-rank down-projections, then their up-projections (whose input is the former's
+        output); both: the output projection."""
+        d, kd, vd, hv, dk = self.hidden, self.linear_key_dim, self.linear_value_dim, self.linear_v_heads, self.linear_k_dim
+        out = [("w_out", d, vd)]
+        if self.linear_kind == "gdn":
+            return [("w_qkv", self.conv_channels, d), ("w_z", vd, d), ("w_b", hv, d), ("w_a", hv, d)] + out
+        return [("w_q", kd, d), ("w_k", kd, d), ("w_v", vd, d), ("w_b", hv, d), ("w_fa", dk, d), ("w_ga", dk, d),
+                ("w_fb", vd, dk), ("w_gb", vd, dk)] + out
 
     @property
     def scale(self) -> float:
@@ -171,9 +263,9 @@ class MegakernelSpec:
         d = self.hidden
         if not self.mla:
             q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            return [("q", q, d), ("k", kv, d), ("v", kv, d), ("o", d, q)]
+            return [("q", self.q_proj_dim, d), ("k", kv, d), ("v", kv, d), ("o", d, q)]
         nh, r = self.num_heads, self.kv_lora_rank
-        q_out = nh * (self.nope_dim + self.rope_dim)
+        q_out = self.q_proj_dim
         query = [("q_a", self.q_lora_rank, d), ("q_b", q_out, self.q_lora_rank)] if self.q_lora else [("q", q_out, d)]
         return query + [("kv_a", r + self.rope_dim, d), ("w_uk", nh * self.nope_dim, r), ("w_uv", nh * self.v_dim, r),
                         ("o", d, nh * self.v_dim)]
@@ -187,7 +279,7 @@ class MegakernelSpec:
         """A layer's static weight matrices in stream order: (name, rows = out, cols = in). A
         sparse layer's routed experts come after these, per pair (`expert_matrices`)."""
         d, f = self.hidden, self.intermediate
-        attention = self.attention_matrices()
+        attention = self.linear_matrices() if layer in self.linear_layers else self.attention_matrices()
         if layer not in self.sparse_layers:
             return attention + [("gate", f, d), ("up", f, d), ("down", d, f)]
         s = self.shared_intermediate
@@ -205,6 +297,10 @@ class MegakernelSpec:
         if layer in self.sparse_layers:
             static += self.pairs * sum(row(r, c) for _, r, c in self.expert_matrices())
         return static
+
+    def conv_bytes(self) -> int:
+        """A linear layer's conv weights [C, K], read whole into VMEM (f32) beside the stream."""
+        return 4 * self.conv_channels * self.conv_width if self.linear_layers else 0
 
     def router_bytes(self) -> int:
         """A sparse layer's router [E, hidden], read whole into VMEM (f32) beside the stream."""
@@ -297,26 +393,38 @@ def activation_bytes(spec: MegakernelSpec) -> int:
     """The kernel's VMEM besides the ring and KV tiles (decode.py allocates exactly these).
 
     Per activation row (batch x tokens_per_row), f32 unless noted: residual, normed input and
-    the o / down output (3 x hidden), the embedding row (weight dtype), q, k, v, the roped q and
-    the attention output (3 x q + 2 x kv), the new K / V (cache dtype), gate and up
-    (2 x intermediate), the whole row of logits (they leave VMEM once, at the end) and the greedy
-    id. Plus the small per-layer vectors held whole: two norms per layer, the final norm, the
-    rope frequencies, and the qkv / o biases and q / k norms where the model has them.
+    the o / down output (3 x hidden), the embedding row (weight dtype), the query projection, q
+    by head and the attention output (q_proj + 2 x q), k and v (2 x kv), the new K / V (cache
+    dtype), gate and up (2 x intermediate), the whole row of logits (they leave VMEM once, at the
+    end) and the greedy id. Plus the small per-layer vectors held whole: two norms per layer, the
+    final norm, the rope frequencies, and the qkv / o biases and q / k norms where the model has
+    them. Linear-attention layers add their projections' outputs per row, the conv weights of a
+    layer and two rows' recurrent states (double buffered).
     """
     q, kv, d, e = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden, spec.head_dim
     a = spec.act_bytes
-    per_row = (a * (3 * d + 3 * q + 2 * kv + 2 * spec.intermediate + spec.vocab) + 4
+    per_row = (a * (3 * d + spec.q_proj_dim + 2 * q + 2 * kv + 2 * spec.intermediate + spec.vocab) + 4
                + d * spec.weight_bytes + 2 * kv * spec.kv_bytes)
-    vectors = spec.num_layers * 2 * d + d + e // 2
+    vectors = spec.num_layers * 2 * d + d + (spec.rope_dims // 2 if spec.rope else 0)
+    fixed = 0
     if spec.qkv_bias:
-        vectors += spec.num_layers * (q + 2 * kv)
+        vectors += spec.num_layers * (spec.q_proj_dim + 2 * kv)
     if spec.o_bias:
         vectors += spec.num_layers * d
     if spec.qk_norm:
         vectors += spec.num_layers * 2 * e
     if spec.mla:  # per row: the q LoRA's output, the latent output's values; per layer: two norms
         per_row += a * (spec.q_lora_rank + spec.num_heads * spec.v_dim)
-        vectors += spec.num_layers * (spec.kv_lora_rank + spec.q_lora_rank) - (e // 2 - spec.rope_dim // 2)
+        vectors += spec.num_layers * (spec.kv_lora_rank + spec.q_lora_rank)
+    if spec.linear_layers:
+        # per row: the conv's input, the output gate, the decays, beta, the output (and KDA's two
+        # low-rank inputs); per layer: A_log, dt_bias, the output norm; the layer's conv weights
+        # and two rows' states
+        vd, hv = spec.linear_value_dim, spec.linear_v_heads
+        per_row += a * (spec.conv_channels + 2 * vd + spec.decay_width + hv
+                        + (2 * spec.linear_k_dim if spec.linear_kind == "kda" else 0))
+        vectors += spec.num_layers * (hv + (vd if spec.linear_kind == "kda" else hv) + spec.linear_v_dim)
+        fixed += spec.conv_bytes() + 2 * spec.state_bytes()
     if spec.sparse_layers:
         # per row: the router's scores and the routing weights; per pair: the expert's gate and
         # up; the shared expert's gate and up; the chosen experts' ids (SMEM) and the router
@@ -325,7 +433,7 @@ def activation_bytes(spec: MegakernelSpec) -> int:
         vectors += spec.num_layers * ((spec.num_experts if spec.router_bias else 0)
                                       + (d if spec.shared_expert_gate else 0))
         vectors += spec.router_bytes() // 4
-    return spec.tokens * per_row + 4 * vectors
+    return spec.tokens * per_row + 4 * vectors + fixed
 
 
 def make_plan(spec: MegakernelSpec, *, ring_depth: int = 4, tile_rows: int = 256,
@@ -370,17 +478,21 @@ def fit_plan(spec: MegakernelSpec, generation: str, *, ring_depth: int = 4, tile
 
 
 def step_bytes(spec: MegakernelSpec, context_len: int) -> int:
-    """HBM bytes one call must move: all weights once (with their scales), each row's K/V up to
-    `context_len` tokens in every layer (whole pages), the new K/V written, the embedding rows
-    read and the f32 logits written."""
+    """HBM bytes one call must move: all weights once (with their scales), each row's K/V (MLA:
+    its latent) up to `context_len` tokens in every attention layer (whole pages), the new K/V
+    written, each row's recurrent state read and written in every linear layer, the routers and
+    convs, the embedding rows read and the f32 logits written."""
     pages = math.ceil(context_len / spec.page_size)
+    pools = 1 if spec.mla else 2
+    attending = len(spec.attention_layers)
     kv_token = spec.num_kv_heads * spec.head_dim * spec.kv_bytes
-    kv_read = spec.batch * spec.num_layers * 2 * pages * spec.page_size * kv_token
-    kv_write = spec.tokens * spec.num_layers * 2 * kv_token
+    kv_read = spec.batch * attending * pools * pages * spec.page_size * kv_token
+    kv_write = spec.tokens * attending * pools * kv_token
+    states = 2 * spec.batch * len(spec.linear_layers) * spec.state_bytes() if spec.linear_layers else 0
     io = spec.tokens * (spec.hidden * spec.weight_bytes + spec.vocab * 4)
     weights = sum(spec.layer_weight_bytes(layer) for layer in range(spec.num_layers)) + spec.lm_head_bytes()
-    routers = len(spec.sparse_layers) * spec.router_bytes()
-    return weights + routers + kv_read + kv_write + io
+    side = len(spec.sparse_layers) * spec.router_bytes() + len(spec.linear_layers) * spec.conv_bytes()
+    return weights + side + kv_read + kv_write + states + io
 
 
 def step_floor_seconds(spec: MegakernelSpec, generation: str, context_len: int) -> float:

@@ -176,6 +176,28 @@ def prepare_layers(weights: dict, target: Any, projections: tuple[str, ...],
     return weights
 
 
+def megakernel(cfg: Any) -> Callable:
+    """The forward of the TPU decode megakernel for cfg (ValueError for what it does not cover)."""
+    from weld.models import megakernel as adapter
+
+    adapter.check_supported(cfg)
+    return adapter.forward
+
+
+def megakernel_weights(weights: dict, fuse: Callable[[dict], None] = lambda lw: None) -> dict:
+    """The tree for the TPU megakernel, which streams the declared matrices themselves: fuse(layer)
+    for the few small arrays it wants whole (KDA's three convs as one), and, when a tied
+    embedding was quantized as the LM head, a float copy of it for the kernel's row lookups by
+    DMA ("embed_table")."""
+    from weld.models.common import quant
+
+    for lw in weights["layers"]:
+        fuse(lw)
+    if quant.is_quantized(weights["embed"]):
+        weights["embed_table"] = jax.block_until_ready(weights["embed"].unpacked().astype(weights["final_norm"].dtype))
+    return weights
+
+
 def run_layers(x: jax.Array, layers: list, cache: Cache, block: Callable) -> tuple[jax.Array, Cache, list]:
     """x [N, d] through every layer: block(i, layer_weights, x, layer_state) -> (x, layer_state).
     Returns (x, the new cache, the residual stream after each layer)."""

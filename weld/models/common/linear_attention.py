@@ -286,6 +286,11 @@ def fuse_inputs(net: DeltaNet, lw: dict) -> None:
             for name in names:
                 del lw[name]
             lw["w_in"] = fused
+    fuse_convs(lw)
+
+
+def fuse_convs(lw: dict) -> None:
+    """KDA's three convs (q, k, v) as one `conv` [C, K], in place (GDN has one already)."""
     if CONVS[0] in lw:
         lw["conv"] = jnp.concatenate([lw.pop(name) for name in CONVS])
 
