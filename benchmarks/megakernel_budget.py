@@ -5,7 +5,8 @@
 Pure arithmetic on `weld.kernels.megakernel.plan` (no TPU needed): for each shape, weight type
 and batch, the plan's ring, KV tiles and activations, whether it fits each generation's VMEM
 (and at which ring depth), and the bytes a step must move with the time that takes at the
-generation's HBM bandwidth. Prints markdown tables (docs/megakernel.md holds a copy).
+generation's HBM bandwidth. int8 rows keep what the families' declarations leave unquantized in
+bf16 (a float ring beside the int8 one). Prints markdown tables (docs/megakernel.md holds a copy).
 """
 
 from __future__ import annotations
@@ -47,11 +48,20 @@ SHAPES = {"Qwen3-30B-A3B (MoE)": QWEN3_MOE_30B, "Kimi-K2 (MLA + MoE)": KIMI_K2,
           "Qwen3-Next-80B-A3B (GDN 3:1 + MoE)": QWEN3_NEXT_80B, "Kimi-Linear-48B-A3B (KDA 3:1 MLA + MoE)": KIMI_LINEAR_48B}
 
 
+def unquantized(spec: plan.MegakernelSpec) -> tuple[str, ...]:
+    """The matrices an int8 load leaves bf16, as the families declare them: MLA's W_UK / W_UV,
+    linear attention's beta and decay projections (and KDA's low-rank pairs)."""
+    names = {name for layer in range(spec.num_layers) for name, _, _ in spec.matrices(layer)}
+    return tuple(sorted(names & {"w_uk", "w_uv", "w_b", "w_a", "w_fa", "w_fb", "w_ga", "w_gb"}))
+
+
 def rows(context: int):
     for name, base in SHAPES.items():
         for weights, wb, sb in (("bf16", 2, 0), ("int8", 1, 4)):
             for batch in (1, 8):
-                spec = plan.MegakernelSpec(**{**base.__dict__, "weight_bytes": wb, "scale_bytes": sb, "batch": batch})
+                floats = dict(float_matrices=unquantized(base), float_bytes=2) if sb else {}
+                spec = plan.MegakernelSpec(**{**base.__dict__, "weight_bytes": wb, "scale_bytes": sb, "batch": batch,
+                                              **floats})
                 fits = []
                 for gen in plan.TPU_GENERATIONS:
                     try:

@@ -168,8 +168,9 @@ def test_verify_block_qwen_batch2(interpret):
 def _quantized(weights, cfg):
     """The tree as loaded with quantization "int8_channel" (what the declaration marks, by
     `weld.weights.tree.finished`'s rule), prepared for the megakernel."""
-    out = map_specs(lambda path, spec: _leaf(weights, path, spec), llama.weight_specs(cfg))
-    return llama.prepare_weights(out, cfg, WeightTarget(backend="megakernel"))
+    family = _family(cfg)
+    out = map_specs(lambda path, spec: _leaf(weights, path, spec), family.weight_specs(cfg))
+    return family.prepare_weights(out, cfg, WeightTarget(backend="megakernel"))
 
 
 def _leaf(weights, path, spec):
@@ -191,9 +192,15 @@ def test_int8_weights_match_xla_on_dequantized_weights(interpret, cfg):
     """int8 matrices with per-output-channel scales, quantized once at load and streamed with their
     scales (a tied embedding as the LM head too, looked up in its float copy): equal to the XLA
     path run on the dequantized weights, and not equal to the f32 model (quantization happened)."""
-    weights, cache, bt, tok, pos = _setup(cfg, batch=1, seed=2)
-    quantized = _quantized(weights, cfg)
+    quantized = _int8_matches_xla(cfg, interpret)
     assert quant.is_quantized(quantized["layers"][0]["wq"]) and quantized["layers"][0]["wq"].fmt == "int8_channel"
+
+
+def _int8_matches_xla(cfg, interpret, setup=_setup):
+    """The kernel on the tree quantized at load equals the XLA path on its dequantized values (and
+    on the quantized tree itself), and differs from the float model. Returns the quantized tree."""
+    weights, cache, bt, tok, pos = setup(cfg, batch=1, seed=2)
+    quantized = _quantized(weights, cfg)
     options = dataclasses.replace(OPTIONS, interpret=interpret)
     logits, _, k_cache = _kernel_step(cfg, options)(quantized, tok[:, None], pos[:, None], cache, bt)
     ref, _, ref_cache = _xla_step(cfg)(_dequantized(quantized), tok[:, None], pos[:, None], cache, bt)
@@ -205,6 +212,7 @@ def test_int8_weights_match_xla_on_dequantized_weights(interpret, cfg):
     full, _, _ = _xla_step(cfg)(weights, tok[:, None], pos[:, None], cache, bt)
     assert _rel_err(logits, full) > 1e-4
     assert not races_found()
+    return quantized
 
 
 def test_int8_round_trip_by_hand():

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from interpret_mode import races_found
-from test_megakernel_decode import (OPTIONS, PAGE, _assert_caches_close, _greedy_run, _rel_err, _setup,
+from test_megakernel_decode import (OPTIONS, PAGE, _assert_caches_close, _greedy_run, _int8_matches_xla, _rel_err, _setup,
                                     _verify_block, _xla_step)
 
 from weld.kernels.megakernel import decode as mk
@@ -159,6 +159,16 @@ def test_planted_state_bug_is_caught(interpret, bug):
         assert not np.allclose(np.asarray(states[0][1]), np.asarray(ref_cache.layers[0].state), atol=1e-3)  # ... its slot is not
     else:
         assert not np.allclose(np.asarray(logits), np.asarray(ref), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("cfg", [NEXT_SMALL, pytest.param(KIMI, marks=pytest.mark.slow)], ids=["gdn", "kda"])
+def test_int8_hybrid_streams_int8_and_float_matrices(interpret, cfg):
+    """`quantization="int8_channel"` on a hybrid: the large projections are int8, the small ones
+    (beta, the decays, KDA's low-rank pairs) stay float as declared; the kernel streams both
+    kinds and matches the XLA path on the same tree."""
+    quantized = _int8_matches_xla(cfg, interpret)  # prepare_weights fuses KDA's convs
+    floats = megakernel.float_matrices(megakernel.kernel_params(cfg, quantized))
+    assert "w_b" in floats and "w_out" not in floats
 
 
 def test_linear_validation():

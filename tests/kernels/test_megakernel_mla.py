@@ -13,13 +13,15 @@ import functools
 import jax.numpy as jnp
 import pytest
 from interpret_mode import races_found
-from test_megakernel_decode import OPTIONS, PAGE, _assert_caches_close, _greedy_run, _kernel_step, _rel_err, _setup, _xla_step
+from test_megakernel_decode import (OPTIONS, PAGE, _assert_caches_close, _greedy_run, _int8_matches_xla, _kernel_step, _rel_err,
+                                    _setup, _xla_step)
 
 from weld.kernels.megakernel import decode as mk
 from weld.kernels.megakernel import plan as mkplan
 from weld.models import deepseek
 from weld.models import megakernel
 from weld.models.common import moe as moe_lib
+from weld.models.common import quant
 from weld.models.common.mla import MLA, mla_scale
 from weld.models.common.rope import Rope, RopeScaling
 
@@ -112,3 +114,17 @@ def test_mla_validation():
     nope = dataclasses.replace(V2_DENSE, mla=dataclasses.replace(V2_DENSE.mla, rope=None))
     with pytest.raises(ValueError, match="NoPE"):
         megakernel.check_supported(nope)
+
+
+def test_int8_with_float_latent_matrices_matches_xla(interpret):
+    """`quantization="int8_channel"` on an MLA model: the declared projections are int8, W_UK and
+    W_UV stay float (the declaration does not quantize them), and the kernel streams both kinds,
+    each through a ring of its own: the XLA path's logits on the same tree."""
+    quantized = _int8_matches_xla(V3, interpret, setup=_setup)
+    lw = quantized["layers"][0]
+    assert quant.is_quantized(lw["wkv_a"]) and not quant.is_quantized(lw["w_uk"])
+    spec = megakernel.spec_for(V3, batch=1, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32, int8=True,
+                               float_matrices=megakernel.float_matrices(megakernel.kernel_params(V3, quantized)))
+    assert spec.float_matrices == ("w_uk", "w_uv")
+    tiles = mkplan.stream_schedule(spec, tile_rows=16)
+    assert {t.nbytes for t in tiles if t.matrix == "w_uk"} == {16 * 16 * 4}  # f32 rows, no scales

@@ -66,8 +66,10 @@ def check_supported(cfg) -> None:
 
 
 def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight_dtype, kv_dtype,
-             pages_per_kv_tile: int = 8, int8: bool = False) -> MegakernelSpec:
-    """The kernel's spec for `cfg` at this batch shape."""
+             pages_per_kv_tile: int = 8, int8: bool = False, float_matrices: tuple[str, ...] = (),
+             float_dtype=jnp.float32) -> MegakernelSpec:
+    """The kernel's spec for `cfg` at this batch shape (`float_matrices`: those that stay
+    float_dtype in an int8 model)."""
     check_supported(cfg)
     mla = _mla(cfg)
     rope = mla.rope if mla else cfg.rope
@@ -98,7 +100,8 @@ def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight
         hidden=cfg.hidden_size, intermediate=max(cfg.intermediate_size, 1), vocab=cfg.vocab_size,
         num_layers=cfg.num_layers, weight_bytes=1 if int8 else jnp.dtype(weight_dtype).itemsize,
         kv_bytes=jnp.dtype(kv_dtype).itemsize, batch=batch, tokens_per_row=tokens_per_row, page_size=page_size,
-        pages_per_kv_tile=pages_per_kv_tile, scale_bytes=4 if int8 else 0, rms_norm_eps=cfg.rms_norm_eps,
+        pages_per_kv_tile=pages_per_kv_tile, scale_bytes=4 if int8 else 0, float_matrices=tuple(float_matrices),
+        float_bytes=jnp.dtype(float_dtype).itemsize, rms_norm_eps=cfg.rms_norm_eps,
         rope_mscale=float(mscale), **attention, **experts, **linear)
 
 
@@ -172,15 +175,30 @@ def _layer_params(lw: dict, mla: bool) -> dict:
         out = {name: _matrix(lw[_WEIGHT_NAMES[name]]) for name in names}
         for name in ("w_uk", "w_uv"):
             if name in out:
-                if isinstance(out[name], Int8Matrix):
-                    raise ValueError("the megakernel's MLA takes float weights (W_UK / W_UV are not quantized)")
-                out[name] = out[name].reshape(-1, out[name].shape[-1])
+                out[name] = _heads_as_rows(out[name])
     mlp = lw.get("moe", lw)
     out.update({name: _matrix(mlp[_WEIGHT_NAMES[name]]) for name in MATRICES[4:]})
     if "moe" in lw:
         out["router"] = mlp["router"]
         out.update({name: _matrix(mlp["shared"][key]) for name, key in _SHARED_NAMES.items() if "shared" in mlp})
     return out
+
+
+def _heads_as_rows(w):
+    """[heads, dims, latent] as [heads x dims, latent] (a reshape: the same bytes)."""
+    if isinstance(w, Int8Matrix):
+        return Int8Matrix(w.q.reshape(-1, w.q.shape[-1]), w.scale.reshape(-1))
+    return w.reshape(-1, w.shape[-1])
+
+
+def float_matrices(params: dict) -> tuple[str, ...]:
+    """The kernel's names of the matrices that stay float in a model quantized to int8 (what the
+    family's declaration leaves unquantized: MLA's W_UK / W_UV, linear attention's small
+    projections); () when nothing is int8."""
+    if not isinstance(params["lm_head"], Int8Matrix):
+        return ()
+    return tuple(sorted({name for lw in params["layers"] for name, w in lw.items()
+                         if name not in ("router", "conv") and not isinstance(w, Int8Matrix)}))
 
 
 def router(cfg):
@@ -237,7 +255,8 @@ def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: Attentio
     states = [(s.conv, s.state) for s in cache.layers if isinstance(s, RecurrentState)]
     spec = spec_for(cfg, batch=b, tokens_per_row=t, page_size=cache.page_size, weight_dtype=params["embed"].dtype,
                     kv_dtype=k_pools[0].dtype, pages_per_kv_tile=options.pages_per_kv_tile,
-                    int8=isinstance(params["lm_head"], Int8Matrix))
+                    int8=isinstance(params["lm_head"], Int8Matrix), float_matrices=float_matrices(params),
+                    float_dtype=params["embed"].dtype)
     logits, _, k, v, hidden, states = decode_step(
         spec, params, tokens, positions, batch.block_tables, k_pools, v_pools, linear_states=states,
         state_slots=batch.state_slots, tile_rows=options.tile_rows, vocab_tile_rows=options.vocab_tile_rows,

@@ -134,6 +134,9 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, l
         if tuple(params[name].shape) != expected[name]:
             raise ValueError(f"params[{name!r}] must be {expected[name]}, got {tuple(params[name].shape)}")
     int8 = isinstance(params["lm_head"], Int8Matrix)
+    if int8 != bool(spec.scale_bytes):
+        raise ValueError(f"the LM head is {'int8' if int8 else 'float'} but spec.scale_bytes is {spec.scale_bytes} "
+                         "(int8 models stream per-channel scales)")
     for i, layer in enumerate(params["layers"]):
         shapes = {name: (rows, cols) for name, rows, cols in spec.matrices(i)}
         if i in spec.sparse_layers:  # the routed experts' stacks [E, out, in] and the router [E, d]
@@ -151,8 +154,10 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, l
                 axes = "[experts, out, in]" if len(shape) == 3 else "[out, in]"
                 raise ValueError(f"layers[{i}][{name!r}] must be {axes} = {shape}, "
                                  f"got {None if w is None else tuple(w.shape)}")
-            if isinstance(w, Int8Matrix) != int8:
-                raise ValueError(f"layers[{i}][{name!r}]: mix of int8 and float matrices (lm_head int8: {int8})")
+            if isinstance(w, Int8Matrix) != (int8 and not spec.is_float(name)):
+                raise ValueError(f"layers[{i}][{name!r}] is {'int8' if isinstance(w, Int8Matrix) else 'float'}, but the "
+                                 f"spec streams it as {'float' if spec.is_float(name) or not int8 else 'int8'} "
+                                 f"(float_matrices {spec.float_matrices}, int8 model: {int8})")
 
 
 def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tables, k_pools, v_pools, *,
@@ -233,19 +238,31 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             matrices.append(layer[name])
     index[(-1, "lm_head")] = len(matrices)
     matrices.append(params["lm_head"])
-    int8 = isinstance(params["lm_head"], Int8Matrix)
-    weight_ops = [m.q for m in matrices] if int8 else list(matrices)
+    quantized = [isinstance(m, Int8Matrix) for m in matrices]  # per matrix: int8 codes and scales, or floats
+    int8 = any(quantized)
+    weight_ops = [m.q if q else m for m, q in zip(matrices, quantized)]
     # scales [1, out], or an expert stack's [E, 1, out]: a tile's scales are one row of them
-    scale_ops = [m.scale.astype(jnp.float32).reshape(m.scale.shape[:-1] + (1, -1)) for m in matrices] if int8 else []
+    scale_of = {m: j for j, m in enumerate(i for i, q in enumerate(quantized) if q)}  # matrix -> its scales
+    scale_ops = [matrices[m].scale.astype(jnp.float32).reshape(matrices[m].scale.shape[:-1] + (1, -1))
+                 for m in scale_of]
+    # One ring of VMEM slots per weight kind present (int8 codes, floats), slot for slot: tile i
+    # uses slot i % depth of its kind's ring; each ring's slot fits that kind's largest tile.
+    kinds = sorted({quantized[index[(x.layer, x.matrix)]] for x in tiles}, reverse=True)  # True: int8
+    float_dtypes = {w.dtype for w, q in zip(weight_ops, quantized) if not q}
+    if len(float_dtypes) > 1:
+        raise ValueError(f"the float matrices must share one dtype, got {sorted(map(str, float_dtypes))}")
+    ring_shapes = {}
+    for kind in kinds:
+        kept = [x for x in tiles if quantized[index[(x.layer, x.matrix)]] == kind]
+        ring_shapes[kind] = ((depth, max(x.rows for x in kept), max(x.cols for x in kept)),
+                             jnp.int8 if kind else next(iter(float_dtypes)))
     sparse = spec.sparse_layers
     routers = [params["layers"][i]["router"] for i in sparse]  # HBM [E, d], read whole once per layer
     convs = [params["layers"][i]["conv"] for i in lin_layers]  # HBM [C, K], read whole once per layer
     n_pairs, top_k = spec.pairs, spec.top_k
-    weight_dtype = weight_ops[0].dtype
     vector_names = _vector_names(spec)
     vectors = [params[name].astype(jnp.float32).reshape(-1, params[name].shape[-1]) for name in vector_names]
     kv_dtype = k_pools[0].dtype if k_pools else jnp.float32
-    max_rows, max_cols = max(x.rows for x in tiles), max(x.cols for x in tiles)
     n_vec, n_mat, n_scale, n_router, n_conv = len(vectors), len(weight_ops), len(scale_ops), len(routers), len(convs)
     n_cap = len(capture_layers)
     if _bug is not None and _bug in linear.BUGS and not lin_layers:
@@ -273,7 +290,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         state_out = [take(2) for _ in lin_layers]  # HBM (windows, states) per linear layer
         cap_refs = take(n_cap)  # VMEM [N, d] f32 per capture layer
         # scratch (see scratch_shapes)
-        ring, ring_sems, emb_buf, emb_sems, x_ref, delta_ref, qa_ref, ka_ref, va_ref = take(9)
+        rings = dict(zip(kinds, take(len(kinds))))  # int8 (True) and / or float (False) weight ring
+        ring_sems, emb_buf, emb_sems, x_ref, delta_ref, qa_ref, ka_ref, va_ref = take(8)
         q_heads, kn_ref, vn_ref, att_ref, gate_ref, up_ref = take(6)
         attn_scratch = take(4)
         scale_ring = take(1)[0] if int8 else None
@@ -287,15 +305,16 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         def tile_copies(i):
             tile = tiles[i]
             m, slot, rows = index[(tile.layer, tile.matrix)], i % depth, pl.ds(0, tile.rows)
-            src_w, src_s = w_refs[m], s_refs[m] if int8 else None
+            q = quantized[m]
+            src_w, src_s = w_refs[m], s_refs[scale_of[m]] if q else None
             if tile.pair >= 0:  # a routed expert's tile: the expert its pair chose, in SMEM since routing
                 expert = chosen[tile.pair // top_k, tile.pair % top_k]
                 if _bug == "wrong_expert":
                     expert = (expert + 1) % spec.num_experts
-                src_w, src_s = src_w.at[expert], src_s.at[expert] if int8 else None
+                src_w, src_s = src_w.at[expert], src_s.at[expert] if q else None
             copies = [pltpu.make_async_copy(src_w.at[pl.ds(tile.row_start, tile.rows)],
-                                            ring.at[slot, rows, pl.ds(0, tile.cols)], ring_sems.at[slot])]
-            if int8:  # the tile's scales ride on the same semaphore
+                                            rings[q].at[slot, rows, pl.ds(0, tile.cols)], ring_sems.at[slot])]
+            if q:  # the tile's scales ride on the same semaphore
                 copies.append(pltpu.make_async_copy(src_s.at[pl.ds(0, 1), pl.ds(tile.row_start, tile.rows)],
                                                     scale_ring.at[slot, pl.ds(0, 1), rows], ring_sems.at[slot]))
             return copies
@@ -327,18 +346,20 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                     for c in tile_copies(i):
                         c.wait()
                 slot = (i + 1) % depth if _bug == "wrong_slot" else i % depth
-                w = ring[slot, :tile.rows, :tile.cols]  # [rows, in]
-                if compute is not None:
-                    y = compute(w.astype(jnp.float32), tile)
+                q = quantized[index[(layer, name)]]
+                w = rings[q][slot, :tile.rows, :tile.cols]  # [rows, in]
+                if compute is not None:  # per-row scales applied to the weights first
+                    w = w.astype(jnp.float32)
+                    y = compute(w * scale_ring[slot, 0, :tile.rows][:, None] if q else w, tile)
                 else:
-                    if int8:
+                    if q:
                         w, lhs = w.astype(jnp.float32), x
                     else:
                         lhs = x.astype(w.dtype)
                     y = jax.lax.dot_general(lhs, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                             precision=jax.lax.Precision.HIGHEST)  # [N, rows]
-                if int8:
-                    y = y * scale_ring[slot, :, :tile.rows]  # [1, rows]
+                    if q:
+                        y = y * scale_ring[slot, :, :tile.rows]  # [1, rows]
                 write(tile.row_start, tile.rows, y)
                 i += 1
                 cursor[0] = i
@@ -551,9 +572,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         ids_ref[...] = jnp.argmax(logits_ref[...], axis=-1).astype(jnp.int32)[:, None]
 
     vmem, f32 = pltpu.MemorySpace.VMEM, jnp.float32
-    scratch = [
-        pltpu.VMEM((depth, max_rows, max_cols), weight_dtype),  # the weight ring
-        pltpu.SemaphoreType.DMA((depth,)),  # one DMA semaphore per ring slot
+    scratch = [pltpu.VMEM(*ring_shapes[kind]) for kind in kinds] + [  # the weight rings
+        pltpu.SemaphoreType.DMA((depth,)),  # one DMA semaphore per ring slot (shared by the rings)
         pltpu.VMEM((n_tok, d), params["embed"].dtype),  # the N embedding rows, as fetched
         pltpu.SemaphoreType.DMA((n_tok,)),  # one per embedding row
         pltpu.VMEM((n_tok, d), f32),  # x: the residual stream
@@ -569,7 +589,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         pltpu.VMEM((n_tok, spec.intermediate), f32),  # up
     ] + kv_scratch(spec.pages_per_kv_tile, spec.page_size, kvh, e, kv_dtype)  # KV tiles and their semaphores
     if int8:
-        scratch.append(pltpu.VMEM((depth, 1, max_rows), f32))  # the scale ring, one row of scales per slot
+        scratch.append(pltpu.VMEM((depth, 1, ring_shapes[True][0][1]), f32))  # the scale ring: a row per slot
     if spec.mla:
         scratch.append(pltpu.VMEM((n_tok, h * spec.v_dim), f32))  # W_UV's output: o's input
         if spec.q_lora:

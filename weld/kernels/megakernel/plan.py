@@ -82,6 +82,11 @@ class MegakernelSpec:
     page_size: int = 16
     pages_per_kv_tile: int = 8
     scale_bytes: int = 0  # bytes of per-output-channel scale per weight row (int8 weights: 4, f32)
+    # matrices streamed as floats of float_bytes beside int8 ones (names of `matrices`: the ones a
+    # model's declaration leaves unquantized, e.g. MLA's W_UK / W_UV, linear attention's small
+    # projections); they travel in a float ring of their own
+    float_matrices: tuple[str, ...] = ()
+    float_bytes: int = 4
     # switches of the dense family (the kernel reads them; the budget counts their vectors)
     qkv_bias: bool = False
     o_bias: bool = False
@@ -290,12 +295,21 @@ class MegakernelSpec:
         d, i = self.hidden, self.expert_intermediate
         return [("gate", i, d), ("up", i, d), ("down", d, i)]
 
+    def is_float(self, name: str) -> bool:
+        """Matrix `name` streams as floats beside int8 ones (`float_matrices`)."""
+        return name in self.float_matrices
+
+    def tile_bytes(self, name: str, rows: int, cols: int) -> int:
+        """Bytes of `rows` rows of matrix `name`: its elements, and its scales when int8."""
+        if self.is_float(name):
+            return rows * cols * self.float_bytes
+        return rows * (cols * self.weight_bytes + self.scale_bytes)
+
     def layer_weight_bytes(self, layer: int = 0) -> int:
         """Bytes a call streams for one layer: a sparse layer's experts once per routed pair."""
-        row = lambda r, c: r * (c * self.weight_bytes + self.scale_bytes)  # noqa: E731
-        static = sum(row(r, c) for _, r, c in self.matrices(layer))
+        static = sum(self.tile_bytes(n, r, c) for n, r, c in self.matrices(layer))
         if layer in self.sparse_layers:
-            static += self.pairs * sum(row(r, c) for _, r, c in self.expert_matrices())
+            static += self.pairs * sum(self.tile_bytes(n, r, c) for n, r, c in self.expert_matrices())
         return static
 
     def conv_bytes(self) -> int:
@@ -334,7 +348,7 @@ class Plan:
     spec: MegakernelSpec
     tiles: tuple[Tile, ...]
     ring_depth: int
-    slot_bytes: int  # every ring slot is [max tile rows, max tile cols] (see make_plan)
+    slot_bytes: int  # every ring slot is [max tile rows, max tile cols] (see make_plan); a mixed model: one of each ring
     ring_bytes: int
     kv_bytes: int
     activation_bytes: int
@@ -368,7 +382,7 @@ def stream_schedule(spec: MegakernelSpec, *, tile_rows: int = 256, vocab_tile_ro
 
     def add(layer: int, name: str, rows: int, cols: int, per_tile: int, pair: int = -1):
         for start, n in row_tiles(rows, per_tile):
-            tiles.append(Tile(len(tiles), layer, name, start, n, cols, n * (cols * spec.weight_bytes + spec.scale_bytes),
+            tiles.append(Tile(len(tiles), layer, name, start, n, cols, spec.tile_bytes(name, n, cols),
                               pair))
 
     for layer in range(spec.num_layers):
@@ -444,9 +458,13 @@ def make_plan(spec: MegakernelSpec, *, ring_depth: int = 4, tile_rows: int = 256
     tiles = stream_schedule(spec, tile_rows=tile_rows, vocab_tile_rows=vocab_tile_rows)
     # A slot is one rectangular VMEM buffer that any tile fits (stream.py slices it per tile), so
     # it is the most rows times the most columns, not the largest tile: keep vocab tiles no taller
-    # than the others or the ring grows to vocab_tile_rows x intermediate.
-    rows = max(t.rows for t in tiles)
-    slot = rows * (max(t.cols for t in tiles) * spec.weight_bytes + spec.scale_bytes)
+    # than the others or the ring grows to vocab_tile_rows x intermediate. A model with int8 and
+    # float matrices has a ring of each, slot for slot.
+    slot = 0
+    for kind in (False, True):  # the quantized (or only) ring, then the float ring of a mixed model
+        kept = [t for t in tiles if spec.is_float(t.matrix) == kind]
+        if kept:
+            slot += spec.tile_bytes(kept[0].matrix, max(t.rows for t in kept), max(t.cols for t in kept))
     return Plan(spec, tuple(tiles), ring_depth, slot, ring_depth * slot, kv_tile_bytes(spec),
                 activation_bytes(spec))
 
