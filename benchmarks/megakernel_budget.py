@@ -6,7 +6,8 @@ Pure arithmetic on `weld.kernels.megakernel.plan` (no TPU needed): for each shap
 and batch, the plan's ring, KV tiles and activations, whether it fits each generation's VMEM
 (and at which ring depth), and the bytes a step must move with the time that takes at the
 generation's HBM bandwidth. int8 rows keep what the families' declarations leave unquantized in
-bf16 (a float ring beside the int8 one). Prints markdown tables (docs/megakernel.md holds a copy).
+bf16 (a float ring beside the int8 one); "int8 + int4 experts" is the seeds' mix
+(`--quantization int8_channel_int4_experts`: routed experts int4 with a scale and min per 128 inputs). Prints markdown tables (docs/megakernel.md holds a copy).
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ def unquantized(spec: plan.MegakernelSpec) -> tuple[str, ...]:
 
 def rows(context: int):
     for name, base in SHAPES.items():
-        for weights, wb, sb in (("bf16", 2, 0), ("int8", 1, 4)):
+        for weights, wb, sb, int4 in (("bf16", 2, 0, False), ("int8", 1, 4, False), ("int8 + int4 experts", 1, 4, True)):
             for batch in (1, 8):
                 floats = dict(float_matrices=unquantized(base), float_bytes=2) if sb else {}
                 spec = plan.MegakernelSpec(**{**base.__dict__, "weight_bytes": wb, "scale_bytes": sb, "batch": batch,
-                                              **floats})
+                                              "int4_experts": int4, **floats})
                 fits = []
                 for gen in plan.TPU_GENERATIONS:
                     try:

@@ -29,8 +29,10 @@ DEFAULT_KV_CACHE_GB = 1.0
 # anything else as stored; "none" dequantizes every tensor to dtype; "int8" / "int4" / "int4_g128"
 # quantize the projections and the LM head once at load (a scale per 32 inputs, int4_g128 per 128:
 # `weld.models.common.quant`, for the CPU kernels); "int8_channel" per output channel (for XLA on
-# GPU / TPU and the megakernel).
-QUANTIZATIONS = ("none", "int8", "int4", "int4_g128", "int8_channel")
+# GPU / TPU and the megakernel); "int8_channel_int4_experts" the seeds' MoE mix: that, with the
+# expert stacks int4 per group of 128 inputs.
+QUANTIZATIONS = ("none", "int8", "int4", "int4_g128", "int8_channel", "int8_channel_int4_experts")
+ROW_QUANTIZATIONS = ("int8_channel", "int8_channel_int4_experts")  # laid out as rows: XLA on GPU / TPU, the megakernel
 SPEC_METHODS = ("ngram", "draft_model", "dspark")
 # Bounds on sizes a user sets, checked before anything is allocated from them.
 MAX_NUM_SEQS = 4096
@@ -260,9 +262,9 @@ class EngineConfig:
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
         _check(self.quantization is None or self.quantization in QUANTIZATIONS,
                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        _check(self.backend != "megakernel" or self.quantization in (None, "none", "int8_channel"),
-               f"the megakernel backend takes float weights or int8 per output channel (quantization "
-               f"'int8_channel'), not {self.quantization!r}")
+        _check(self.backend != "megakernel" or self.quantization in (None, "none", *ROW_QUANTIZATIONS),
+               f"the megakernel backend takes float weights, int8 per output channel (quantization "
+               f"'int8_channel') or with int4 experts ('int8_channel_int4_experts'), not {self.quantization!r}")
         if self.parallel.sharded:
             _check(self.backend == "xla", "the megakernel backend runs on one device: use backend 'xla' with "
                                           "tensor_parallel_size or data_parallel_size > 1")
@@ -417,7 +419,8 @@ def add_quantization_argument(g) -> None:
                    help="weight quantization: int8 or int4 quantize the projections and LM head at load "
                         "(blocks of 32, for the CPU kernels; int4_g128: int4 with a scale and min per 128 "
                         "inputs; int8_channel: per output channel, for GPU, TPU "
-                        "and the megakernel); none dequantizes a GGUF (default: as stored, a GGUF's Q8_0/Q4_*/Q5_*/Q2_K..Q6_K "
+                        "and the megakernel; int8_channel_int4_experts: that, with MoE experts int4 per 128 "
+                        "inputs); none dequantizes a GGUF (default: as stored, a GGUF's Q8_0/Q4_*/Q5_*/Q2_K..Q6_K "
                         "blocks kept)")
 
 

@@ -70,7 +70,7 @@ def test_quantization_of_a_gguf(smollm2_f32, mode, tolerance):
 
 
 @pytest.mark.parametrize("variant", ENGINE_VARIANTS)
-@pytest.mark.parametrize("mode", ["int8", "int4", "int4_g128", "int8_channel"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4_g128", "int8_channel", "int8_channel_int4_experts"])
 def test_every_family_quantizes(variant, mode, tiny_family_dir):
     """An HF checkpoint of every family with quantization int8 / int4: its projections (and
     expert stacks) are quantized and the text scores as the f32 engine's up to the rounding (tiny random models:
@@ -82,12 +82,15 @@ def test_every_family_quantizes(variant, mode, tiny_family_dir):
     stacks = [x for lw in q.model.weights["layers"] for name, x in lw.get("moe", {}).items()
               if name in ("w_gate_up", "w_down")]
     assert bool(stacks) == bool(q.cfg.moe) and all(quant.is_quantized(x) and x.ndim == 3 for x in stacks)
+    if mode == "int8_channel_int4_experts":  # experts int4 per 128 inputs, every other matrix int8 per channel
+        assert all(x.fmt == "int4_g128_rows" for x in stacks)
+        assert {x.fmt for x in quantized_leaves(q)} - {"int4_g128_rows"} == {"int8_channel"}
     text = "Once upon a time there was a small model. def add(a, b): return a + b"
     ours, ref = text_logprobs(q, text), text_logprobs(f32, text)
     # The mean deviation relative to the mean score: a matrix read in the wrong layout moves it by
     # ~100%, rounding by a few % (per channel: a coarser step than per 32; the hybrids' recurrent
     # state carries rounding from token to token: int4 ~9% on the tiny Qwen3-Next, ~3% on Qwen3-MoE).
-    scale = {"int8": 0.03, "int8_channel": 0.06, "int4": 0.15, "int4_g128": 0.2}[mode]
+    scale = {"int8": 0.03, "int8_channel": 0.06, "int4": 0.15, "int4_g128": 0.2, "int8_channel_int4_experts": 0.2}[mode]
     assert np.abs(ours - ref).mean() < scale * np.abs(ref).mean(), (variant, mode)
     assert np.abs(ours - ref).max() > 0  # really quantized
 
@@ -95,5 +98,6 @@ def test_every_family_quantizes(variant, mode, tiny_family_dir):
 def test_bad_quantization_settings():
     with pytest.raises(InvalidInputError, match="quantization must be one of none, int8, int4, int4_g128, int8_channel"):
         LLM(quantization="fp8")
-    with pytest.raises(InvalidInputError, match="int8 per output channel .quantization 'int8_channel'., not 'int8'"):
+    with pytest.raises(InvalidInputError, match="int8 per output channel .quantization 'int8_channel'. or with int4 "
+                                                "experts .'int8_channel_int4_experts'., not 'int8'"):
         LLM(quantization="int8", backend="megakernel")

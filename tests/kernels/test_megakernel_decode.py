@@ -165,19 +165,19 @@ def test_verify_block_qwen_batch2(interpret):
     _verify_block(QWEN, 2, interpret)
 
 
-def _quantized(weights, cfg):
-    """The tree as loaded with quantization "int8_channel" (what the declaration marks, by
+def _quantized(weights, cfg, mode="int8_channel"):
+    """The tree as loaded with `quantization=mode` (what the declaration marks, by
     `weld.weights.tree.finished`'s rule), prepared for the megakernel."""
     family = _family(cfg)
-    out = map_specs(lambda path, spec: _leaf(weights, path, spec), family.weight_specs(cfg))
+    out = map_specs(lambda path, spec: _leaf(weights, path, spec, mode), family.weight_specs(cfg))
     return family.prepare_weights(out, cfg, WeightTarget(backend="megakernel"))
 
 
-def _leaf(weights, path, spec):
+def _leaf(weights, path, spec, mode):
     value = weights
     for key in path:
         value = value[key]
-    mode = quant.leaf_mode(spec.quantize, "int8_channel")
+    mode = quant.leaf_mode(spec.quantize, mode)
     return quant.quantize_any(np.asarray(value, np.float32), mode) if mode else value
 
 
@@ -196,11 +196,12 @@ def test_int8_weights_match_xla_on_dequantized_weights(interpret, cfg):
     assert quant.is_quantized(quantized["layers"][0]["wq"]) and quantized["layers"][0]["wq"].fmt == "int8_channel"
 
 
-def _int8_matches_xla(cfg, interpret, setup=_setup):
-    """The kernel on the tree quantized at load equals the XLA path on its dequantized values (and
-    on the quantized tree itself), and differs from the float model. Returns the quantized tree."""
-    weights, cache, bt, tok, pos = setup(cfg, batch=1, seed=2)
-    quantized = _quantized(weights, cfg)
+def _int8_matches_xla(cfg, interpret, setup=_setup, mode="int8_channel", batch=1):
+    """The kernel on the tree quantized at load (`mode`) equals the XLA path on its dequantized
+    values (and on the quantized tree itself), and differs from the float model. Returns the
+    quantized tree."""
+    weights, cache, bt, tok, pos = setup(cfg, batch=batch, seed=2)
+    quantized = _quantized(weights, cfg, mode)
     options = dataclasses.replace(OPTIONS, interpret=interpret)
     logits, _, k_cache = _kernel_step(cfg, options)(quantized, tok[:, None], pos[:, None], cache, bt)
     ref, _, ref_cache = _xla_step(cfg)(_dequantized(quantized), tok[:, None], pos[:, None], cache, bt)

@@ -143,3 +143,27 @@ def test_dspark_on_the_megakernel_reads_its_hidden_states(tiny_llama_dir, tmp_pa
                                                         "confidence_threshold": 0.0, "adaptive": False})
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)] == xla
     assert llm.engine.spec_stats()["spec_num_draft_tokens"] > 0
+
+
+def test_int4_experts_mix_on_the_megakernel(tiny_family_dir):
+    """`quantization="int8_channel_int4_experts"` with `backend="megakernel"`: the expert stacks
+    are int4 g128 rows quantized once at load and the kernel streams those arrays themselves
+    (the rest int8 per channel); its greedy tokens are the XLA backend's on the same weights."""
+    import jax
+
+    from weld.models import megakernel
+    from weld.models.common import quant
+
+    directory = tiny_family_dir("qwen3_moe")[0]
+    mix = "int8_channel_int4_experts"
+    llm = _llm(directory, "megakernel", mix)
+    lw = next(lw for lw in llm.model.weights["layers"] if "moe" in lw)
+    assert lw["moe"]["w_down"].fmt == "int4_g128_rows" and lw["wq"].fmt == "int8_channel"
+    params = megakernel.kernel_params(llm.cfg, llm.model.weights)
+    sparse = llm.cfg.sparse_layers[0]
+    assert params["layers"][sparse]["down"].q is lw["moe"]["w_down"].codes and megakernel.int4_experts(params)
+    assert not any(quant.is_quantized(w) for w in jax.tree_util.tree_leaves(params, is_leaf=quant.is_quantized))
+    params_run = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    xla = [o.outputs[0].token_ids for o in _llm(directory, "xla", mix).generate(PROMPTS[:2], params_run)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params_run)] == xla
+

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from interpret_mode import races_found
 from test_megakernel_decode import (LLAMA, OPTIONS, PAGE, _assert_caches_close, _dequantized, _greedy_run,
-                                    _kernel_step, _quantized, _rel_err, _setup, _xla_step)
+                                    _int8_matches_xla, _kernel_step, _quantized, _rel_err, _setup, _xla_step)
 
 from weld.kernels.megakernel import decode as mk
 from weld.kernels.megakernel import plan as mkplan
@@ -95,6 +95,27 @@ def test_int8_expert_stacks_match_xla_on_dequantized_weights(interpret):
     ref, _, _ = _xla_step(QWEN_MOE)(_dequantized(quantized), tok[:, None], pos[:, None], cache, bt)
     assert _rel_err(logits, ref) < 1e-3
     assert not races_found()
+
+
+# Wider than one int4 group: gate / up read 160 inputs (a whole group of 128 and a partial one),
+# down 136 (the same), so the padding inside the last group is exercised
+WIDE_MOE = dataclasses.replace(QWEN_MOE, hidden_size=160, moe=dataclasses.replace(QWEN_MOE.moe, intermediate_size=136))
+
+
+@pytest.mark.parametrize("cfg", [QWEN_MOE, pytest.param(WIDE_MOE, marks=pytest.mark.slow)], ids=["narrow", "wide"])
+def test_int4_g128_experts_beside_int8_matrices_match_xla(interpret, cfg):
+    """`quantization="int8_channel_int4_experts"` (the seeds' mix): expert stacks int4 with a
+    scale and min per 128 inputs, every other matrix int8 per channel, quantized once at load;
+    the kernel streams the packed codes with their groups' scales and mins and unpacks them in
+    VMEM: the XLA path's logits on the same tree, at batch 2 (four routed pairs per layer)."""
+    quantized = _int8_matches_xla(cfg, interpret, mode="int8_channel_int4_experts", batch=2)
+    stack, dense = quantized["layers"][0]["moe"]["w_gate"], quantized["layers"][1]["w_gate"]
+    assert stack.fmt == "int4_g128_rows" and dense.fmt == "int8_channel"
+    spec = megakernel.spec_for(cfg, batch=2, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32, int8=True,
+                               int4_experts=True)
+    groups = -(-cfg.hidden_size // 128)
+    expert_tiles = [t for t in mkplan.stream_schedule(spec, tile_rows=16) if t.pair == 0 and t.matrix == "gate"]
+    assert expert_tiles[0].nbytes == expert_tiles[0].rows * groups * (64 + 8)  # packed codes, scale and min
 
 
 def test_planted_wrong_expert_is_caught(interpret):

@@ -218,3 +218,35 @@ def test_int8_channel_matmul_materializes_no_float_weights(dtype):
         assert not materialized, materialized  # GPU / TPU: the convert lives inside the matmul
     y = np.asarray(layers.linear(x, w), np.float32)
     np.testing.assert_allclose(y, np.asarray(x, np.float32) @ np.asarray(w.unpacked()).T, rtol=2e-2, atol=2e-2)
+
+
+def test_int4_g128_rows_layout_and_values_by_hand():
+    """"int4_g128_rows", the rows form of int4 with a scale and min per 128 inputs (the seeds'
+    int4 experts): byte j of a row holds input j's code in its low nibble and input j + kp / 2's
+    in its high one (kp: k padded to whole groups); w = d c + mn per group. Its fit is
+    "int4_g128"'s, so both forms give the same matrix; k = 300 leaves a partial last group."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((5, 300)).astype(np.float32)
+    q = quant.quantize(w, "int4_g128_rows")
+    assert q.rows and q.shape == (5, 300) and q.codes.shape == (5, 192) and q.scales.shape == q.mins.shape == (5, 3)
+    codes = np.asarray(q.codes)
+    c = np.concatenate([codes & 15, codes >> 4], axis=1).astype(np.float32)  # [5, 384]: inputs 0..383
+    d, mn = np.asarray(q.scales), np.asarray(q.mins)
+    by_hand = (c.reshape(5, 3, 128) * d[:, :, None] + mn[:, :, None]).reshape(5, 384)[:, :300]
+    np.testing.assert_allclose(np.asarray(q.unpacked()), by_hand, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(q.unpacked()), np.asarray(quant.quantize(w, "int4_g128").unpacked()))
+    assert np.abs(by_hand - w).max() < 0.6 and np.abs(by_hand - w).mean() < 0.15  # 16 levels per group
+    np.testing.assert_array_equal(np.asarray(q[jnp.asarray([3, 1])]), np.asarray(q.unpacked())[[3, 1]])
+    x = rng.standard_normal((2, 300)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(layers.linear(jnp.asarray(x), q)), x @ by_hand.T, rtol=1e-4, atol=1e-4)
+    both = quant.concat_rows([q, quant.quantize(w[:2], "int4_g128_rows")])
+    np.testing.assert_array_equal(np.asarray(both.unpacked()), np.concatenate([by_hand, by_hand[:2]]))
+
+
+def test_the_int4_experts_mix_picks_a_format_per_kind():
+    mix = "int8_channel_int4_experts"
+    assert [quant.leaf_mode(kind, mix) for kind in ("linear", "head", "expert", None)] == \
+        ["int8_channel", "int8_channel", "int4_g128_rows", None]
+    assert quant.leaf_mode("expert", "int4") == "int4" and quant.leaf_mode("head", "int4") == "int8"
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        quant.quantize(np.ones((2, 4), np.float32), mix)  # a mix names formats, it is not one

@@ -100,7 +100,7 @@ def test_every_family_converts_quantized(variant, tiny_family_dir, tmp_path):
     assert converted.cfg == direct.cfg
     for path, spec in iter_specs(converted.family.weight_specs(converted.cfg)):
         entry = result.manifest["tensors"][path_str(path)]
-        assert entry.get("format") == {"linear": "int4", "head": "int8", None: None}[spec.quantize], path
+        assert entry.get("format") == {"linear": "int4", "expert": "int4", "head": "int8", None: None}[spec.quantize], path
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     # and loading it unquantized gives the dequantized blocks
     plain = load_model(tmp_path / "out", quantization="none")
@@ -129,6 +129,18 @@ def test_bfloat16_dtype_and_requested_forms(tiny_family_dir, tmp_path):
     native.convert(ModelSource("hf", directory, "q"), tmp_path / "ch", quantization="int8_channel", progress=False)
     assert_same_tree(load_model(tmp_path / "ch").weights,
                      load_model(ModelSource("hf", directory, "q"), quantization="int8_channel").weights)
+
+
+def test_the_int4_experts_mix_round_trips(tiny_family_dir, tmp_path):
+    """The seeds' MoE mix: expert stacks as int4 g128 rows (packed codes, f32 scales and mins per
+    group), every other matrix as int8 rows; a converted checkpoint loads as the quantizing load."""
+    directory, _ = tiny_family_dir("qwen3_moe")
+    mix = "int8_channel_int4_experts"
+    result = native.convert(ModelSource("hf", directory, "moe"), tmp_path / "mix", quantization=mix, progress=False)
+    formats = {entry.get("format") for entry in result.manifest["tensors"].values()}
+    assert formats == {"int4_g128_rows", "int8_channel", None}
+    assert_same_tree(load_model(tmp_path / "mix").weights,
+                     load_model(ModelSource("hf", directory, "moe"), quantization=mix).weights)
 
 
 def test_interrupted_conversion_resumes(tiny_family_dir, tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from weld.kernels.megakernel.decode import MATRICES, Int8Matrix, decode_step
+from weld.kernels.megakernel.decode import MATRICES, Int4Matrix, Int8Matrix, decode_step
 from weld.kernels.megakernel.plan import MegakernelSpec
 from weld.models import deepseek, kimi_linear, llama, qwen3_next
 from weld.models.common import linear_attention as la
@@ -67,7 +67,7 @@ def check_supported(cfg) -> None:
 
 def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight_dtype, kv_dtype,
              pages_per_kv_tile: int = 8, int8: bool = False, float_matrices: tuple[str, ...] = (),
-             float_dtype=jnp.float32) -> MegakernelSpec:
+             float_dtype=jnp.float32, int4_experts: bool = False) -> MegakernelSpec:
     """The kernel's spec for `cfg` at this batch shape (`float_matrices`: those that stay
     float_dtype in an int8 model)."""
     check_supported(cfg)
@@ -101,7 +101,7 @@ def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight
         num_layers=cfg.num_layers, weight_bytes=1 if int8 else jnp.dtype(weight_dtype).itemsize,
         kv_bytes=jnp.dtype(kv_dtype).itemsize, batch=batch, tokens_per_row=tokens_per_row, page_size=page_size,
         pages_per_kv_tile=pages_per_kv_tile, scale_bytes=4 if int8 else 0, float_matrices=tuple(float_matrices),
-        float_bytes=jnp.dtype(float_dtype).itemsize, rms_norm_eps=cfg.rms_norm_eps,
+        float_bytes=jnp.dtype(float_dtype).itemsize, int4_experts=int4_experts, rms_norm_eps=cfg.rms_norm_eps,
         rope_mscale=float(mscale), **attention, **experts, **linear)
 
 
@@ -198,7 +198,12 @@ def float_matrices(params: dict) -> tuple[str, ...]:
     if not isinstance(params["lm_head"], Int8Matrix):
         return ()
     return tuple(sorted({name for lw in params["layers"] for name, w in lw.items()
-                         if name not in ("router", "conv") and not isinstance(w, Int8Matrix)}))
+                         if name not in ("router", "conv") and not isinstance(w, (Int8Matrix, Int4Matrix))}))
+
+
+def int4_experts(params: dict) -> bool:
+    """The routed experts are int4 per group (`quant` "int4_g128_rows")."""
+    return any(isinstance(lw.get("down"), Int4Matrix) for lw in params["layers"])
 
 
 def router(cfg):
@@ -209,13 +214,16 @@ def router(cfg):
 
 
 def _matrix(w):
-    """A float matrix as it is; a QuantWeight as the kernel's `Int8Matrix` of its own arrays."""
+    """A float matrix as it is; a QuantWeight as the kernel's `Int8Matrix` or `Int4Matrix` of its
+    own arrays (an expert stack's carry the leading axis)."""
     if not isinstance(w, QuantWeight):
         return w
-    if w.fmt != "int8_channel":
-        raise ValueError(f"the megakernel streams float or int8 per-channel matrices, not {w.fmt} blocks: "
-                         "load with quantization 'int8_channel' or 'none'")
-    return Int8Matrix(w.codes, w.scales)  # an expert stack's: [E, out, in] codes, [E, out] scales
+    if w.fmt == "int8_channel":
+        return Int8Matrix(w.codes, w.scales)
+    if w.fmt == "int4_g128_rows":
+        return Int4Matrix(w.codes, w.scales, w.mins, w.k)
+    raise ValueError(f"the megakernel streams float, int8 per-channel or int4 g128 row matrices, not {w.fmt} "
+                     "blocks: load with quantization 'int8_channel', 'int8_channel_int4_experts' or 'none'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +264,7 @@ def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: Attentio
     spec = spec_for(cfg, batch=b, tokens_per_row=t, page_size=cache.page_size, weight_dtype=params["embed"].dtype,
                     kv_dtype=k_pools[0].dtype, pages_per_kv_tile=options.pages_per_kv_tile,
                     int8=isinstance(params["lm_head"], Int8Matrix), float_matrices=float_matrices(params),
-                    float_dtype=params["embed"].dtype)
+                    float_dtype=params["embed"].dtype, int4_experts=int4_experts(params))
     logits, _, k, v, hidden, states = decode_step(
         spec, params, tokens, positions, batch.block_tables, k_pools, v_pools, linear_states=states,
         state_slots=batch.state_slots, tile_rows=options.tile_rows, vocab_tile_rows=options.vocab_tile_rows,

@@ -375,10 +375,10 @@ def _check_entry(directory, name: str, entry: dict, spec, parts: dict) -> None:
     p, nb = -(-n // quant.PANEL), -(-k // quant.BLOCK)
     scales = (*lead, *quant.scales_shape(fmt, n, k))
     want = {"codes": ("U8", (*lead, p, nb, quant.block_bytes(bits))), "scales": ("F16", scales)}
-    if fmt in quant.ROWS:  # signed codes as rows, an f32 scale per output
-        want = {"codes": ("I8", (*lead, n, k)), "scales": ("F32", (*lead, n))}
     if has_mins:
         want["mins"] = want["scales"]
+    if fmt in quant.ROWS:  # codes as rows, f32 scales per output (and group)
+        want = {key: (kind, (*lead, *shape)) for key, (kind, shape) in quant.rows_parts(fmt, n, k).items()}
     have = {key.rsplit(".", 1)[1]: (kind, tuple(shape)) for key, (kind, shape, _) in parts.items()}
     if have != want:
         raise CheckpointError(f"{where} ({fmt}, {spec.shape}) is stored as {have}, expected {want}")

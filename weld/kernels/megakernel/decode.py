@@ -45,7 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from weld.kernels.megakernel import linear
 from weld.kernels.megakernel.attention import attend_rows, kv_scratch
-from weld.kernels.megakernel.plan import MegakernelSpec, Plan, fit_plan, make_plan
+from weld.kernels.megakernel.plan import INT4_GROUP, MegakernelSpec, Plan, fit_plan, make_plan
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a dense layer's, in stream order (plan.matrices)
 BUGS = (None, "skip_wait", "wrong_slot", "wrong_expert") + linear.BUGS[1:]  # planted bugs, for the tests
@@ -70,6 +70,40 @@ class Int8Matrix:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.q.shape
+
+
+@dataclasses.dataclass
+class Int4Matrix:
+    """A weight matrix as unsigned 4-bit codes with an f32 scale and min per group of
+    `plan.INT4_GROUP` inputs and output: w = scale c + min. The kernel's view of
+    `weld.models.common.quant.QuantWeight` "int4_g128_rows" (its arrays, as quantized at load):
+    byte j of a row holds input j in its low nibble and input j + kp / 2 in its high one (kp: the
+    inputs padded to whole groups)."""
+
+    q: jax.Array  # uint8 [..., out, kp / 2]
+    scale: jax.Array  # f32 [..., out, kp / 128]
+    min: jax.Array  # f32 [..., out, kp / 128]
+    k: int  # the inputs (static)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape[:-1]) + (self.k,)
+
+
+jax.tree_util.register_dataclass(Int4Matrix, data_fields=["q", "scale", "min"], meta_fields=["k"])
+
+
+def _kind(w) -> str:
+    """How a matrix streams: "int8", "int4" or "float" (`MegakernelSpec.kind`)."""
+    return "int8" if isinstance(w, Int8Matrix) else "int4" if isinstance(w, Int4Matrix) else "float"
+
+
+def _unpack_int4(codes, scale, minimum, cols):
+    """Codes [rows, kp / 2] (uint8), scale and min [rows, kp / 128] -> f32 [rows, cols]."""
+    c = jnp.concatenate([codes & 0x0F, codes >> 4], axis=-1).astype(jnp.float32)  # [rows, kp]
+    rows, kp = c.shape
+    c = c.reshape(rows, kp // INT4_GROUP, INT4_GROUP)
+    return (c * scale[:, :, None] + minimum[:, :, None]).reshape(rows, kp)[:, :cols]
 
 
 def tpu_generation(device_kind: str) -> str:
@@ -154,10 +188,11 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, l
                 axes = "[experts, out, in]" if len(shape) == 3 else "[out, in]"
                 raise ValueError(f"layers[{i}][{name!r}] must be {axes} = {shape}, "
                                  f"got {None if w is None else tuple(w.shape)}")
-            if isinstance(w, Int8Matrix) != (int8 and not spec.is_float(name)):
-                raise ValueError(f"layers[{i}][{name!r}] is {'int8' if isinstance(w, Int8Matrix) else 'float'}, but the "
-                                 f"spec streams it as {'float' if spec.is_float(name) or not int8 else 'int8'} "
-                                 f"(float_matrices {spec.float_matrices}, int8 model: {int8})")
+            want = spec.kind(name, expert=len(shape) == 3)
+            if _kind(w) != want:
+                raise ValueError(f"layers[{i}][{name!r}] is {_kind(w)}, but the spec streams it as {want} "
+                                 f"(float_matrices {spec.float_matrices}, int8 model: {int8}, "
+                                 f"int4 experts: {spec.int4_experts})")
 
 
 def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tables, k_pools, v_pools, *,
@@ -238,24 +273,29 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             matrices.append(layer[name])
     index[(-1, "lm_head")] = len(matrices)
     matrices.append(params["lm_head"])
-    quantized = [isinstance(m, Int8Matrix) for m in matrices]  # per matrix: int8 codes and scales, or floats
-    int8 = any(quantized)
-    weight_ops = [m.q if q else m for m, q in zip(matrices, quantized)]
-    # scales [1, out], or an expert stack's [E, 1, out]: a tile's scales are one row of them
-    scale_of = {m: j for j, m in enumerate(i for i, q in enumerate(quantized) if q)}  # matrix -> its scales
+    kind_of = [_kind(m) for m in matrices]  # per matrix: "int8", "int4" or "float"
+    int8 = "int8" in kind_of
+    weight_ops = [m if k == "float" else m.q for m, k in zip(matrices, kind_of)]
+    # int8: scales [1, out], or an expert stack's [E, 1, out] (a tile's scales are one row of them);
+    # int4: scales and mins [out, groups] ([E, out, groups]), a tile's are its rows of them
+    scale_of = {m: j for j, m in enumerate(i for i, k in enumerate(kind_of) if k == "int8")}  # matrix -> its scales
     scale_ops = [matrices[m].scale.astype(jnp.float32).reshape(matrices[m].scale.shape[:-1] + (1, -1))
                  for m in scale_of]
-    # One ring of VMEM slots per weight kind present (int8 codes, floats), slot for slot: tile i
-    # uses slot i % depth of its kind's ring; each ring's slot fits that kind's largest tile.
-    kinds = sorted({quantized[index[(x.layer, x.matrix)]] for x in tiles}, reverse=True)  # True: int8
-    float_dtypes = {w.dtype for w, q in zip(weight_ops, quantized) if not q}
+    group_of = {m: j for j, m in enumerate(i for i, k in enumerate(kind_of) if k == "int4")}  # -> its (scale, min)
+    group_ops = [a.astype(jnp.float32) for m in group_of for a in (matrices[m].scale, matrices[m].min)]
+    # One ring of VMEM slots per weight kind present, slot for slot: tile i uses slot i % depth of
+    # its kind's ring; each ring's slot fits that kind's tallest tile and widest row.
+    tile_kind = [kind_of[index[(x.layer, x.matrix)]] for x in tiles]
+    kinds = [k for k in ("int8", "int4", "float") if k in tile_kind]
+    float_dtypes = {w.dtype for w, k in zip(weight_ops, kind_of) if k == "float"}
     if len(float_dtypes) > 1:
         raise ValueError(f"the float matrices must share one dtype, got {sorted(map(str, float_dtypes))}")
-    ring_shapes = {}
+    ring_rows, ring_cols = {}, {}
     for kind in kinds:
-        kept = [x for x in tiles if quantized[index[(x.layer, x.matrix)]] == kind]
-        ring_shapes[kind] = ((depth, max(x.rows for x in kept), max(x.cols for x in kept)),
-                             jnp.int8 if kind else next(iter(float_dtypes)))
+        kept = [x for x, k in zip(tiles, tile_kind) if k == kind]
+        ring_rows[kind] = max(x.rows for x in kept)
+        ring_cols[kind] = max(-(-x.cols // INT4_GROUP) * INT4_GROUP // 2 if kind == "int4" else x.cols for x in kept)
+    ring_dtypes = {"int8": jnp.int8, "int4": jnp.uint8, "float": next(iter(float_dtypes), jnp.float32)}
     sparse = spec.sparse_layers
     routers = [params["layers"][i]["router"] for i in sparse]  # HBM [E, d], read whole once per layer
     convs = [params["layers"][i]["conv"] for i in lin_layers]  # HBM [C, K], read whole once per layer
@@ -264,6 +304,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     vectors = [params[name].astype(jnp.float32).reshape(-1, params[name].shape[-1]) for name in vector_names]
     kv_dtype = k_pools[0].dtype if k_pools else jnp.float32
     n_vec, n_mat, n_scale, n_router, n_conv = len(vectors), len(weight_ops), len(scale_ops), len(routers), len(convs)
+    n_group = len(group_ops)
     n_cap = len(capture_layers)
     if _bug is not None and _bug in linear.BUGS and not lin_layers:
         raise ValueError(f"_bug {_bug!r} needs linear layers")
@@ -280,6 +321,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         (embed_ref,) = take(1)  # HBM [V, d]
         w_refs = take(n_mat)  # HBM [out, in] each (an expert stack: [E, out, in])
         s_refs = take(n_scale)  # HBM [1, out] each, [E, 1, out] for a stack (int8 only)
+        g_refs = take(n_group)  # HBM (scales, mins) [.., out, groups] of each int4 matrix
         router_refs = dict(zip(sparse, take(n_router)))  # HBM [E, d] per sparse layer
         conv_refs = dict(zip(lin_layers, take(n_conv)))  # HBM [C, K] per linear layer
         take(n_pools)  # the input pools: aliased, use the outputs
@@ -290,11 +332,12 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         state_out = [take(2) for _ in lin_layers]  # HBM (windows, states) per linear layer
         cap_refs = take(n_cap)  # VMEM [N, d] f32 per capture layer
         # scratch (see scratch_shapes)
-        rings = dict(zip(kinds, take(len(kinds))))  # int8 (True) and / or float (False) weight ring
+        rings = dict(zip(kinds, take(len(kinds))))  # the weight ring of each kind present
         ring_sems, emb_buf, emb_sems, x_ref, delta_ref, qa_ref, ka_ref, va_ref = take(8)
         q_heads, kn_ref, vn_ref, att_ref, gate_ref, up_ref = take(6)
         attn_scratch = take(4)
         scale_ring = take(1)[0] if int8 else None
+        group_rings = take(2) if "int4" in kinds else None  # int4 tiles' scales and mins
         if spec.mla:
             ov_ref, qlo_ref = take(2) if spec.q_lora else (take(1)[0], None)
         if sparse:
@@ -305,18 +348,26 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         def tile_copies(i):
             tile = tiles[i]
             m, slot, rows = index[(tile.layer, tile.matrix)], i % depth, pl.ds(0, tile.rows)
-            q = quantized[m]
-            src_w, src_s = w_refs[m], s_refs[scale_of[m]] if q else None
+            kind = kind_of[m]
+            src_w = w_refs[m]
+            src_s = s_refs[scale_of[m]] if kind == "int8" else None
+            src_g = [g_refs[2 * group_of[m]], g_refs[2 * group_of[m] + 1]] if kind == "int4" else []
             if tile.pair >= 0:  # a routed expert's tile: the expert its pair chose, in SMEM since routing
                 expert = chosen[tile.pair // top_k, tile.pair % top_k]
                 if _bug == "wrong_expert":
                     expert = (expert + 1) % spec.num_experts
-                src_w, src_s = src_w.at[expert], src_s.at[expert] if q else None
+                src_w = src_w.at[expert]
+                src_s = src_s.at[expert] if src_s is not None else None
+                src_g = [g.at[expert] for g in src_g]
+            width = src_w.shape[-1]  # int4: the packed bytes of a row
             copies = [pltpu.make_async_copy(src_w.at[pl.ds(tile.row_start, tile.rows)],
-                                            rings[q].at[slot, rows, pl.ds(0, tile.cols)], ring_sems.at[slot])]
-            if q:  # the tile's scales ride on the same semaphore
+                                            rings[kind].at[slot, rows, pl.ds(0, width)], ring_sems.at[slot])]
+            if src_s is not None:  # the tile's scales ride on the same semaphore
                 copies.append(pltpu.make_async_copy(src_s.at[pl.ds(0, 1), pl.ds(tile.row_start, tile.rows)],
                                                     scale_ring.at[slot, pl.ds(0, 1), rows], ring_sems.at[slot]))
+            for src, ring in zip(src_g, group_rings or []):  # and the int4 tile's scales and mins
+                copies.append(pltpu.make_async_copy(src.at[pl.ds(tile.row_start, tile.rows)],
+                                                    ring.at[slot, rows, pl.ds(0, src.shape[-1])], ring_sems.at[slot]))
             return copies
 
         # Trace-time bookkeeping of the stream: `cursor` is the next tile to compute, `started` the
@@ -346,19 +397,24 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                     for c in tile_copies(i):
                         c.wait()
                 slot = (i + 1) % depth if _bug == "wrong_slot" else i % depth
-                q = quantized[index[(layer, name)]]
-                w = rings[q][slot, :tile.rows, :tile.cols]  # [rows, in]
+                kind = kind_of[index[(layer, name)]]
+                if kind == "int4":  # unpacked and dequantized in VMEM: f32 [rows, in]
+                    groups = -(-tile.cols // INT4_GROUP)
+                    w = _unpack_int4(rings[kind][slot, :tile.rows, :groups * INT4_GROUP // 2],
+                                     *(ring[slot, :tile.rows, :groups] for ring in group_rings), tile.cols)
+                else:
+                    w = rings[kind][slot, :tile.rows, :tile.cols]  # [rows, in]
                 if compute is not None:  # per-row scales applied to the weights first
                     w = w.astype(jnp.float32)
-                    y = compute(w * scale_ring[slot, 0, :tile.rows][:, None] if q else w, tile)
+                    y = compute(w * scale_ring[slot, 0, :tile.rows][:, None] if kind == "int8" else w, tile)
                 else:
-                    if q:
-                        w, lhs = w.astype(jnp.float32), x
-                    else:
+                    if kind == "float":
                         lhs = x.astype(w.dtype)
+                    else:
+                        w, lhs = w.astype(jnp.float32), x
                     y = jax.lax.dot_general(lhs, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                             precision=jax.lax.Precision.HIGHEST)  # [N, rows]
-                    if q:
+                    if kind == "int8":
                         y = y * scale_ring[slot, :, :tile.rows]  # [1, rows]
                 write(tile.row_start, tile.rows, y)
                 i += 1
@@ -572,7 +628,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         ids_ref[...] = jnp.argmax(logits_ref[...], axis=-1).astype(jnp.int32)[:, None]
 
     vmem, f32 = pltpu.MemorySpace.VMEM, jnp.float32
-    scratch = [pltpu.VMEM(*ring_shapes[kind]) for kind in kinds] + [  # the weight rings
+    scratch = [pltpu.VMEM((depth, ring_rows[k], ring_cols[k]), ring_dtypes[k]) for k in kinds] + [  # the weight rings
         pltpu.SemaphoreType.DMA((depth,)),  # one DMA semaphore per ring slot (shared by the rings)
         pltpu.VMEM((n_tok, d), params["embed"].dtype),  # the N embedding rows, as fetched
         pltpu.SemaphoreType.DMA((n_tok,)),  # one per embedding row
@@ -589,7 +645,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         pltpu.VMEM((n_tok, spec.intermediate), f32),  # up
     ] + kv_scratch(spec.pages_per_kv_tile, spec.page_size, kvh, e, kv_dtype)  # KV tiles and their semaphores
     if int8:
-        scratch.append(pltpu.VMEM((depth, 1, ring_shapes[True][0][1]), f32))  # the scale ring: a row per slot
+        scratch.append(pltpu.VMEM((depth, 1, ring_rows["int8"]), f32))  # the scale ring: a row per slot
+    if "int4" in kinds:  # the int4 tiles' scales and mins, per group
+        scratch += [pltpu.VMEM((depth, ring_rows["int4"], ring_cols["int4"] * 2 // INT4_GROUP), f32)] * 2
     if spec.mla:
         scratch.append(pltpu.VMEM((n_tok, h * spec.v_dim), f32))  # W_UV's output: o's input
         if spec.q_lora:
@@ -610,13 +668,13 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             scratch += [pltpu.VMEM((n_tok, spec.shared_intermediate), f32)] * 2  # the shared expert's gate, up
     if lin_layers:
         scratch += linear.linear_scratch(spec, convs[0].dtype)
-    n_in = n_vec + 1 + n_mat + n_scale + n_router + n_conv
+    n_in = n_vec + 1 + n_mat + n_scale + n_group + n_router + n_conv
     first_pool = 4 + n_in  # operand indices count the four scalar-prefetch operands
     aliases = {first_pool + i: 2 + i for i in range(n_pools)}
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         in_specs=[pl.BlockSpec(memory_space=vmem)] * n_vec + [pl.BlockSpec(memory_space=pl.ANY)] * (
-            1 + n_mat + n_scale + n_router + n_conv + n_pools),
+            1 + n_mat + n_scale + n_group + n_router + n_conv + n_pools),
         out_specs=[pl.BlockSpec(memory_space=vmem)] * 2 + [pl.BlockSpec(memory_space=pl.ANY)] * n_pools
         + [pl.BlockSpec(memory_space=vmem)] * n_cap,
         scratch_shapes=scratch,
@@ -634,7 +692,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         compiler_params=compiler_params,
         interpret=interpret,
     )(tokens.reshape(-1).astype(jnp.int32), positions.reshape(-1).astype(jnp.int32), block_tables.astype(jnp.int32),
-      jnp.asarray(state_slots, jnp.int32), *vectors, params["embed"], *weight_ops, *scale_ops, *routers, *convs,
+      jnp.asarray(state_slots, jnp.int32), *vectors, params["embed"], *weight_ops, *scale_ops, *group_ops, *routers, *convs,
       *pool_list)
     pools, hidden = rest[:n_pools], [hs.reshape(b, t, d) for hs in rest[n_pools:]]
     n_kv = n_attn if spec.mla else 2 * n_attn

@@ -57,6 +57,7 @@ TPU_GENERATIONS = {
 # Mosaic needs VMEM of its own (internal scratch, spills, semaphores): plan for this fraction.
 USABLE_VMEM_FRACTION = 0.85
 MIN_RING_DEPTH = 2  # one slot computing, one in flight: below this nothing overlaps
+INT4_GROUP = 128  # inputs per scale and min of int4 experts (`MegakernelSpec.int4_experts`)
 
 
 class VmemBudgetError(ValueError):
@@ -87,6 +88,9 @@ class MegakernelSpec:
     # projections); they travel in a float ring of their own
     float_matrices: tuple[str, ...] = ()
     float_bytes: int = 4
+    # routed experts as int4 per group of INT4_GROUP inputs (codes 2 per byte, an f32 scale and min
+    # per group and row: the seeds' int4 g128 experts), beside int8 (or float) matrices
+    int4_experts: bool = False
     # switches of the dense family (the kernel reads them; the budget counts their vectors)
     qkv_bias: bool = False
     o_bias: bool = False
@@ -295,21 +299,29 @@ class MegakernelSpec:
         d, i = self.hidden, self.expert_intermediate
         return [("gate", i, d), ("up", i, d), ("down", d, i)]
 
-    def is_float(self, name: str) -> bool:
-        """Matrix `name` streams as floats beside int8 ones (`float_matrices`)."""
-        return name in self.float_matrices
+    def kind(self, name: str, expert: bool = False) -> str:
+        """How matrix `name` (a routed expert's: `expert`) streams: "int4" (packed codes, scales and
+        mins per group), "int8" (codes and a scale per row) or "float"."""
+        if expert and self.int4_experts:
+            return "int4"
+        return "int8" if self.scale_bytes and name not in self.float_matrices else "float"
 
-    def tile_bytes(self, name: str, rows: int, cols: int) -> int:
-        """Bytes of `rows` rows of matrix `name`: its elements, and its scales when int8."""
-        if self.is_float(name):
-            return rows * cols * self.float_bytes
+    def tile_bytes(self, name: str, rows: int, cols: int, expert: bool = False) -> int:
+        """Bytes of `rows` rows of matrix `name`: its elements, and its scales (and mins) when
+        quantized; an int4 row is padded to whole groups."""
+        kind = self.kind(name, expert)
+        if kind == "int4":
+            groups = -(-cols // INT4_GROUP)
+            return rows * groups * (INT4_GROUP // 2 + 8)
+        if kind == "float":
+            return rows * cols * (self.float_bytes if self.scale_bytes else self.weight_bytes)
         return rows * (cols * self.weight_bytes + self.scale_bytes)
 
     def layer_weight_bytes(self, layer: int = 0) -> int:
         """Bytes a call streams for one layer: a sparse layer's experts once per routed pair."""
         static = sum(self.tile_bytes(n, r, c) for n, r, c in self.matrices(layer))
         if layer in self.sparse_layers:
-            static += self.pairs * sum(self.tile_bytes(n, r, c) for n, r, c in self.expert_matrices())
+            static += self.pairs * sum(self.tile_bytes(n, r, c, expert=True) for n, r, c in self.expert_matrices())
         return static
 
     def conv_bytes(self) -> int:
@@ -382,7 +394,7 @@ def stream_schedule(spec: MegakernelSpec, *, tile_rows: int = 256, vocab_tile_ro
 
     def add(layer: int, name: str, rows: int, cols: int, per_tile: int, pair: int = -1):
         for start, n in row_tiles(rows, per_tile):
-            tiles.append(Tile(len(tiles), layer, name, start, n, cols, spec.tile_bytes(name, n, cols),
+            tiles.append(Tile(len(tiles), layer, name, start, n, cols, spec.tile_bytes(name, n, cols, pair >= 0),
                               pair))
 
     for layer in range(spec.num_layers):
@@ -461,10 +473,11 @@ def make_plan(spec: MegakernelSpec, *, ring_depth: int = 4, tile_rows: int = 256
     # than the others or the ring grows to vocab_tile_rows x intermediate. A model with int8 and
     # float matrices has a ring of each, slot for slot.
     slot = 0
-    for kind in (False, True):  # the quantized (or only) ring, then the float ring of a mixed model
-        kept = [t for t in tiles if spec.is_float(t.matrix) == kind]
+    for kind in ("int8", "int4", "float"):  # a ring per kind present, slot for slot
+        kept = [t for t in tiles if spec.kind(t.matrix, t.pair >= 0) == kind]
         if kept:
-            slot += spec.tile_bytes(kept[0].matrix, max(t.rows for t in kept), max(t.cols for t in kept))
+            slot += spec.tile_bytes(kept[0].matrix, max(t.rows for t in kept), max(t.cols for t in kept),
+                                    kept[0].pair >= 0)
     return Plan(spec, tuple(tiles), ring_depth, slot, ring_depth * slot, kv_tile_bytes(spec),
                 activation_bytes(spec))
 

@@ -168,10 +168,12 @@ def linear(x: jax.Array, w: jax.Array | PackedWeight | QuantWeight, b: jax.Array
     else dequantized in XLA; per channel, its int8 codes go into the matmul as they are and the
     scales multiply its output, which XLA on GPU and TPU fuses into one int8-weight matmul)."""
     rows = math.prod(x.shape[:-1])
-    if isinstance(w, QuantWeight) and w.rows:  # int8 codes into the matmul as they are, scales on its output
+    if isinstance(w, QuantWeight) and w.fmt == "int8_channel":  # int8 codes into the matmul, scales on its output
         y = jax.lax.dot_general(x, w.codes.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)
         y = (y * w.scales).astype(x.dtype)
+    elif isinstance(w, QuantWeight) and w.rows:  # int4 rows: dequantized into the matmul (XLA fuses it)
+        y = jax.lax.dot_general(x, w.unpacked().astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
     elif isinstance(w, QuantWeight):
         x2 = x.reshape(rows, x.shape[-1])
         if cpu_kernels.available() and sharding.active_mesh() is None:

@@ -299,9 +299,9 @@ def moe_specs(moe: MoE, d: int) -> dict:
     n, i = moe.num_experts, moe.intermediate_size
     spec = {
         "router": WeightSpec((n, d), ("experts", "embed")),
-        "w_gate": WeightSpec((n, i, d), ("experts", "expert_mlp", "embed"), quantize="linear"),
-        "w_up": WeightSpec((n, i, d), ("experts", "expert_mlp", "embed"), quantize="linear"),
-        "w_down": WeightSpec((n, d, i), ("experts", "embed", "expert_mlp"), quantize="linear"),
+        "w_gate": WeightSpec((n, i, d), ("experts", "expert_mlp", "embed"), quantize="expert"),
+        "w_up": WeightSpec((n, i, d), ("experts", "expert_mlp", "embed"), quantize="expert"),
+        "w_down": WeightSpec((n, d, i), ("experts", "embed", "expert_mlp"), quantize="expert"),
     }
     if moe.router_bias:
         spec["router_bias"] = WeightSpec((n,), ("experts",), init="zeros")

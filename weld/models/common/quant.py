@@ -33,17 +33,25 @@ from weld.models.common.rounding import rounded
 BLOCK = 32
 PANEL = 16
 CHUNK_ROWS = 64 * PANEL  # `quantize` works through a matrix this many rows at a time
-MODES = ("int8", "int4", "int4_g128", "int8_channel")
+MODES = ("int8", "int4", "int4_g128", "int8_channel", "int8_channel_int4_experts")
 FORMATS = {"int8": (8, 128.0, False), "int4": (4, 0.0, True), "int4_g128": (4, 0.0, True), "q8_0": (8, 128.0, False),
            "q4_0": (4, 8.0, False), "q4_1": (4, 0.0, True), "q5_0": (5, 16.0, False), "q5_1": (5, 0.0, True),
            "q4_k": (4, 0.0, True), "q5_k": (5, 0.0, True),
            "q6_k": (6, 32.0, False), "q3_k": (4, 4.0, False), "q2_k": (4, 0.0, True),
            "mxfp4": (4, 128.0, False), "iq4_nl": (4, 128.0, False), "iq4_xs": (4, 128.0, False),
-           "int8_channel": (8, 0.0, False)}  # format -> (bits, offset, has mins)
+           "int8_channel": (8, 0.0, False), "int4_g128_rows": (4, 0.0, True)}  # format -> (bits, offset, has mins)
 # Formats laid out as plain rows rather than the CPU kernel's panels: "int8_channel", signed codes
 # [..., n, k] and one f32 scale per output [..., n] (w = d * c), for the XLA backends, whose matmul
 # takes the codes as they are and scales its output (GPU, TPU), and the TPU megakernel.
-ROWS = frozenset({"int8_channel"})
+# "int4_g128_rows": unsigned 4-bit codes in rows [..., n, kp / 2] (kp: k padded to whole groups of
+# 128; byte j holds input j in its low nibble and input j + kp / 2 in its high one, so unpacking is
+# a concatenation, not an interleave), and f32 scales and mins per group [..., n, kp / 128]: w = d c
+# + mn (the seeds' int4 g128 experts, for the XLA backends and the TPU megakernel).
+ROWS = frozenset({"int8_channel", "int4_g128_rows"})
+ROW_GROUP = 128  # inputs per scale of "int4_g128_rows"
+# The mix the seeds serve MoE models in (`--quantization int8_channel_int4_experts`): matrices int8
+# per output channel, expert stacks int4 per group of 128, both as rows.
+MIXES = {"int8_channel_int4_experts": {"linear": "int8_channel", "head": "int8_channel", "expert": "int4_g128_rows"}}
 # Formats whose 4-bit codes index a table of int8 values (non-linear grids): w = d * table[c].
 _IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)  # ggml's
 LUTS = {"mxfp4": np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8),  # 2 x e2m1
@@ -161,7 +169,7 @@ class QuantWeight:
     def unpacked(self) -> jax.Array:
         """The [..., n, k] f32 matrix (or stack)."""
         if self.rows:
-            return jnp.asarray(self.codes).astype(jnp.float32) * jnp.asarray(self.scales)[..., None]
+            return _rows_values(self.fmt, self.codes, self.scales, self.mins, self.k)
         *lead, p, nb, _ = self.codes.shape
         codes = self._values(unpack_codes(self.codes, self.bits)).astype(jnp.float32)  # [..., P, nb, 16, 32]
         codes = codes.reshape(codes.shape[:-1] + (self.sub, BLOCK // self.sub))
@@ -174,7 +182,8 @@ class QuantWeight:
         """Rows of the matrix (a quantized embedding's lookups): ids.shape + (k,), f32."""
         ids = jnp.asarray(ids)
         if self.rows:
-            return rounded(self.codes[ids].astype(jnp.float32) * self.scales[ids][..., None])
+            return _rows_values(self.fmt, self.codes[ids], self.scales[ids],
+                                None if self.mins is None else self.mins[ids], self.k)
         flat = ids.reshape(-1)
         panel, out = flat // PANEL, flat % PANEL
         codes = self._values(unpack_codes(self.codes[panel], self.bits))  # [r, nb, 16, 32]
@@ -195,6 +204,26 @@ class QuantWeight:
             w = rounded(d * (rows - self.offset))
         w = w.reshape(flat.shape[0], -1)[:, :self.k]
         return w.reshape(ids.shape + (self.k,))
+
+
+def _rows_values(fmt: str, codes, scales, mins, k: int) -> jax.Array:
+    """The f32 values of rows in a `ROWS` format: codes [..., n, bytes] -> [..., n, k], each
+    product rounded on its own (`rounding`: one result whatever program it is fused into)."""
+    if fmt == "int8_channel":
+        return rounded(codes.astype(jnp.float32) * scales[..., None])
+    half = codes.shape[-1]
+    c = jnp.concatenate([codes & 0x0F, codes >> 4], axis=-1).astype(jnp.float32)  # [..., n, kp]
+    c = c.reshape(c.shape[:-1] + (2 * half // ROW_GROUP, ROW_GROUP))
+    w = rounded(c * scales[..., None].astype(jnp.float32)) + mins[..., None].astype(jnp.float32)
+    return w.reshape(w.shape[:-2] + (2 * half,))[..., :k]
+
+
+def rows_parts(fmt: str, n: int, k: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The arrays of a matrix [n, k] in a `ROWS` format: name -> (safetensors dtype, shape)."""
+    if fmt == "int8_channel":
+        return {"codes": ("I8", (n, k)), "scales": ("F32", (n,))}
+    groups = -(-k // ROW_GROUP)
+    return {"codes": ("U8", (n, groups * ROW_GROUP // 2)), "scales": ("F32", (n, groups)), "mins": ("F32", (n, groups))}
 
 
 def is_quantized(x) -> bool:
@@ -267,9 +296,11 @@ def quantize(w: np.ndarray, mode: str) -> QuantWeight:
     it against the symmetric Q4_0 rule), "int4_g128" per 128 (the last group of a row whose k is
     not a multiple of 128 takes what is left): each group's scale and min fitted (`_fit_int4`),
     codes rounded against the f16 values stored.
-    "int8_channel": symmetric per output row, laid out as rows (`ROWS`)."""
-    if mode not in MODES:
-        raise ValueError(f"quantization must be one of {MODES}, got {mode!r}")
+    "int8_channel": symmetric per output row, laid out as rows (`ROWS`); "int4_g128_rows" as
+    "int4_g128" (the same fit), laid out as rows."""
+    if mode not in (*MODES, *ROWS) or mode in MIXES:
+        raise ValueError(f"quantization must be one of {tuple(m for m in MODES if m not in MIXES) + ('int4_g128_rows',)}, "
+                         f"got {mode!r}")
     n, k = np.shape(w)
     if mode in ROWS and n <= CHUNK_ROWS:
         return _quantize_rows(np.asarray(w, np.float32), mode)
@@ -361,7 +392,20 @@ def _fit_int4(w: np.ndarray, real: np.ndarray, levels=()) -> tuple[np.ndarray, n
 
 def _quantize_rows(w: np.ndarray, mode: str) -> QuantWeight:
     """"int8_channel": symmetric per output row, d = max |w_row| / 127 (1 for an all-zero row),
-    c = round(w / d) (half to even)."""
+    c = round(w / d) (half to even). "int4_g128_rows": each group of 128 inputs' scale and min
+    fitted as "int4_g128"'s (`_fit_int4`), the padding inputs past k counting for nothing."""
+    if mode == "int4_g128_rows":
+        n, k = w.shape
+        g = -(-k // ROW_GROUP)
+        groups = np.zeros((n, g * ROW_GROUP), np.float32)
+        groups[:, :k] = w
+        groups = groups.reshape(n, g, ROW_GROUP)
+        real = np.arange(g * ROW_GROUP).reshape(g, ROW_GROUP) < k
+        d16, mn16 = _fit_int4(groups, real, _INT4_LEVELS)
+        codes = _round_int4(groups, d16, mn16).astype(np.uint8).reshape(n, g * ROW_GROUP)
+        half = g * ROW_GROUP // 2
+        packed = codes[:, :half] | (codes[:, half:] << 4)
+        return QuantWeight(jnp.asarray(packed), jnp.asarray(d16), jnp.asarray(mn16), n, k, mode)
     d = np.abs(w).max(axis=1) / np.float32(127.0)
     d = np.where(d > 0, d, np.float32(1.0)).astype(np.float32)
     codes = np.clip(np.rint(w / d[:, None]), -127, 127).astype(np.int8)
@@ -381,11 +425,15 @@ def quantize_any(w: np.ndarray, mode: str) -> QuantWeight:
 
 def leaf_mode(kind: str | None, quantization: str | None) -> str | None:
     """The mode a declared weight gets under `--quantization` (`MODES`; None or "none": none):
-    `WeightSpec.quantize` "linear" takes the mode, "head" (the LM head) at least 8 bits (4-bit heads
-    and embeddings cost small models most of their accuracy; llama.cpp's 4-bit mixes keep them
-    wider too), None is never quantized."""
+    `WeightSpec.quantize` "linear" (and "expert": an MoE layer's stacks) takes the mode, "head" (the
+    LM head) at least 8 bits (4-bit heads and embeddings cost small models most of their accuracy;
+    llama.cpp's 4-bit mixes keep them wider too), None is never quantized; a mix (`MIXES`) names a
+    format per kind."""
     if kind is None or quantization not in MODES:
         return None
+    if quantization in MIXES:
+        return MIXES[quantization][kind]
+    kind = "linear" if kind == "expert" else kind
     return "int8" if kind == "head" and FORMATS[quantization][0] < 8 else quantization
 
 
@@ -590,10 +638,11 @@ def concat_rows(parts: list) -> "QuantWeight | jax.Array | None":
     if not all(isinstance(p, QuantWeight) and p.fmt == parts[0].fmt and p.shape[:-2] + (p.k,) ==
                parts[0].shape[:-2] + (parts[0].k,) for p in parts):
         return None
-    if parts[0].rows:
-        return QuantWeight(jnp.concatenate([p.codes for p in parts], axis=-2),
-                           jnp.concatenate([p.scales for p in parts], axis=-1), None,
-                           sum(p.n for p in parts), parts[0].k, parts[0].fmt)
+    if parts[0].rows:  # per-row scales [..., n] (int8) or per-row groups [..., n, g] (int4)
+        axis = -2 if parts[0].scales.ndim == parts[0].codes.ndim else -1
+        cat = lambda vs: None if vs[0] is None else jnp.concatenate(vs, axis=axis)  # noqa: E731
+        return QuantWeight(jnp.concatenate([p.codes for p in parts], axis=-2), cat([p.scales for p in parts]),
+                           cat([p.mins for p in parts]), sum(p.n for p in parts), parts[0].k, parts[0].fmt)
     if parts[0].ndim == 3:  # expert stacks: each expert's matrices
         return stack([concat_rows([expert(p, e) for p in parts]) for e in range(parts[0].shape[0])])
     if all(p.n % PANEL == 0 for p in parts):

@@ -18,20 +18,21 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class WeightSpec:
     """One weight: its shape, the logical name of each axis, how to initialise it at random, and
-    whether `--quantization` quantizes it (`quant.leaf_mode`): "linear" for matrices and expert
-    stacks run through `layers.linear` or the expert matmul, "head" for the LM head (or the tied
+    whether `--quantization` quantizes it (`quant.leaf_mode`): "linear" for matrices run through
+    `layers.linear`, "expert" for an MoE layer's expert stacks (a mix may give them fewer bits),
+    "head" for the LM head (or the tied
     embedding serving as one), which keeps 8 bits; None for everything else (norms, biases,
     routers, an untied embedding that only serves lookups)."""
 
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     init: str = "normal"  # "normal" (scaled by fan-in), "ones" (norm scales), "zeros" (biases)
-    quantize: str | None = None  # "linear" | "head" | None
+    quantize: str | None = None  # "linear" | "expert" | "head" | None
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
             raise ValueError(f"shape {self.shape} and axes {self.axes} differ in rank")
-        if self.quantize not in (None, "linear", "head"):
+        if self.quantize not in (None, "linear", "expert", "head"):
             raise ValueError(f"quantize must be 'linear', 'head' or None, got {self.quantize!r}")
 
 
