@@ -277,3 +277,46 @@ def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: Attentio
     layers = [next(recurrent) if isinstance(old, RecurrentState) else next(pages) for old in cache.layers]
     out = jnp.concatenate(hidden, axis=-1) if hidden else None
     return logits, out, Cache(layers=layers)
+
+
+TPU_CHIPS = {"v5e": "TPU_V5E", "v6e": "TPU_V6E", "v7": "TPU_7X"}  # generation -> JAX's `tpu_info.ChipVersion`
+
+
+def lower_for_tpu(cfg, *, batch: int, generation: str = "v6e", dtype=jnp.bfloat16, page_size: int = 16,
+                  num_pages: int = 64) -> str:
+    """The Mosaic lowering of one decode step of cfg's megakernel for a TPU of `generation`, on
+    any machine: abstract weights and cache (nothing allocated), `lowering_platforms=("tpu",)`.
+    Every op of the kernel body must have a Pallas TPU lowering rule (interpret mode runs any
+    jnp, so only this catches an op Mosaic lacks); Mosaic's own passes run at compile time, on a
+    TPU. JAX asks the device for its TPU generation while lowering some ops: off a TPU the local
+    device kind is registered as `generation` (`tpu_info.registry`, a private table of JAX 0.10.2).
+    Returns the lowered module's text."""
+    from jax._src.pallas.mosaic import tpu_info
+
+    if generation not in TPU_CHIPS:
+        raise ValueError(f"generation must be one of {sorted(TPU_CHIPS)}, got {generation!r}")
+    kind = None
+    if jax.default_backend() != "tpu" and jax.devices()[0].device_kind not in tpu_info.registry:
+        kind, chip = jax.devices()[0].device_kind, getattr(tpu_info.ChipVersion, TPU_CHIPS[generation])
+        tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(chip, 1)
+    try:
+        return _lower(cfg, batch, generation, dtype, page_size, num_pages)
+    finally:
+        if kind is not None:
+            del tpu_info.registry[kind]
+
+
+def _lower(cfg, batch, generation, dtype, page_size, num_pages) -> str:
+    from weld.models import FAMILIES
+    from weld.models.common.spec import abstract_weights
+    from weld.models.family import WeightTarget
+
+    family = next(f for f in FAMILIES if isinstance(cfg, f.Config))
+    weights = jax.eval_shape(lambda w: family.prepare_weights(w, cfg, WeightTarget(backend="megakernel")),
+                             abstract_weights(family.weight_specs(cfg), dtype))
+    cache = jax.eval_shape(lambda: family.cache_spec(cfg).create(num_pages, page_size, dtype, num_slots=batch))
+    options = KernelOptions(generation=generation, interpret=False)
+    tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    tables = jax.ShapeDtypeStruct((batch, max(1, num_pages // batch)), jnp.int32)
+    step = jax.jit(lambda w, t, p, c, bt: forward(w, cfg, t, p, c, AttentionBatch(bt), options=options)[0])
+    return step.trace(weights, tokens, tokens, cache, tables).lower(lowering_platforms=("tpu",)).as_text()

@@ -501,12 +501,18 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             if not spec.rope:
                 return z
             rd = spec.rope_dims
-            z, rest = z[..., :rd], z[..., rd:]
-            if spec.rope_interleaved:
-                z = jnp.concatenate([z[..., 0::2], z[..., 1::2]], axis=-1)
+            rest = [z[..., rd:]] if rd < z.shape[-1] else []  # partial RoPE: the dims past rd as they are
+            z = z[..., :rd]
+            if spec.rope_interleaved:  # pairs (2i, 2i + 1) to halves, by a 0/1 permutation matmul (exact in f32):
+                # Mosaic has no strided slices
+                src = jax.lax.broadcasted_iota(jnp.int32, (rd, rd), 0)
+                dst = jax.lax.broadcasted_iota(jnp.int32, (rd, rd), 1)
+                perm = (src == jnp.where(dst < rd // 2, 2 * dst, 2 * (dst - rd // 2) + 1)).astype(jnp.float32)
+                z = jax.lax.dot_general(z.reshape(-1, rd), perm, (((1,), (0,)), ((), ())),
+                                        precision=jax.lax.Precision.HIGHEST).reshape(z.shape)
             half = rd // 2
             z1, z2 = z[..., :half], z[..., half:]
-            return jnp.concatenate([z1 * cos - z2 * sin, z2 * cos + z1 * sin, rest], axis=-1)
+            return jnp.concatenate([z1 * cos - z2 * sin, z2 * cos + z1 * sin] + rest, axis=-1)
 
         def gqa_attention(layer, y):
             """q, k, v, attention over the K/V pools, o: the projection's output in delta_ref."""

@@ -26,6 +26,7 @@ per expert. The result rows, scaled by their routing weights, are added back to 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -92,30 +93,59 @@ class MoE:
                   f"topk_group ({self.topk_group}) groups of {per_group} hold fewer than top_k ({self.top_k}) experts")
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k largest of x [n, m] along its last axis and their indices int32, largest first, ties
+    to the lower index (as `jax.lax.top_k`, except that -0.0 and 0.0 tie here), from k max
+    reductions and masks: no sort, gather or
+    scatter, so the TPU megakernel can trace it (Mosaic has no rule for `top_k`); k is small."""
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    values, indices = [], []
+    for _ in range(k):
+        best = jnp.max(x, axis=-1, keepdims=True)
+        at = jnp.min(jnp.where(x == best, iota, x.shape[-1]), axis=-1, keepdims=True)
+        values.append(best)
+        indices.append(at)
+        x = jnp.where(iota == at, -jnp.inf, x)
+    return jnp.concatenate(values, axis=-1), jnp.concatenate(indices, axis=-1)
+
+
+def _pick(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [n, m] at idx [n, k] (take_along_axis, as masked sums: exact, and no gather)."""
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.concatenate([jnp.sum(jnp.where(iota == idx[:, j:j + 1], x, 0.0), axis=-1, keepdims=True)
+                            for j in range(idx.shape[-1])], axis=-1)
+
+
 def route(moe: MoE, logits: jax.Array, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Routing weights f32 [n, k] and expert ids int32 [n, k] of router logits [n, E] (f32).
-    bias: gpt-oss's router bias (added to the logits) or DeepSeek-V3's score correction bias."""
+    bias: gpt-oss's router bias (added to the logits) or DeepSeek-V3's score correction bias.
+    Written without sort, gather or scatter (`top_k`, `_pick`): the megakernel traces it too."""
     logits = logits.astype(jnp.float32)
     k = moe.top_k
     if moe.router == "softmax_topk":
-        weights, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+        weights, idx = top_k(jax.nn.softmax(logits, axis=-1), k)
         if moe.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return weights, idx.astype(jnp.int32)
     if moe.router == "topk_softmax":
         if bias is not None:
             logits = logits + bias.astype(jnp.float32)
-        top, idx = jax.lax.top_k(logits, k)
+        top, idx = top_k(logits, k)
         return jax.nn.softmax(top, axis=-1), idx.astype(jnp.int32)
     if moe.router == "sigmoid_group":
         scores = jax.nn.sigmoid(logits)
         choice = scores if bias is None else scores + bias.astype(jnp.float32)
         if moe.n_group > 1:
-            grouped = choice.reshape(choice.shape[:-1] + (moe.n_group, -1))
-            group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [n, groups]
+            per_group = moe.num_experts // moe.n_group  # a group's best two: its max, then its max without it
+            grouped = choice.reshape(choice.shape[:-1] + (moe.n_group, per_group))
+            first = jnp.max(grouped, axis=-1, keepdims=True)
+            iota = jax.lax.broadcasted_iota(jnp.int32, grouped.shape, grouped.ndim - 1)
+            at = jnp.min(jnp.where(grouped == first, iota, per_group), axis=-1, keepdims=True)
+            second = jnp.max(jnp.where(iota == at, -jnp.inf, grouped), axis=-1)
+            group_score = first[..., 0] + second  # [n, groups]
             choice = _keep_groups(choice, group_score, moe, 0.0)
-        _, idx = jax.lax.top_k(choice, k)
-        weights = jnp.take_along_axis(scores, idx, axis=-1)
+        _, idx = top_k(choice, k)
+        weights = _pick(scores, idx)
         if moe.norm_topk_prob:
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
         return weights * moe.routed_scaling_factor, idx.astype(jnp.int32)
@@ -125,15 +155,15 @@ def route(moe: MoE, logits: jax.Array, bias: jax.Array | None = None) -> tuple[j
     if moe.n_group > 1:
         group_score = jnp.max(probs.reshape(probs.shape[:-1] + (moe.n_group, -1)), axis=-1)
         choice = _keep_groups(probs, group_score, moe, 0.0)
-    weights, idx = jax.lax.top_k(choice, k)
+    weights, idx = top_k(choice, k)
     return weights * moe.routed_scaling_factor, idx.astype(jnp.int32)
 
 
 def _keep_groups(scores: jax.Array, group_score: jax.Array, moe: MoE, fill: float) -> jax.Array:
     """scores [n, E] with every expert outside the topk_group best groups set to `fill`."""
-    _, best = jax.lax.top_k(group_score, moe.topk_group)  # [n, topk_group]
-    keep = jnp.zeros(group_score.shape, bool).at[jnp.arange(group_score.shape[0])[:, None], best].set(True)
-    keep = jnp.repeat(keep, moe.num_experts // moe.n_group, axis=-1)
+    _, best = top_k(group_score, moe.topk_group)  # [n, topk_group]
+    group_of = jax.lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1) // (moe.num_experts // moe.n_group)
+    keep = functools.reduce(jnp.logical_or, [group_of == best[:, j:j + 1] for j in range(moe.topk_group)])
     return jnp.where(keep, scores, fill)
 
 
