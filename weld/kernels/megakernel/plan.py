@@ -133,13 +133,17 @@ class MegakernelSpec:
     gate_lower_bound: float = 0.0  # KDA's floor (< 0) on the log-decay; 0: none
     tiled_v_heads: bool = False  # value head p is served by key head p mod Hk (else p // (Hv / Hk))
 
-    def __post_init__(self):
-        for name in ("hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "vocab",
-                     "num_layers", "weight_bytes", "kv_bytes", "act_bytes", "batch", "tokens_per_row",
-                     "page_size", "pages_per_kv_tile"):
+    def _positive(self, names: tuple[str, ...], when: str = "") -> None:
+        """Raises ValueError naming the first of `names` that is not a positive int."""
+        for name in names:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"MegakernelSpec.{name} must be a positive int, got {value!r}")
+                raise ValueError(f"MegakernelSpec.{name} must be a positive int{when}, got {value!r}")
+
+    def __post_init__(self):
+        self._positive(("hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "vocab", "num_layers",
+                        "weight_bytes", "kv_bytes", "act_bytes", "batch", "tokens_per_row", "page_size",
+                        "pages_per_kv_tile"))
         if not isinstance(self.scale_bytes, int) or self.scale_bytes < 0:
             raise ValueError(f"MegakernelSpec.scale_bytes must be a non-negative int, got {self.scale_bytes!r}")
         if self.num_heads % self.num_kv_heads:
@@ -150,9 +154,7 @@ class MegakernelSpec:
         if self.attention not in ("gqa", "mla"):
             raise ValueError(f"MegakernelSpec.attention must be 'gqa' or 'mla', got {self.attention!r}")
         if self.mla:
-            for name in ("kv_lora_rank", "nope_dim", "rope_dim", "v_dim"):
-                if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                    raise ValueError(f"MegakernelSpec.{name} must be a positive int with MLA, got {getattr(self, name)!r}")
+            self._positive(("kv_lora_rank", "nope_dim", "rope_dim", "v_dim"), " with MLA")
             if self.num_kv_heads != 1 or self.head_dim != self.kv_lora_rank + self.rope_dim:
                 raise ValueError(f"MLA attends over one latent head of kv_lora_rank + rope_dim = "
                                  f"{self.kv_lora_rank + self.rope_dim} dims: num_kv_heads must be 1 and head_dim "
@@ -160,10 +162,7 @@ class MegakernelSpec:
         if self.sparse_layers:
             if not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.sparse_layers):
                 raise ValueError(f"sparse_layers {self.sparse_layers} must lie in [0, {self.num_layers})")
-            for name in ("num_experts", "top_k", "expert_intermediate"):
-                if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                    raise ValueError(f"MegakernelSpec.{name} must be a positive int with sparse layers, "
-                                     f"got {getattr(self, name)!r}")
+            self._positive(("num_experts", "top_k", "expert_intermediate"), " with sparse layers")
             if self.top_k > self.num_experts:
                 raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
         if not isinstance(self.rotary_dim, int) or self.rotary_dim < 0 or self.rotary_dim % 2 \
@@ -177,10 +176,8 @@ class MegakernelSpec:
                 raise ValueError(f"linear_layers {self.linear_layers} must lie in [0, {self.num_layers})")
             if self.linear_kind not in ("gdn", "kda"):
                 raise ValueError(f"MegakernelSpec.linear_kind must be 'gdn' or 'kda', got {self.linear_kind!r}")
-            for name in ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "conv_width"):
-                if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                    raise ValueError(f"MegakernelSpec.{name} must be a positive int with linear layers, "
-                                     f"got {getattr(self, name)!r}")
+            self._positive(("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "conv_width"),
+                           " with linear layers")
             if self.linear_v_heads % self.linear_k_heads or self.conv_width < 2:
                 raise ValueError(f"linear attention needs value heads ({self.linear_v_heads}) a multiple of key heads "
                                  f"({self.linear_k_heads}) and a conv width >= 2 (got {self.conv_width})")
