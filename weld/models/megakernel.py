@@ -238,8 +238,61 @@ class KernelOptions:
     interpret: object = None  # None: interpret mode (default InterpretParams) unless on a TPU
 
 
+def local_config(cfg, tp: int):
+    """cfg as one of tp tensor-parallel devices sees it: its heads, its slice of every MLP's and
+    expert's intermediate and of the vocabulary (the shapes `sharding.weight_shardings` gives a
+    device under a ("dp", "tp") mesh)."""
+    if tp == 1:
+        return cfg
+    if not isinstance(cfg, llama.Config):
+        raise ValueError(f"the tensor-parallel megakernel runs the llama family (GQA, dense or MoE), not "
+                         f"{cfg.architecture}")
+    split = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "intermediate_size": cfg.intermediate_size,
+             "vocab_size": cfg.vocab_size}
+    if cfg.moe is not None:
+        split.update(expert_intermediate=cfg.moe.intermediate_size, shared_intermediate=cfg.moe.shared_intermediate_size)
+    bad = {name: n for name, n in split.items() if n % tp}
+    if bad or cfg.o_bias:
+        raise ValueError(f"the tensor-parallel megakernel splits heads, KV heads, intermediates and the vocabulary "
+                         f"evenly over {tp} devices and has no o bias: {bad or 'o_bias'} do not")
+    moe = cfg.moe and dataclasses.replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // tp,
+                                          shared_intermediate_size=cfg.moe.shared_intermediate_size // tp)
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
+                               intermediate_size=cfg.intermediate_size // tp, vocab_size=cfg.vocab_size // tp, moe=moe)
+
+
+def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: AttentionBatch, *, mesh,
+                    options: KernelOptions = KernelOptions()):
+    """`forward` tensor-parallel over the "tp" axis of mesh (a ("dp", "tp") mesh with dp 1): each
+    device runs the megakernel on its shard of the weights and pools (laid out by the sharding
+    rules, `sharding.weight_shardings` / `cache_shardings`), all-reducing inside the kernel by
+    remote DMA; the logits come back whole. Returns (logits f32 [b, t, V], None, the cache)."""
+    from weld.models import FAMILIES
+    from weld.models.common import sharding
+
+    tp = mesh.shape["tp"]
+    if mesh.shape.get("dp", 1) != 1 or set(mesh.axis_names) - {"dp", "tp"}:
+        raise ValueError(f"the tensor-parallel megakernel runs on a ('dp', 'tp') mesh with dp 1, got {dict(mesh.shape)}")
+    local = local_config(cfg, tp)
+    family = next(f for f in FAMILIES if isinstance(cfg, f.Config))
+    weight_specs = jax.tree_util.tree_map(lambda s: s.spec, sharding.weight_shardings(weights, family.weight_specs(cfg),
+                                                                                      mesh))
+    cache_specs = jax.tree_util.tree_map(lambda s: s.spec, sharding.cache_shardings(cache, mesh))
+    whole = jax.sharding.PartitionSpec()
+
+    def step(w, t, p, c, bt):
+        logits, _, c = forward(w, local, t, p, c, AttentionBatch(bt), options=options, tp=("tp", tp))
+        return logits, c
+
+    run = jax.shard_map(step, mesh=mesh, in_specs=(weight_specs, whole, whole, cache_specs, whole),
+                        out_specs=(jax.sharding.PartitionSpec(None, None, "tp"), cache_specs), check_vma=False)
+    logits, cache = run(weights, tokens, positions, cache, batch.block_tables)
+    return logits, None, cache
+
+
 def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: AttentionBatch, logits_indices=None,
-            capture_layers: tuple[int, ...] = (), *, options: KernelOptions = KernelOptions()):
+            capture_layers: tuple[int, ...] = (), *, options: KernelOptions = KernelOptions(),
+            tp: tuple[str, int] = (None, 1)):
     """The family's forward contract for one group of rows with few tokens each, on the megakernel
     (K/V pages, or latent pages, for the attention layers; a recurrent-state slot per row,
     `batch.state_slots`, for the linear ones).
@@ -269,7 +322,7 @@ def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: Attentio
         spec, params, tokens, positions, batch.block_tables, k_pools, v_pools, linear_states=states,
         state_slots=batch.state_slots, tile_rows=options.tile_rows, vocab_tile_rows=options.vocab_tile_rows,
         ring_depth=options.ring_depth, generation=options.generation, interpret=interpret, route=router(cfg),
-        capture_layers=tuple(capture_layers))
+        capture_layers=tuple(capture_layers), tp_axis=tp[0], tp_size=tp[1])
     if logits_indices is not None:
         logits = jnp.take_along_axis(logits, logits_indices[:, :, None], axis=1)
     pages = iter([LatentPages(kp) for kp in k] if latent else [KVPages(kp, vp) for kp, vp in zip(k, v)])

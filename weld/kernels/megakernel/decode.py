@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from weld.kernels.megakernel import linear
+from weld.kernels.megakernel import collectives, linear
 from weld.kernels.megakernel.attention import attend_rows, kv_scratch
 from weld.kernels.megakernel.plan import INT4_GROUP, MegakernelSpec, Plan, fit_plan, make_plan
 
@@ -198,7 +198,8 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, l
 def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tables, k_pools, v_pools, *,
                 linear_states=None, state_slots=None, tile_rows: int = 256, vocab_tile_rows: int = 256,
                 ring_depth: int = 4, generation: str | None = None, interpret=False, route=None,
-                capture_layers: tuple[int, ...] = (), _bug: str | None = None):
+                capture_layers: tuple[int, ...] = (), tp_axis: str | None = None, tp_size: int = 1,
+                _bug: str | None = None):
     """One call of the megakernel.
 
     spec: the model's shapes and switches, `batch` = B rows of `tokens_per_row` = T tokens.
@@ -231,6 +232,13 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     generation: a TPU generation whose VMEM budget the plan must fit (the ring shrinks to fit,
       else `plan.VmemBudgetError`); None: detected on a TPU, not checked in interpret mode.
     interpret: False on a TPU; a `pltpu.InterpretParams` (or True) to run on CPU.
+    tp_axis, tp_size: tensor parallelism (called inside `jax.shard_map` over tp_axis, of tp_size
+      devices): spec, params and pools are this device's shard (its heads, its slice of every
+      MLP's and expert's intermediate, its slice of the vocabulary: "embed" and "lm_head" hold
+      rows [i V / tp, (i + 1) V / tp)); the kernel all-reduces by remote DMA
+      (`collectives.all_reduce_rows`) the embedding rows, and the partial outputs of every
+      attention's o projection and every MLP (experts and shared expert included), and returns
+      this device's slice of the logits (the greedy ids are then the slice's).
     Returns (logits f32 [B, T, V], greedy ids int32 [B, T], k_pools, v_pools, hidden states: one
     f32 [B, T, d] per capture layer, in their order, linear_states).
     """
@@ -308,6 +316,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     n_cap = len(capture_layers)
     if _bug is not None and _bug in linear.BUGS and not lin_layers:
         raise ValueError(f"_bug {_bug!r} needs linear layers")
+    if tp_size > 1 and (tp_axis is None or spec.mla or lin_layers or spec.o_bias):
+        raise ValueError("the tensor-parallel megakernel covers GQA layers (dense or MoE) without an o bias, "
+                         "inside shard_map over tp_axis")
 
     def kernel(tok_ref, pos_ref, bt_ref, slot_ref, *refs):
         refs = list(refs)
@@ -344,6 +355,17 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             router_buf, router_sem, scores_ref, choice_ref, weight_ref, chosen, chosen_sem, eg_ref, eu_ref = take(9)
             sg_ref, su_ref = take(2) if spec.shared_intermediate else (None, None)
         lin = dict(zip(linear.SCRATCH, take(len(linear.SCRATCH)))) if lin_layers else None
+        reduce_scratch = take(4) if tp_size > 1 else None  # the summed rows, the peers' slots, semaphores
+
+        def residual_add():
+            """x += this layer part's output: with tensor parallelism, the sum of every device's
+            partial output (an all-reduce by remote DMA)."""
+            if reduce_scratch is None:
+                x_ref[...] = x_ref[...] + delta_ref[...]
+                return
+            reduced, *scratch_ = reduce_scratch
+            collectives.all_reduce_rows(delta_ref, reduced, *scratch_, axis=tp_axis, devices=tp_size)
+            x_ref[...] = x_ref[...] + reduced[...]
 
         def tile_copies(i):
             tile = tiles[i]
@@ -482,13 +504,19 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
 
         # The stream starts first: its prologue is in flight while the embedding rows land.
         pump()
-        emb_copies = [pltpu.make_async_copy(embed_ref.at[pl.ds(jnp.clip(tok_ref[n], 0, spec.vocab - 1), 1)],
+        first_id = jax.lax.axis_index(tp_axis) * spec.vocab if tp_size > 1 else 0  # of this device's vocab slice
+        emb_copies = [pltpu.make_async_copy(embed_ref.at[pl.ds(jnp.clip(tok_ref[n] - first_id, 0, spec.vocab - 1), 1)],
                                             emb_buf.at[pl.ds(n, 1)], emb_sems.at[n]) for n in range(n_tok)]
         for c in emb_copies:
             c.start()
         for c in emb_copies:
             c.wait()
         x_ref[...] = emb_buf[...].astype(jnp.float32)
+        if tp_size > 1:  # each device holds the rows of its vocabulary slice: the others' are zeros, then summed
+            ids = jnp.stack([tok_ref[n] for n in range(n_tok)]).reshape(n_tok, 1) - first_id
+            delta_ref[...] = jnp.where((ids >= 0) & (ids < spec.vocab), x_ref[...], 0.0)
+            x_ref[...] = jnp.zeros_like(x_ref)
+            residual_add()
 
         # Rotary tables for the N tokens, as the XLA path computes them (rotate-half layout).
         if spec.rope:
@@ -618,10 +646,10 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 linear_attention(layer, y)
             else:
                 (mla_attention if spec.mla else gqa_attention)(layer, y)
-            x_ref[...] = x_ref[...] + delta_ref[...]
+            residual_add()
             y = rms_norm(x_ref[...], row("mlp_norm", layer))
             (sparse_mlp if layer in sparse else dense_mlp)(layer, y)
-            x_ref[...] = x_ref[...] + delta_ref[...]
+            residual_add()
             if layer in capture_layers:
                 cap_refs[capture_layers.index(layer)][...] = x_ref[...]
         gemv(-1, "lm_head", rms_norm(x_ref[...], vec["final_norm"][...]), into(logits_ref))
@@ -674,6 +702,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             scratch += [pltpu.VMEM((n_tok, spec.shared_intermediate), f32)] * 2  # the shared expert's gate, up
     if lin_layers:
         scratch += linear.linear_scratch(spec, convs[0].dtype)
+    if tp_size > 1:
+        scratch += [pltpu.VMEM((n_tok, d), f32)] + collectives.all_reduce_scratch(n_tok, d, tp_size)
     n_in = n_vec + 1 + n_mat + n_scale + n_group + n_router + n_conv
     first_pool = 4 + n_in  # operand indices count the four scalar-prefetch operands
     aliases = {first_pool + i: 2 + i for i in range(n_pools)}
@@ -687,8 +717,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     )
     pool_structs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pool_list]
     compiler_params = None
-    if not interpret and plan.vmem_limit_bytes is not None:
-        compiler_params = pltpu.CompilerParams(vmem_limit_bytes=plan.vmem_limit_bytes)
+    limit = None if interpret else plan.vmem_limit_bytes
+    if limit is not None or tp_size > 1:  # the all-reduces' barrier semaphore needs a collective id
+        compiler_params = pltpu.CompilerParams(vmem_limit_bytes=limit, collective_id=0 if tp_size > 1 else None)
     logits, ids, *rest = pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((n_tok, spec.vocab), f32), jax.ShapeDtypeStruct((n_tok, 1), jnp.int32)]

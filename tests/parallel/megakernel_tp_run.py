@@ -1,0 +1,89 @@
+"""Runs the tensor-parallel decode megakernel (`weld.models.megakernel.sharded_forward`: in-kernel
+all-reduces by remote DMA) in Pallas TPU interpret mode on N virtual CPU devices, in a process
+of its own, against the one-device XLA forward, and prints one JSON line per config: the largest
+relative logits error over two greedy steps, whether the greedy tokens matched, the largest
+pool difference, and whether the race detector fired.
+
+    python tests/parallel/megakernel_tp_run.py DEVICES '["dense", "moe", "dense_without_all_reduce"]'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+DEVICES = int(sys.argv[1])
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from weld.models import llama, megakernel  # noqa: E402
+from weld.models.common import moe as moe_lib  # noqa: E402
+from weld.models.common import sharding  # noqa: E402
+from weld.models.common.cache import AttentionBatch  # noqa: E402
+from weld.models.common.spec import random_weights  # noqa: E402
+
+DENSE = llama.Config(architecture="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
+                     num_heads=16, num_kv_heads=8, head_dim=8, qk_norm=True, qkv_bias=True, rope_theta=1e6)
+MOE = dataclasses.replace(DENSE, architecture="qwen3_moe", sparse_layers=(1,),
+                          moe=moe_lib.MoE(num_experts=4, top_k=2, intermediate_size=16, norm_topk_prob=True))
+CONFIGS = {"dense": DENSE, "moe": MOE, "dense_without_all_reduce": DENSE}
+PAGE, PAGES = 4, 16
+
+
+def races_found() -> bool:
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+    return bool(interpret_pallas_call.races is not None and interpret_pallas_call.races.races_found)
+
+
+def run(name):
+    """One config; "..._without_all_reduce" plants a bug: each device keeps its own partial sums."""
+    cfg = CONFIGS[name]
+    if name.endswith("_without_all_reduce"):
+        from weld.kernels.megakernel import collectives
+
+        def partial_only(x_ref, out_ref, *_, **__):
+            out_ref[...] = x_ref[...]
+        collectives.all_reduce_rows = partial_only
+    pltpu.reset_tpu_interpret_mode_state()
+    mesh = Mesh(np.array(jax.devices()[:DEVICES]).reshape(1, DEVICES), ("dp", "tp"))
+    weights = random_weights(llama.weight_specs(cfg), seed=0)
+    tables = jnp.asarray(np.arange(PAGES).reshape(2, PAGES // 2)[:, ::-1].copy(), jnp.int32)
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(5), (2, 5)).astype(jnp.int32)
+    cache = llama.cache_spec(cfg).create(PAGES, PAGE, jnp.float32)
+    xla = jax.jit(lambda w, t, p, c, bt: llama.forward(w, cfg, t, p, c, AttentionBatch(bt)))
+    logits, _, cache = xla(weights, prompt, positions, cache, tables)
+    options = megakernel.KernelOptions(tile_rows=16, vocab_tile_rows=16, ring_depth=3, pages_per_kv_tile=2,
+                                       interpret=pltpu.InterpretParams(dma_execution_mode="on_wait",
+                                                                       uninitialized_memory="nan", detect_races=True))
+    kernel = jax.jit(lambda w, t, p, c, bt: megakernel.sharded_forward(w, cfg, t, p, c, AttentionBatch(bt), mesh=mesh,
+                                                                       options=options))
+    shard = lambda tree, shardings: jax.device_put(tree, shardings)  # noqa: E731
+    k_cache = shard(cache, sharding.cache_shardings(cache, mesh))
+    k_weights = shard(weights, sharding.weight_shardings(weights, llama.weight_specs(cfg), mesh))
+    tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
+    pos = positions[:, -1:] + 1
+    errors, same = [], True
+    for _ in range(2):
+        ref, _, cache = xla(weights, tok, pos, cache, tables)
+        got, _, k_cache = kernel(k_weights, tok, pos, k_cache, tables)
+        errors.append(float(np.abs(np.asarray(got) - np.asarray(ref)).max() / np.abs(np.asarray(ref)).max()))
+        same &= bool(np.array_equal(np.argmax(np.asarray(got), -1), np.argmax(np.asarray(ref), -1)))
+        tok, pos = jnp.argmax(ref[:, -1], axis=-1).astype(jnp.int32)[:, None], pos + 1
+    pool_err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                   for a, b in zip(jax.tree.leaves(k_cache), jax.tree.leaves(cache)))
+    return {"config": name, "max_rel_err": max(errors), "greedy_equal": same, "pool_err": pool_err,
+            "races": races_found()}
+
+
+for case in json.loads(sys.argv[2]):
+    print(json.dumps(run(case)), flush=True)
