@@ -21,13 +21,9 @@ import numpy as np  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
+from json_runs import interpret_races_found  # noqa: E402
 from weld.kernels.megakernel import collectives  # noqa: E402
 
-
-def races_found() -> bool:
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-
-    return bool(interpret_pallas_call.races is not None and interpret_pallas_call.races.races_found)
 
 
 def run(bug):
@@ -45,7 +41,7 @@ def run(bug):
     got = np.asarray(out).reshape(DEVICES, rows, cols)
     return {"bug": bug, "max_err": float(np.nan_to_num(np.abs(got - ref[None]), nan=np.inf).max()),
             "replicas_equal": bool(all(np.array_equal(got[0], g, equal_nan=True) for g in got)),
-            "races": races_found()}
+            "races": interpret_races_found()}
 
 
 for case in json.loads(sys.argv[2]):

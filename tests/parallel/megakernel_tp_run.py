@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+from json_runs import interpret_races_found  # noqa: E402
 from weld.models import llama, megakernel  # noqa: E402
 from weld.models.common import moe as moe_lib  # noqa: E402
 from weld.models.common import sharding  # noqa: E402
@@ -36,11 +37,6 @@ MOE = dataclasses.replace(DENSE, architecture="qwen3_moe", sparse_layers=(1,),
 CONFIGS = {"dense": DENSE, "moe": MOE, "dense_without_all_reduce": DENSE}
 PAGE, PAGES = 4, 16
 
-
-def races_found() -> bool:
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-
-    return bool(interpret_pallas_call.races is not None and interpret_pallas_call.races.races_found)
 
 
 def run(name):
@@ -82,7 +78,7 @@ def run(name):
     pool_err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                    for a, b in zip(jax.tree.leaves(k_cache), jax.tree.leaves(cache)))
     return {"config": name, "max_rel_err": max(errors), "greedy_equal": same, "pool_err": pool_err,
-            "races": races_found()}
+            "races": interpret_races_found()}
 
 
 for case in json.loads(sys.argv[2]):

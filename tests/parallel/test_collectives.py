@@ -7,21 +7,12 @@ receive not waited for, two peers writing one slot) are caught."""
 from __future__ import annotations
 
 import json
-import pathlib
-import subprocess
-import sys
-
 import pytest
-
-HERE = pathlib.Path(__file__).parent
+from json_runs import run_script
 
 
 def _run(devices: int, cases: list) -> dict:
-    proc = subprocess.run([sys.executable, str(HERE / "collectives_run.py"), str(devices), json.dumps(cases)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {row["bug"]: row for row in rows}
+    return {row["bug"]: row for row in run_script("collectives_run.py", str(devices), json.dumps(cases))}
 
 
 @pytest.mark.parametrize("devices", [4, 8])

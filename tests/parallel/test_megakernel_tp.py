@@ -9,21 +9,12 @@ within 1e-3, the same tokens, the pools); without the all-reduce (a planted bug)
 from __future__ import annotations
 
 import json
-import pathlib
-import subprocess
-import sys
-
 import pytest
-
-HERE = pathlib.Path(__file__).parent
+from json_runs import run_script
 
 
 def _run(devices: int, configs: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, str(HERE / "megakernel_tp_run.py"), str(devices), json.dumps(configs)],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {row["config"]: row for row in map(json.loads, filter(lambda line: line.startswith("{"),
-                                                                 proc.stdout.splitlines()))}
+    return {row["config"]: row for row in run_script("megakernel_tp_run.py", str(devices), json.dumps(configs))}
 
 
 @pytest.mark.parametrize("devices,configs", [(4, ["dense", "moe", "dense_without_all_reduce"]),
