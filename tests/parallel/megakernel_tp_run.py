@@ -4,7 +4,7 @@ of its own, against the one-device XLA forward, and prints one JSON line per con
 relative logits error over two greedy steps, whether the greedy tokens matched, the largest
 pool difference, and whether the race detector fired.
 
-    python tests/parallel/megakernel_tp_run.py DEVICES '["dense", "moe", "dense_without_all_reduce"]'
+    python tests/parallel/megakernel_tp_run.py DEVICES '["dense", "moe", "moe_ep", "dense_without_all_reduce"]'
 """
 
 from __future__ import annotations
@@ -34,23 +34,45 @@ DENSE = llama.Config(architecture="qwen3", vocab_size=128, hidden_size=32, inter
                      num_heads=16, num_kv_heads=8, head_dim=8, qk_norm=True, qkv_bias=True, rope_theta=1e6)
 MOE = dataclasses.replace(DENSE, architecture="qwen3_moe", sparse_layers=(1,),
                           moe=moe_lib.MoE(num_experts=4, top_k=2, intermediate_size=16, norm_topk_prob=True))
-CONFIGS = {"dense": DENSE, "moe": MOE, "dense_without_all_reduce": DENSE}
+# DeepSeek-V3's routing (sigmoid scores, a correction bias, group-limited) and a shared expert, on
+# GQA layers: under expert parallelism the router's rows and bias are split with the experts
+GROUPED = dataclasses.replace(DENSE, architecture="qwen3_moe", sparse_layers=(0, 1), moe=moe_lib.MoE(
+    num_experts=8, top_k=2, intermediate_size=16, router="sigmoid_group", n_group=4, topk_group=2, score_bias=True,
+    routed_scaling_factor=2.5, shared_intermediate_size=32))
+# name -> (config, mesh (ep, tp) over the devices; ep 1: a ("dp", "tp") mesh)
+CONFIGS = {"dense": (DENSE, None), "moe": (MOE, None), "dense_without_all_reduce": (DENSE, None),
+           "moe_ep": (GROUPED, (2, DEVICES // 2)),  # 2 expert shards, each expert's FFN over the rest
+           "moe_ep_only": (GROUPED, (DEVICES, 1)),  # every device its own experts, whole
+           "moe_ep_wrong_expert": (GROUPED, (2, DEVICES // 2))}
 PAGE, PAGES = 4, 16
 
 
 
 def run(name):
-    """One config; "..._without_all_reduce" plants a bug: each device keeps its own partial sums."""
-    cfg = CONFIGS[name]
+    """One config; "..._without_all_reduce" plants a bug: each device keeps its own partial sums;
+    "..._wrong_expert": each device fetches its shard's experts by their global ids."""
+    cfg, ep_tp = CONFIGS[name]
     if name.endswith("_without_all_reduce"):
         from weld.kernels.megakernel import collectives
 
         def partial_only(x_ref, out_ref, *_, **__):
             out_ref[...] = x_ref[...]
         collectives.all_reduce_rows = partial_only
+    if name.endswith("_wrong_expert"):
+        from weld.kernels.megakernel import decode
+
+        decode_step = decode.decode_step
+        decode.decode_step = lambda *a, **k: decode_step(*a, **k, _bug="global_expert_ids")
+        megakernel.decode_step = decode.decode_step
     pltpu.reset_tpu_interpret_mode_state()
-    mesh = Mesh(np.array(jax.devices()[:DEVICES]).reshape(1, DEVICES), ("dp", "tp"))
+    devices = np.array(jax.devices()[:DEVICES])
+    mesh = Mesh(devices.reshape(1, DEVICES), ("dp", "tp")) if ep_tp is None else \
+        Mesh(devices.reshape(1, *ep_tp), ("dp", "ep", "tp"))
     weights = random_weights(llama.weight_specs(cfg), seed=0)
+    for lw in weights["layers"]:  # a correction bias that moves the choices (its declared init is zeros)
+        if "score_bias" in lw.get("moe", {}):
+            lw["moe"]["score_bias"] = jnp.asarray(np.random.default_rng(1).normal(0, 0.5, cfg.moe.num_experts),
+                                                  jnp.float32)
     tables = jnp.asarray(np.arange(PAGES).reshape(2, PAGES // 2)[:, ::-1].copy(), jnp.int32)
     rng = np.random.default_rng(0)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)

@@ -3,7 +3,8 @@
 
     python tests/parallel/sharded_run.py MODEL_DIR '[{"tensor_parallel_size": 2}, ...]'
 
-Each layout (a dict of `LLM` keywords; "spec": true turns n-gram speculation on) runs the same
+Each layout (a dict of `LLM` keywords, "backend": "megakernel" included; "spec": true turns
+n-gram speculation on) runs the same
 greedy batch twice (the second, without prompt logprobs, hits the prefix cache) and reports, as one JSON line, its
 tokens, their logprobs, the prompt logprobs, the prefix-cache hits, whether every page was freed,
 and the share of the weight bytes that device 0 holds. The test compares them with the
@@ -60,11 +61,26 @@ def watch_ranks(llm) -> set[int]:
     return ranks
 
 
+def count_sharded_kernel_traces() -> list:
+    """A list that grows by one each time the tensor-parallel megakernel is traced."""
+    from weld.models import megakernel
+
+    traced, sharded = [], megakernel.sharded_forward
+
+    def counted(*args, **kwargs):
+        traced.append(1)
+        return sharded(*args, **kwargs)
+
+    megakernel.sharded_forward = counted
+    return traced
+
+
 def run(model: str, layout: dict) -> dict:
     from weld import LLM, SamplingParams
 
     layout = dict(layout)
     spec = layout.pop("spec", False)
+    kernel_traces = count_sharded_kernel_traces()
     llm = LLM(model, **ENGINE, **layout, speculative_config=NGRAM if spec else None)
     ranks = watch_ranks(llm)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
@@ -89,6 +105,7 @@ def run(model: str, layout: dict) -> dict:
         "ranks_used": sorted(ranks),
         "num_prompts": len(PROMPTS),
         "verified": any(key[0] == "verify" for key in llm.engine.runner._programs),
+        "sharded_kernel_traces": len(kernel_traces),
     }
 
 

@@ -3,8 +3,12 @@ virtual CPU devices in Pallas TPU interpret mode, each run in a subprocess
 (`megakernel_tp_run.py`): every device streams its shard of the weights (its heads, its slice of
 the MLP, expert and vocabulary rows, as the sharding rules lay them out) and its KV heads' pools,
 and the kernel all-reduces by remote DMA the embedding rows and every attention's and MLP's
-(experts included) partial outputs. Two greedy steps equal the one-device XLA forward (logits
-within 1e-3, the same tokens, the pools); without the all-reduce (a planted bug) they do not."""
+(experts included) partial outputs. Under expert parallelism (a ("dp", "ep", "tp") mesh) each
+device holds a shard of the experts and of the router: the scores are gathered in the kernel,
+only the device's own chosen experts are fetched, and the all-reduce combines the experts'
+outputs. Two greedy steps equal the one-device XLA forward (logits within 1e-3, the same tokens,
+the pools); without the all-reduce, or with a shard's experts addressed by their global ids
+(planted bugs), they do not."""
 
 from __future__ import annotations
 
@@ -17,14 +21,45 @@ def _run(devices: int, configs: list[str]) -> dict:
     return {row["config"]: row for row in run_script("megakernel_tp_run.py", str(devices), json.dumps(configs))}
 
 
-@pytest.mark.parametrize("devices,configs", [(4, ["dense", "moe", "dense_without_all_reduce"]),
-                                             pytest.param(8, ["dense"], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("devices,configs", [
+    (4, ["dense", "moe", "moe_ep", "dense_without_all_reduce", "moe_ep_wrong_expert"]),
+    pytest.param(8, ["dense", "moe_ep", "moe_ep_only"], marks=pytest.mark.slow)])
 def test_tensor_parallel_megakernel_equals_one_device_xla(devices, configs):
     result = _run(devices, configs)
     for name in configs:
         row = result[name]
-        if name.endswith("_without_all_reduce"):
+        if name.endswith(("_without_all_reduce", "_wrong_expert")):
             assert row["max_rel_err"] > 1e-2 and not row["greedy_equal"], row
         else:
             assert row["max_rel_err"] < 1e-3 and row["greedy_equal"] and row["pool_err"] < 1e-4, row
             assert not row["races"], row
+
+
+
+def test_layouts_the_kernel_cannot_split_are_refused_in_one_line():
+    """Before anything loads (`LLM` calls `check_mesh`): uneven shards, and meshes the kernel
+    does not cover, name what does not fit."""
+    import dataclasses
+
+    import jax
+
+    from weld.models import llama, megakernel
+    from weld.models.common import moe as moe_lib
+
+    cfg = llama.Config(architecture="qwen3_moe", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8, sparse_layers=(1,),
+                       moe=moe_lib.MoE(num_experts=6, top_k=2, intermediate_size=16))
+    mesh = jax.sharding.AbstractMesh
+    assert megakernel.tensor_layout(mesh((1, 2, 2), ("dp", "ep", "tp"))) == (("ep", "tp"), 4, 2)
+    assert megakernel.tensor_layout(mesh((1, 2, 1), ("dp", "ep", "tp"))) == ("ep", 2, 2)
+    megakernel.check_mesh(cfg, mesh((1, 2), ("dp", "tp")))  # fits
+    local = megakernel.local_config(dataclasses.replace(cfg, num_kv_heads=4), 4, 2)  # 2 shards of experts, each
+    # expert's FFN over 2 devices; the experts stay counted whole (the router sees them all)
+    assert (local.num_heads, local.num_kv_heads, local.moe.num_experts, local.moe.intermediate_size,
+            local.vocab_size) == (1, 1, 6, 8, 32)
+    with pytest.raises(ValueError, match=r"do not split: num_kv_heads 2 over 4 devices$"):
+        megakernel.check_mesh(cfg, mesh((1, 2, 2), ("dp", "ep", "tp")))
+    with pytest.raises(ValueError, match=r"num_experts 6 over 4 devices"):
+        megakernel.check_mesh(dataclasses.replace(cfg, num_kv_heads=4), mesh((1, 4, 1), ("dp", "ep", "tp")))
+    with pytest.raises(ValueError, match=r"with dp 1, got \{'dp': 2, 'tp': 2\}"):
+        megakernel.check_mesh(cfg, mesh((2, 2), ("dp", "tp")))

@@ -2,7 +2,8 @@
 virtual CPU devices: tensor parallel 2 and 4, tensor x expert and tensor x data parallel give
 the one-device greedy tokens, with logprobs and prompt logprobs within 1e-4, with the fused
 decode, prefix-cache hits and n-gram speculative verification, and the weights really are
-split (device 0 holds a fraction of their bytes).
+split (device 0 holds a fraction of their bytes). The tensor-parallel megakernel (with expert
+parallelism inside the kernel) runs the same checks for the dense and MoE models.
 
 Each model runs in a subprocess (`sharded_run.py`): the device count is fixed when JAX starts.
 The default suite runs one model of each kind; `-m slow` runs the rest of the families.
@@ -29,18 +30,19 @@ DP2 = {"data_parallel_size": 2}
 TP2_DP2_EP = {"tensor_parallel_size": 2, "data_parallel_size": 2, "enable_expert_parallel": True}
 TP4_EP_ETP2 = {"tensor_parallel_size": 4, "enable_expert_parallel": True, "expert_tensor_parallel_size": 2}
 SPEC = {"spec": True}
+MEGAKERNEL = {"backend": "megakernel"}  # the Pallas kernel (interpret mode here) over the tp mesh
 
 # variant -> layouts, each compared with the variant's one-device run (plain: speculation keeps
 # greedy tokens, and its logprobs, the same). The default suite runs a few per kind of model.
 CASES = {
-    "llama": [TP4, {**TP2_DP2, **SPEC}],
-    "qwen3_moe": [TP2_EP, TP4_EP_ETP2, TP2_DP2],
+    "llama": [TP4, {**TP2_DP2, **SPEC}, {**TP2, **MEGAKERNEL, **SPEC}],
+    "qwen3_moe": [TP2_EP, TP4_EP_ETP2, TP2_DP2, {**TP2_EP, **MEGAKERNEL}],
     "deepseek_v3": [{**TP2_DP2_EP, **SPEC}],
     "qwen3_next": [{**TP2, **SPEC}, DP2],
 }
 SLOW_CASES = {
     "llama": [TP2, TP2_DP2, {**TP2, **SPEC}, {"data_parallel_size": 4, **SPEC}],
-    "qwen3_moe": [TP2, TP2_DP2_EP, {**TP2_EP, **SPEC}],
+    "qwen3_moe": [TP2, TP2_DP2_EP, {**TP2_EP, **SPEC}, {**TP2, **MEGAKERNEL, **SPEC}],
     "deepseek_v3": [TP2, TP4_EP_ETP2],
     "qwen3_next": [TP2_DP2_EP, TP4],
     "mistral": [TP2, TP2_DP2],  # sliding window
@@ -79,6 +81,8 @@ def check(variant: str, results: list[dict]) -> None:
         assert max_diff(r["prompt_logprobs"], base["prompt_logprobs"]) < TOL, what
         assert max_diff(r["again_logprobs"], r["logprobs"]) < TOL, what
         assert r["verified"] == bool(layout.get("spec")), what  # speculation ran through the verify program
+        # the megakernel's decode (and verify) steps ran tensor parallel, not the XLA forward
+        assert (r["sharded_kernel_traces"] > 0) == (layout.get("backend") == "megakernel"), what
         dp = layout.get("data_parallel_size", 1)
         # data-parallel attention: each rank holds its own pages (1/dp of every pool, less when
         # the KV heads split too) and serves its own sequences

@@ -153,13 +153,15 @@ def test_parallel_settings_are_checked_before_anything_loads():
            ({"expert_tensor_parallel_size": 2, "tensor_parallel_size": 4}, "needs enable_expert_parallel"),
            ({"expert_tensor_parallel_size": 3, "tensor_parallel_size": 4, "enable_expert_parallel": True},
             "expert_tensor_parallel_size (3) must divide tensor_parallel_size (4)"),
-           ({"tensor_parallel_size": 2, "backend": "megakernel"}, "megakernel backend runs on one device"),
+           ({"tensor_parallel_size": 2, "data_parallel_size": 2, "backend": "megakernel"},
+            "megakernel backend runs tensor parallel on one host"),
            ({"tensor_parallel_size": 2, "quantization": "int8"}, "runs on one device"),
            ({"node_rank": 2, "nnodes": 2}, "node_rank must be an integer in [0, 1]")]
     for kwargs, message in bad:
         with pytest.raises(InvalidInputError, match=re.escape(message)):
             EngineConfig.create(**kwargs)
     assert ParallelConfig().world_size == 1 and not ParallelConfig().sharded
+    assert EngineConfig.create(tensor_parallel_size=2, backend="megakernel").parallel.sharded  # tensor parallel
 
 
 def test_vllm_flag_names_choose_the_layout():

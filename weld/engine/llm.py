@@ -146,6 +146,10 @@ class LLM:
         if config.backend == "megakernel":  # fail before any weight work: what the kernel does not cover
             try:
                 family.megakernel(self.cfg)
+                if self.mesh is not None:  # tensor (and expert) parallel: the kernel's shards must be even
+                    from weld.models import megakernel
+
+                    megakernel.check_mesh(self.cfg, self.mesh)
             except ValueError as err:
                 raise InvalidInputError(f"backend 'megakernel': {err}") from None
         self.tokenizer = load_tokenizer(self.model)

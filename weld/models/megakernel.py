@@ -12,6 +12,7 @@ engine's fused decode loop runs it in place of the family's `forward`.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -67,16 +68,18 @@ def check_supported(cfg) -> None:
 
 def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight_dtype, kv_dtype,
              pages_per_kv_tile: int = 8, int8: bool = False, float_matrices: tuple[str, ...] = (),
-             float_dtype=jnp.float32, int4_experts: bool = False) -> MegakernelSpec:
+             float_dtype=jnp.float32, int4_experts: bool = False, expert_shards: int = 1) -> MegakernelSpec:
     """The kernel's spec for `cfg` at this batch shape (`float_matrices`: those that stay
-    float_dtype in an int8 model)."""
+    float_dtype in an int8 model; `expert_shards`: expert parallelism, this device holding
+    1/expert_shards of cfg's routed experts)."""
     check_supported(cfg)
     mla = _mla(cfg)
     rope = mla.rope if mla else cfg.rope
     mscale = rope.tables()[1] if rope is not None else 1.0
     moe = cfg.moe
     experts = {} if moe is None or not cfg.sparse_layers else dict(
-        sparse_layers=tuple(cfg.sparse_layers), num_experts=moe.num_experts, top_k=moe.top_k,
+        sparse_layers=tuple(cfg.sparse_layers), num_experts=moe.num_experts // expert_shards,
+        expert_shards=expert_shards, top_k=moe.top_k,
         expert_intermediate=moe.intermediate_size, shared_intermediate=moe.shared_intermediate_size,
         shared_expert_gate=moe.shared_gate, router_bias=moe.router_bias or moe.score_bias)
     if mla:  # one latent key head of kv_lora_rank + rope_dim
@@ -116,8 +119,10 @@ def kernel_params(cfg, weights: dict) -> dict:
     plus = 1.0 if isinstance(cfg, NORM_PLUS_ONE) else 0.0
 
     def stack(key, width, pick=lambda lw, key: lw.get(key)):
-        """A per-layer vector [L, width] in f32: zeros where a layer has none."""
+        """A per-layer vector [L, width] in f32: zeros where a layer has none (as wide as the
+        layers' own: a device's shard of an expert-parallel bias)."""
         rows = [pick(lw, key) for lw in layers]
+        width = next((r.size for r in rows if r is not None), width)
         return jnp.stack([jnp.zeros((width,), jnp.float32) if r is None else r.reshape(-1).astype(jnp.float32)
                           for r in rows])
 
@@ -238,61 +243,94 @@ class KernelOptions:
     interpret: object = None  # None: interpret mode (default InterpretParams) unless on a TPU
 
 
-def local_config(cfg, tp: int):
-    """cfg as one of tp tensor-parallel devices sees it: its heads, its slice of every MLP's and
-    expert's intermediate and of the vocabulary (the shapes `sharding.weight_shardings` gives a
-    device under a ("dp", "tp") mesh)."""
-    if tp == 1:
+def local_config(cfg, tensor: int, expert_shards: int = 1):
+    """cfg as one of `tensor` tensor-parallel devices sees it (the shapes `sharding.weight_shardings`
+    gives a device): its heads, its slice of every MLP's intermediate and of the vocabulary, and
+    of each routed expert's intermediate (split over tensor / expert_shards devices: expert
+    parallelism puts 1/expert_shards of the experts on each group of them). The experts stay
+    counted whole: the router chooses among all of them (`spec_for(expert_shards=)` takes the
+    device's share)."""
+    if tensor == 1:
         return cfg
     if not isinstance(cfg, llama.Config):
         raise ValueError(f"the tensor-parallel megakernel runs the llama family (GQA, dense or MoE), not "
                          f"{cfg.architecture}")
-    split = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "intermediate_size": cfg.intermediate_size,
-             "vocab_size": cfg.vocab_size}
+    expert_tp = tensor // expert_shards
+    split = {"num_heads": (cfg.num_heads, tensor), "num_kv_heads": (cfg.num_kv_heads, tensor),
+             "intermediate_size": (cfg.intermediate_size, tensor), "vocab_size": (cfg.vocab_size, tensor)}
     if cfg.moe is not None:
-        split.update(expert_intermediate=cfg.moe.intermediate_size, shared_intermediate=cfg.moe.shared_intermediate_size)
-    bad = {name: n for name, n in split.items() if n % tp}
+        split.update(num_experts=(cfg.moe.num_experts, expert_shards),
+                     expert_intermediate=(cfg.moe.intermediate_size, expert_tp),
+                     shared_intermediate=(cfg.moe.shared_intermediate_size, tensor))
+    bad = [f"{name} {n} over {k} devices" for name, (n, k) in split.items() if n % k]
     if bad or cfg.o_bias:
-        raise ValueError(f"the tensor-parallel megakernel splits heads, KV heads, intermediates and the vocabulary "
-                         f"evenly over {tp} devices and has no o bias: {bad or 'o_bias'} do not")
-    moe = cfg.moe and dataclasses.replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // tp,
-                                          shared_intermediate_size=cfg.moe.shared_intermediate_size // tp)
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
-                               intermediate_size=cfg.intermediate_size // tp, vocab_size=cfg.vocab_size // tp, moe=moe)
+        raise ValueError(f"the tensor-parallel megakernel splits heads, KV heads, intermediates, experts and the "
+                         f"vocabulary evenly and has no o bias; this model's do not split: {', '.join(bad or ['o_bias'])}")
+    moe = cfg.moe and dataclasses.replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // expert_tp,
+                                          shared_intermediate_size=cfg.moe.shared_intermediate_size // tensor)
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tensor, num_kv_heads=cfg.num_kv_heads // tensor,
+                               intermediate_size=cfg.intermediate_size // tensor, vocab_size=cfg.vocab_size // tensor,
+                               moe=moe)
 
 
-def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: AttentionBatch, *, mesh,
-                    options: KernelOptions = KernelOptions()):
-    """`forward` tensor-parallel over the "tp" axis of mesh (a ("dp", "tp") mesh with dp 1): each
-    device runs the megakernel on its shard of the weights and pools (laid out by the sharding
-    rules, `sharding.weight_shardings` / `cache_shardings`), all-reducing inside the kernel by
-    remote DMA; the logits come back whole. Returns (logits f32 [b, t, V], None, the cache)."""
+def tensor_layout(mesh) -> tuple[str | tuple[str, ...], int, int]:
+    """(the tensor-parallel mesh axis or axes, their devices, the expert shards) of a ("dp", "tp")
+    or ("dp", "ep", "tp") mesh with dp 1 (ValueError for others)."""
+    from weld.models.common import sharding
+
+    shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if shape.get("dp", 1) != 1 or set(mesh.axis_names) - {"dp", "ep", "tp"}:
+        raise ValueError(f"the tensor-parallel megakernel runs on a ('dp', 'tp') or ('dp', 'ep', 'tp') mesh with "
+                         f"dp 1, got {shape}")
+    names = tuple(a for a in sharding.TENSOR if shape.get(a, 1) > 1)  # shard-major, as the rules split
+    return (names[0] if len(names) == 1 else names), math.prod(shape[a] for a in names), shape.get("ep", 1)
+
+
+def check_mesh(cfg, mesh) -> None:
+    """Raises ValueError when the megakernel cannot run cfg over mesh (before anything loads)."""
+    _, tensor, shards = tensor_layout(mesh)
+    local_config(cfg, tensor, shards)
+
+
+def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: AttentionBatch, logits_indices=None,
+                    capture_layers: tuple[int, ...] = (), *, mesh, options: KernelOptions = KernelOptions()):
+    """`forward` over the tensor-parallel devices of mesh (a `Mesh`, or the abstract mesh the engine
+    traces under): a ("dp", "tp") mesh, or with expert parallelism ("dp", "ep", "tp"), with dp 1
+    (`sharding.RULES`: heads, MLPs and the vocabulary over ep x tp, routed experts over ep, each
+    expert's FFN over tp). Each device runs the megakernel on its shard of the weights and pools
+    (laid out by the sharding rules, `sharding.weight_shardings` / `cache_shardings`, so nothing
+    moves on the way in), all-reducing inside the kernel by remote DMA (the experts' outputs
+    too: the combine); the logits come back split over the vocabulary, the hidden states whole
+    (every device holds the summed residual stream)."""
     from weld.models import FAMILIES
     from weld.models.common import sharding
 
-    tp = mesh.shape["tp"]
-    if mesh.shape.get("dp", 1) != 1 or set(mesh.axis_names) - {"dp", "tp"}:
-        raise ValueError(f"the tensor-parallel megakernel runs on a ('dp', 'tp') mesh with dp 1, got {dict(mesh.shape)}")
-    local = local_config(cfg, tp)
+    axis, tensor, shards = tensor_layout(mesh)
+    local = local_config(cfg, tensor, shards)
     family = next(f for f in FAMILIES if isinstance(cfg, f.Config))
     weight_specs = jax.tree_util.tree_map(lambda s: s.spec, sharding.weight_shardings(weights, family.weight_specs(cfg),
                                                                                       mesh))
     cache_specs = jax.tree_util.tree_map(lambda s: s.spec, sharding.cache_shardings(cache, mesh))
     whole = jax.sharding.PartitionSpec()
+    slots = jnp.arange(tokens.shape[0], dtype=jnp.int32) if batch.state_slots is None else batch.state_slots
 
-    def step(w, t, p, c, bt):
-        logits, _, c = forward(w, local, t, p, c, AttentionBatch(bt), options=options, tp=("tp", tp))
-        return logits, c
+    def step(w, t, p, c, bt, s):
+        logits, hidden, c = forward(w, local, t, p, c, AttentionBatch(bt, s), None, capture_layers, options=options,
+                                    tp=(axis, tensor), expert_shards=shards)
+        return (logits, c) if hidden is None else (logits, c, hidden)
 
-    run = jax.shard_map(step, mesh=mesh, in_specs=(weight_specs, whole, whole, cache_specs, whole),
-                        out_specs=(jax.sharding.PartitionSpec(None, None, "tp"), cache_specs), check_vma=False)
-    logits, cache = run(weights, tokens, positions, cache, batch.block_tables)
-    return logits, None, cache
+    out_specs = (jax.sharding.PartitionSpec(None, None, axis), cache_specs) + ((whole,) if capture_layers else ())
+    run = jax.shard_map(step, mesh=mesh, in_specs=(weight_specs, whole, whole, cache_specs, whole, whole),
+                        out_specs=out_specs, check_vma=False)
+    logits, cache, *hidden = run(weights, tokens, positions, cache, batch.block_tables, slots)
+    if logits_indices is not None:
+        logits = jnp.take_along_axis(logits, logits_indices[:, :, None], axis=1)
+    return logits, (hidden[0] if hidden else None), cache
 
 
 def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: AttentionBatch, logits_indices=None,
             capture_layers: tuple[int, ...] = (), *, options: KernelOptions = KernelOptions(),
-            tp: tuple[str, int] = (None, 1)):
+            tp: tuple[str | tuple[str, ...], int] = (None, 1), expert_shards: int = 1):
     """The family's forward contract for one group of rows with few tokens each, on the megakernel
     (K/V pages, or latent pages, for the attention layers; a recurrent-state slot per row,
     `batch.state_slots`, for the linear ones).
@@ -302,8 +340,16 @@ def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: Attentio
     capture_layers: the residual streams after those layers come back concatenated (a
     drafter's features), as the families' `forward` gives them.
     Returns (logits f32 [b, n, v], hidden states [b, t, len(capture_layers) d] or None, the
-    cache updated in place).
+    cache updated in place). Under a mesh (`sharding.active_mesh`, as the engine traces with
+    tensor_parallel_size > 1) it runs `sharded_forward`.
     """
+    if tp[1] == 1:  # under the engine's mesh (tensor parallel): each device runs its shard
+        from weld.models.common import sharding
+
+        mesh = sharding.active_mesh()
+        if mesh is not None:
+            return sharded_forward(weights, cfg, tokens, positions, cache, batch, logits_indices, capture_layers,
+                                   mesh=mesh, options=options)
     b, t = tokens.shape
     interpret = options.interpret
     if interpret is None:
@@ -317,7 +363,7 @@ def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: Attentio
     spec = spec_for(cfg, batch=b, tokens_per_row=t, page_size=cache.page_size, weight_dtype=params["embed"].dtype,
                     kv_dtype=k_pools[0].dtype, pages_per_kv_tile=options.pages_per_kv_tile,
                     int8=isinstance(params["lm_head"], Int8Matrix), float_matrices=float_matrices(params),
-                    float_dtype=params["embed"].dtype, int4_experts=int4_experts(params))
+                    float_dtype=params["embed"].dtype, int4_experts=int4_experts(params), expert_shards=expert_shards)
     logits, _, k, v, hidden, states = decode_step(
         spec, params, tokens, positions, batch.block_tables, k_pools, v_pools, linear_states=states,
         state_slots=batch.state_slots, tile_rows=options.tile_rows, vocab_tile_rows=options.vocab_tile_rows,

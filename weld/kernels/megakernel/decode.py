@@ -48,7 +48,7 @@ from weld.kernels.megakernel.attention import attend_rows, kv_scratch
 from weld.kernels.megakernel.plan import INT4_GROUP, MegakernelSpec, Plan, fit_plan, make_plan
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a dense layer's, in stream order (plan.matrices)
-BUGS = (None, "skip_wait", "wrong_slot", "wrong_expert") + linear.BUGS[1:]  # planted bugs, for the tests
+BUGS = (None, "skip_wait", "wrong_slot", "wrong_expert", "global_expert_ids") + linear.BUGS[1:]  # planted bugs, for the tests
 # the per-layer vectors a spec's switch asks for: (name, the switch)
 _OPTIONAL_VECTORS = (("inv_freq", "rope"), ("qkv_bias", "qkv_bias"), ("o_bias", "o_bias"), ("q_norm", "qk_norm"),
                      ("k_norm", "qk_norm"), ("router_bias", "router_bias"), ("shared_expert_gate", "shared_expert_gate"),
@@ -319,6 +319,10 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     if tp_size > 1 and (tp_axis is None or spec.mla or lin_layers or spec.o_bias):
         raise ValueError("the tensor-parallel megakernel covers GQA layers (dense or MoE) without an o bias, "
                          "inside shard_map over tp_axis")
+    shards = spec.expert_shards if sparse else 1  # expert parallelism: this device's experts are one shard
+    if shards > 1 and (tp_size % shards or tp_axis is None):
+        raise ValueError(f"{shards} expert shards must divide the {tp_size} tensor-parallel devices")
+    gather_rows = n_tok + (1 if spec.router_bias else 0)  # the router scores gathered over the shards (and bias)
 
     def kernel(tok_ref, pos_ref, bt_ref, slot_ref, *refs):
         refs = list(refs)
@@ -356,6 +360,22 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             sg_ref, su_ref = take(2) if spec.shared_intermediate else (None, None)
         lin = dict(zip(linear.SCRATCH, take(len(linear.SCRATCH)))) if lin_layers else None
         reduce_scratch = take(4) if tp_size > 1 else None  # the summed rows, the peers' slots, semaphores
+        gather_scratch = take(5) if shards > 1 else None  # the scores' rows in and out, slots, semaphores
+
+        def expert_shard():
+            """(this device's expert shard, whether it leads the shard's devices): the tensor devices
+            are shard-major (`sharding.RULES`: experts over "ep", then each expert's FFN over "tp")."""
+            me = jax.lax.axis_index(tp_axis)
+            per = tp_size // shards
+            return me // per, me % per == 0
+
+        def is_local(expert):
+            """Whether this device holds the routed expert `expert` (a global id), and its local index."""
+            if shards == 1:
+                return None, expert
+            first = expert_shard()[0] * spec.num_experts
+            index = expert if _bug == "global_expert_ids" else expert - first
+            return (expert >= first) & (expert < first + spec.num_experts), jnp.clip(index, 0, spec.num_experts - 1)
 
         def residual_add():
             """x += this layer part's output: with tensor parallelism, the sum of every device's
@@ -374,10 +394,12 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             src_w = w_refs[m]
             src_s = s_refs[scale_of[m]] if kind == "int8" else None
             src_g = [g_refs[2 * group_of[m]], g_refs[2 * group_of[m] + 1]] if kind == "int4" else []
+            held = None  # a routed expert's tile: whether this device holds the expert (None: every device)
             if tile.pair >= 0:  # a routed expert's tile: the expert its pair chose, in SMEM since routing
                 expert = chosen[tile.pair // top_k, tile.pair % top_k]
                 if _bug == "wrong_expert":
-                    expert = (expert + 1) % spec.num_experts
+                    expert = (expert + 1) % spec.routed_experts
+                held, expert = is_local(expert)
                 src_w = src_w.at[expert]
                 src_s = src_s.at[expert] if src_s is not None else None
                 src_g = [g.at[expert] for g in src_g]
@@ -390,7 +412,20 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             for src, ring in zip(src_g, group_rings or []):  # and the int4 tile's scales and mins
                 copies.append(pltpu.make_async_copy(src.at[pl.ds(tile.row_start, tile.rows)],
                                                     ring.at[slot, rows, pl.ds(0, src.shape[-1])], ring_sems.at[slot]))
-            return copies
+            return copies, held
+
+        def copies_do(i, op):
+            """Starts ("start") or waits for ("wait") tile i's DMAs; an expert another device holds
+            is not fetched (its pair's product is then dropped, `sparse_mlp`)."""
+            copies, held = tile_copies(i)
+
+            def do():
+                for c in copies:
+                    getattr(c, op)()
+            if held is None:
+                do()
+            else:
+                pl.when(held)(do)
 
         # Trace-time bookkeeping of the stream: `cursor` is the next tile to compute, `started` the
         # next tile to start. Tiles start in order, at most depth - 1 ahead of the one computing
@@ -404,8 +439,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 tile = tiles[started[0]]
                 if tile.pair >= 0 and tile.layer not in routed:
                     return
-                for c in tile_copies(started[0]):
-                    c.start()
+                copies_do(started[0], "start")
                 started[0] += 1
 
         def gemv(layer, name, x, write, pair=-1, compute=None):
@@ -416,8 +450,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 tile = tiles[i]
                 pump()  # starts up to tile i + depth - 1 (into the slot tile i - 1 freed)
                 if _bug != "skip_wait":
-                    for c in tile_copies(i):
-                        c.wait()
+                    copies_do(i, "wait")
                 slot = (i + 1) % depth if _bug == "wrong_slot" else i % depth
                 kind = kind_of[index[(layer, name)]]
                 if kind == "int4":  # unpacked and dequantized in VMEM: f32 [rows, in]
@@ -470,10 +503,21 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         def sparse_mlp(layer, y):
             """The router, the shared expert, then each routed pair's expert on its token's row."""
             router_copy(layer).wait()
-            scores_ref[...] = jax.lax.dot_general(y, router_buf[...].astype(jnp.float32), (((1,), (1,)), ((), ())),
-                                                  preferred_element_type=jnp.float32,
-                                                  precision=jax.lax.Precision.HIGHEST)  # [N, E]
-            weights, experts = route(scores_ref[...], row("router_bias", layer) if spec.router_bias else None)
+            scores = jax.lax.dot_general(y, router_buf[...].astype(jnp.float32), (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32,
+                                         precision=jax.lax.Precision.HIGHEST)  # [N, E] (this shard's experts)
+            bias = row("router_bias", layer) if spec.router_bias else None
+            if shards > 1:  # every shard's scores (and bias), gathered as a sum of zero-padded blocks
+                gather_in, gather_out, *scratch_ = gather_scratch
+                shard, lead = expert_shard()
+                local = scores if bias is None else jnp.concatenate([scores, bias], axis=0)
+                gather_in[...] = jnp.concatenate([jnp.where(lead & (shard == j), local, 0.0) for j in range(shards)],
+                                                 axis=1)
+                collectives.all_reduce_rows(gather_in, gather_out, *scratch_, axis=tp_axis, devices=tp_size)
+                scores = gather_out[:n_tok, :]
+                bias = None if bias is None else gather_out[n_tok:, :]
+            scores_ref[...] = scores
+            weights, experts = route(scores_ref[...], bias)
             weight_ref[...] = weights.astype(jnp.float32)
             choice_ref[...] = experts.astype(jnp.int32)
             copy = pltpu.make_async_copy(choice_ref, chosen, chosen_sem.at[0])  # VMEM -> SMEM: DMA addresses
@@ -497,9 +541,13 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 gemv(layer, "up", x_row, into(eu_ref, pair), pair)
                 h = jax.nn.silu(eg_ref[pair:pair + 1, :]) * eu_ref[pair:pair + 1, :]
                 weight = weight_ref[n:n + 1, choice:choice + 1]  # [1, 1]
+                held = is_local(choice_ref[n:n + 1, choice:choice + 1])[0]  # [1, 1]; None: every expert is here
 
-                def add_row(start, rows, out, n=n, weight=weight):
-                    delta_ref[n:n + 1, start:start + rows] = delta_ref[n:n + 1, start:start + rows] + weight * out
+                def add_row(start, rows, out, n=n, weight=weight, held=held):
+                    out = weight * out
+                    if held is not None:  # another shard's expert: its slot was never filled
+                        out = jnp.where(held, out, 0.0)
+                    delta_ref[n:n + 1, start:start + rows] = delta_ref[n:n + 1, start:start + rows] + out
                 gemv(layer, "down", h, add_row, pair)
 
         # The stream starts first: its prologue is in flight while the embedding rows land.
@@ -657,8 +705,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             raise AssertionError(f"{len(tiles) - cursor[0]} weight tiles were never computed")
         if _bug == "skip_wait":  # drain the semaphores so the kernel still ends cleanly
             for i in range(len(tiles)):
-                for c in tile_copies(i):
-                    c.wait()
+                copies_do(i, "wait")
         ids_ref[...] = jnp.argmax(logits_ref[...], axis=-1).astype(jnp.int32)[:, None]
 
     vmem, f32 = pltpu.MemorySpace.VMEM, jnp.float32
@@ -690,7 +737,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         scratch += [
             pltpu.VMEM((spec.num_experts, d), routers[0].dtype),  # the layer's router, read whole
             pltpu.SemaphoreType.DMA((1,)),
-            pltpu.VMEM((n_tok, spec.num_experts), f32),  # router scores
+            pltpu.VMEM((n_tok, spec.routed_experts), f32),  # router scores (every shard's)
             pltpu.VMEM((n_tok, top_k), jnp.int32),  # the chosen experts (VMEM) ...
             pltpu.VMEM((n_tok, top_k), f32),  # ... and their weights
             pltpu.SMEM((n_tok, top_k), jnp.int32),  # the chosen experts as DMA addresses
@@ -704,6 +751,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         scratch += linear.linear_scratch(spec, convs[0].dtype)
     if tp_size > 1:
         scratch += [pltpu.VMEM((n_tok, d), f32)] + collectives.all_reduce_scratch(n_tok, d, tp_size)
+    if shards > 1:
+        scratch += [pltpu.VMEM((gather_rows, spec.routed_experts), f32)] * 2 + collectives.all_reduce_scratch(
+            gather_rows, spec.routed_experts, tp_size)
     n_in = n_vec + 1 + n_mat + n_scale + n_group + n_router + n_conv
     first_pool = 4 + n_in  # operand indices count the four scalar-prefetch operands
     aliases = {first_pool + i: 2 + i for i in range(n_pools)}

@@ -106,6 +106,9 @@ class MegakernelSpec:
     shared_intermediate: int = 0
     shared_expert_gate: bool = False  # Qwen3-Next: the shared expert's output times sigmoid(x . g)
     router_bias: bool = False  # a bias added to the router's scores (gpt-oss, DeepSeek-V3's correction)
+    # expert parallelism: this device holds num_experts of the num_experts x expert_shards routed
+    # experts (shard s: experts [s E, (s + 1) E)), its router rows and bias those experts'
+    expert_shards: int = 1
     # multi-head latent attention (DeepSeek, Kimi K2), absorbed: attention="mla", then num_kv_heads
     # is 1 and head_dim is kv_lora_rank + rope_dim (the latent cache's width: c_kv | k_pe); the
     # query is q (or q_a -> norm -> q_b when q_lora_rank > 0) of num_heads x (nope_dim + rope_dim)
@@ -162,9 +165,9 @@ class MegakernelSpec:
         if self.sparse_layers:
             if not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.sparse_layers):
                 raise ValueError(f"sparse_layers {self.sparse_layers} must lie in [0, {self.num_layers})")
-            self._positive(("num_experts", "top_k", "expert_intermediate"), " with sparse layers")
-            if self.top_k > self.num_experts:
-                raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+            self._positive(("num_experts", "top_k", "expert_intermediate", "expert_shards"), " with sparse layers")
+            if self.top_k > self.routed_experts:
+                raise ValueError(f"top_k ({self.top_k}) exceeds the routed experts ({self.routed_experts})")
         if not isinstance(self.rotary_dim, int) or self.rotary_dim < 0 or self.rotary_dim % 2 \
                 or self.rotary_dim > self.head_dim or (self.rotary_dim and self.mla):
             raise ValueError(f"MegakernelSpec.rotary_dim must be even, at most head_dim ({self.head_dim}) and GQA's "
@@ -275,6 +278,11 @@ class MegakernelSpec:
         query = [("q_a", self.q_lora_rank, d), ("q_b", q_out, self.q_lora_rank)] if self.q_lora else [("q", q_out, d)]
         return query + [("kv_a", r + self.rope_dim, d), ("w_uk", nh * self.nope_dim, r), ("w_uv", nh * self.v_dim, r),
                         ("o", d, nh * self.v_dim)]
+
+    @property
+    def routed_experts(self) -> int:
+        """The experts the router chooses among: every device's (`expert_shards` x num_experts)."""
+        return self.num_experts * self.expert_shards
 
     @property
     def pairs(self) -> int:
