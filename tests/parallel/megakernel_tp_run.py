@@ -24,8 +24,10 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from json_runs import interpret_races_found  # noqa: E402
-from weld.models import llama, megakernel  # noqa: E402
+from weld.models import FAMILIES, deepseek, llama, megakernel  # noqa: E402
 from weld.models.common import moe as moe_lib  # noqa: E402
+from weld.models.common.mla import MLA, mla_scale  # noqa: E402
+from weld.models.common.rope import Rope, RopeScaling  # noqa: E402
 from weld.models.common import sharding  # noqa: E402
 from weld.models.common.cache import AttentionBatch  # noqa: E402
 from weld.models.common.spec import random_weights  # noqa: E402
@@ -39,11 +41,21 @@ MOE = dataclasses.replace(DENSE, architecture="qwen3_moe", sparse_layers=(1,),
 GROUPED = dataclasses.replace(DENSE, architecture="qwen3_moe", sparse_layers=(0, 1), moe=moe_lib.MoE(
     num_experts=8, top_k=2, intermediate_size=16, router="sigmoid_group", n_group=4, topk_group=2, score_bias=True,
     routed_scaling_factor=2.5, shared_intermediate_size=32))
+# DeepSeek-V3 / Kimi K2 in miniature: MLA with q LoRA and interleaved RoPE (heads split, the
+# latent replicated), a dense first layer, then the grouped routing and a shared expert
+YARN = RopeScaling(kind="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0)
+MLA_MOE = deepseek.Config(
+    architecture="deepseek_v3", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3,
+    mla=MLA(num_heads=8, q_lora_rank=24, kv_lora_rank=16, nope_dim=8, rope_dim=8, v_dim=12,
+            rope=Rope(8, 1e4, YARN, 64, interleaved=True), scale=mla_scale(8, 8, YARN)),
+    moe=GROUPED.moe, first_k_dense_replace=1)
 # name -> (config, mesh (ep, tp) over the devices; ep 1: a ("dp", "tp") mesh)
 CONFIGS = {"dense": (DENSE, None), "moe": (MOE, None), "dense_without_all_reduce": (DENSE, None),
            "moe_ep": (GROUPED, (2, DEVICES // 2)),  # 2 expert shards, each expert's FFN over the rest
            "moe_ep_only": (GROUPED, (DEVICES, 1)),  # every device its own experts, whole
-           "moe_ep_wrong_expert": (GROUPED, (2, DEVICES // 2))}
+           "moe_ep_wrong_expert": (GROUPED, (2, DEVICES // 2)),
+           "mla": (MLA_MOE, None), "mla_ep": (MLA_MOE, (2, DEVICES // 2)),
+           "mla_without_all_reduce": (MLA_MOE, None)}
 PAGE, PAGES = 4, 16
 
 
@@ -68,7 +80,8 @@ def run(name):
     devices = np.array(jax.devices()[:DEVICES])
     mesh = Mesh(devices.reshape(1, DEVICES), ("dp", "tp")) if ep_tp is None else \
         Mesh(devices.reshape(1, *ep_tp), ("dp", "ep", "tp"))
-    weights = random_weights(llama.weight_specs(cfg), seed=0)
+    family = next(f for f in FAMILIES if isinstance(cfg, f.Config))
+    weights = random_weights(family.weight_specs(cfg), seed=0)
     for lw in weights["layers"]:  # a correction bias that moves the choices (its declared init is zeros)
         if "score_bias" in lw.get("moe", {}):
             lw["moe"]["score_bias"] = jnp.asarray(np.random.default_rng(1).normal(0, 0.5, cfg.moe.num_experts),
@@ -77,8 +90,8 @@ def run(name):
     rng = np.random.default_rng(0)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(5), (2, 5)).astype(jnp.int32)
-    cache = llama.cache_spec(cfg).create(PAGES, PAGE, jnp.float32)
-    xla = jax.jit(lambda w, t, p, c, bt: llama.forward(w, cfg, t, p, c, AttentionBatch(bt)))
+    cache = family.cache_spec(cfg).create(PAGES, PAGE, jnp.float32)
+    xla = jax.jit(lambda w, t, p, c, bt: family.forward(w, cfg, t, p, c, AttentionBatch(bt)))
     logits, _, cache = xla(weights, prompt, positions, cache, tables)
     options = megakernel.KernelOptions(tile_rows=16, vocab_tile_rows=16, ring_depth=3, pages_per_kv_tile=2,
                                        interpret=pltpu.InterpretParams(dma_execution_mode="on_wait",
@@ -87,7 +100,7 @@ def run(name):
                                                                        options=options))
     shard = lambda tree, shardings: jax.device_put(tree, shardings)  # noqa: E731
     k_cache = shard(cache, sharding.cache_shardings(cache, mesh))
-    k_weights = shard(weights, sharding.weight_shardings(weights, llama.weight_specs(cfg), mesh))
+    k_weights = shard(weights, sharding.weight_shardings(weights, family.weight_specs(cfg), mesh))
     tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
     pos = positions[:, -1:] + 1
     errors, same = [], True

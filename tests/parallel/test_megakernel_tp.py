@@ -6,7 +6,8 @@ and the kernel all-reduces by remote DMA the embedding rows and every attention'
 (experts included) partial outputs. Under expert parallelism (a ("dp", "ep", "tp") mesh) each
 device holds a shard of the experts and of the router: the scores are gathered in the kernel,
 only the device's own chosen experts are fetched, and the all-reduce combines the experts'
-outputs. Two greedy steps equal the one-device XLA forward (logits within 1e-3, the same tokens,
+outputs. MLA splits its query heads (W_UK, W_UV and o with them); the latent and its rotary key
+are computed alike on every device, each writing its own copy of the latent pool. Two greedy steps equal the one-device XLA forward (logits within 1e-3, the same tokens,
 the pools); without the all-reduce, or with a shard's experts addressed by their global ids
 (planted bugs), they do not."""
 
@@ -22,8 +23,9 @@ def _run(devices: int, configs: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("devices,configs", [
-    (4, ["dense", "moe", "moe_ep", "dense_without_all_reduce", "moe_ep_wrong_expert"]),
-    pytest.param(8, ["dense", "moe_ep", "moe_ep_only"], marks=pytest.mark.slow)])
+    (4, ["dense", "moe", "moe_ep", "mla_ep", "dense_without_all_reduce", "moe_ep_wrong_expert"]),
+    pytest.param(8, ["dense", "moe_ep", "moe_ep_only", "mla", "mla_ep", "mla_without_all_reduce"],
+                 marks=pytest.mark.slow)])
 def test_tensor_parallel_megakernel_equals_one_device_xla(devices, configs):
     result = _run(devices, configs)
     for name in configs:
@@ -63,3 +65,23 @@ def test_layouts_the_kernel_cannot_split_are_refused_in_one_line():
         megakernel.check_mesh(dataclasses.replace(cfg, num_kv_heads=4), mesh((1, 4, 1), ("dp", "ep", "tp")))
     with pytest.raises(ValueError, match=r"with dp 1, got \{'dp': 2, 'tp': 2\}"):
         megakernel.check_mesh(cfg, mesh((2, 2), ("dp", "tp")))
+    from weld.models import deepseek, qwen3_next
+    from weld.models.common import linear_attention as la
+    from weld.models.common.mla import MLA
+    from weld.models.common.rope import Rope
+
+    mla = deepseek.Config(architecture="deepseek_v3", vocab_size=128, hidden_size=32, intermediate_size=64,
+                          num_layers=2, mla=MLA(num_heads=8, q_lora_rank=24, kv_lora_rank=16, nope_dim=8, rope_dim=8,
+                                                v_dim=12, rope=Rope(8, 1e4), scale=0.25),
+                          moe=moe_lib.MoE(num_experts=8, top_k=2, intermediate_size=16), first_k_dense_replace=1)
+    local = megakernel.local_config(mla, 4, 2)  # MLA: the query heads split, the latent whole
+    assert (local.mla.num_heads, local.mla.kv_lora_rank, local.intermediate_size, local.moe.intermediate_size) == \
+        (2, 16, 16, 8)
+    with pytest.raises(ValueError, match=r"do not split: num_heads 8 over 16 devices$"):
+        megakernel.local_config(mla, 16)
+    hybrid = qwen3_next.Config(
+        architecture="qwen3_next", vocab_size=64, hidden_size=32, intermediate_size=40, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, layer_types=("linear_attention", "full_attention"),
+        linear=la.DeltaNet(num_k_heads=2, num_v_heads=4, k_dim=8, v_dim=12, conv_width=4), rotary_dim=4)
+    with pytest.raises(ValueError, match=r"not qwen3_next's linear-attention layers; use backend 'xla'$"):
+        megakernel.local_config(hybrid, 2)

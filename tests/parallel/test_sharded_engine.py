@@ -3,7 +3,7 @@ virtual CPU devices: tensor parallel 2 and 4, tensor x expert and tensor x data 
 the one-device greedy tokens, with logprobs and prompt logprobs within 1e-4, with the fused
 decode, prefix-cache hits and n-gram speculative verification, and the weights really are
 split (device 0 holds a fraction of their bytes). The tensor-parallel megakernel (with expert
-parallelism inside the kernel) runs the same checks for the dense and MoE models.
+parallelism inside the kernel) runs the same checks for the dense, MoE and MLA models.
 
 Each model runs in a subprocess (`sharded_run.py`): the device count is fixed when JAX starts.
 The default suite runs one model of each kind; `-m slow` runs the rest of the families.
@@ -43,7 +43,7 @@ CASES = {
 SLOW_CASES = {
     "llama": [TP2, TP2_DP2, {**TP2, **SPEC}, {"data_parallel_size": 4, **SPEC}],
     "qwen3_moe": [TP2, TP2_DP2_EP, {**TP2_EP, **SPEC}, {**TP2, **MEGAKERNEL, **SPEC}],
-    "deepseek_v3": [TP2, TP4_EP_ETP2],
+    "deepseek_v3": [TP2, TP4_EP_ETP2, {**TP2_EP, **MEGAKERNEL, **SPEC}],
     "qwen3_next": [TP2_DP2_EP, TP4],
     "mistral": [TP2, TP2_DP2],  # sliding window
     "gemma3_text": [TP2, {**TP2_DP2, **SPEC}],

@@ -245,32 +245,42 @@ class KernelOptions:
 
 def local_config(cfg, tensor: int, expert_shards: int = 1):
     """cfg as one of `tensor` tensor-parallel devices sees it (the shapes `sharding.weight_shardings`
-    gives a device): its heads, its slice of every MLP's intermediate and of the vocabulary, and
-    of each routed expert's intermediate (split over tensor / expert_shards devices: expert
-    parallelism puts 1/expert_shards of the experts on each group of them). The experts stay
-    counted whole: the router chooses among all of them (`spec_for(expert_shards=)` takes the
-    device's share)."""
+    gives a device): its attention heads (GQA: and KV heads; MLA: the query heads, the latent and
+    its rotary key stay whole, computed alike on every device), its slice of every MLP's
+    intermediate and of the vocabulary, and of each routed expert's intermediate (split over
+    tensor / expert_shards devices: expert parallelism puts 1/expert_shards of the experts on each
+    group of them). The experts stay counted whole: the router chooses among all of them
+    (`spec_for(expert_shards=)` takes the device's share)."""
     if tensor == 1:
         return cfg
-    if not isinstance(cfg, llama.Config):
-        raise ValueError(f"the tensor-parallel megakernel runs the llama family (GQA, dense or MoE), not "
-                         f"{cfg.architecture}")
+    mla = _mla(cfg)
+    if _linear_layers(cfg) or not isinstance(cfg, (llama.Config, deepseek.Config)):
+        raise ValueError(f"the tensor-parallel megakernel runs GQA and MLA attention (dense or MoE), not "
+                         f"{cfg.architecture}'s linear-attention layers; use backend 'xla'")
     expert_tp = tensor // expert_shards
-    split = {"num_heads": (cfg.num_heads, tensor), "num_kv_heads": (cfg.num_kv_heads, tensor),
-             "intermediate_size": (cfg.intermediate_size, tensor), "vocab_size": (cfg.vocab_size, tensor)}
+    split = {"num_heads": (mla.num_heads, tensor)} if mla else \
+        {"num_heads": (cfg.num_heads, tensor), "num_kv_heads": (cfg.num_kv_heads, tensor)}
+    split["vocab_size"] = (cfg.vocab_size, tensor)
+    dense = len(cfg.sparse_layers) < cfg.num_layers  # the dense MLP's intermediate is split only where it is used
+    if dense:
+        split["intermediate_size"] = (cfg.intermediate_size, tensor)
     if cfg.moe is not None:
         split.update(num_experts=(cfg.moe.num_experts, expert_shards),
                      expert_intermediate=(cfg.moe.intermediate_size, expert_tp),
                      shared_intermediate=(cfg.moe.shared_intermediate_size, tensor))
     bad = [f"{name} {n} over {k} devices" for name, (n, k) in split.items() if n % k]
-    if bad or cfg.o_bias:
+    o_bias = not mla and cfg.o_bias
+    if bad or o_bias:
         raise ValueError(f"the tensor-parallel megakernel splits heads, KV heads, intermediates, experts and the "
                          f"vocabulary evenly and has no o bias; this model's do not split: {', '.join(bad or ['o_bias'])}")
     moe = cfg.moe and dataclasses.replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // expert_tp,
                                           shared_intermediate_size=cfg.moe.shared_intermediate_size // tensor)
+    local = dict(vocab_size=cfg.vocab_size // tensor, moe=moe,
+                 intermediate_size=cfg.intermediate_size // tensor if dense else cfg.intermediate_size)
+    if mla:
+        return dataclasses.replace(cfg, mla=dataclasses.replace(mla, num_heads=mla.num_heads // tensor), **local)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // tensor, num_kv_heads=cfg.num_kv_heads // tensor,
-                               intermediate_size=cfg.intermediate_size // tensor, vocab_size=cfg.vocab_size // tensor,
-                               moe=moe)
+                               **local)
 
 
 def tensor_layout(mesh) -> tuple[str | tuple[str, ...], int, int]:
