@@ -24,6 +24,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from json_runs import interpret_races_found  # noqa: E402
+from weld.kernels.megakernel import collectives  # noqa: E402
 from weld.models import FAMILIES, deepseek, llama, megakernel  # noqa: E402
 from weld.models.common import moe as moe_lib  # noqa: E402
 from weld.models.common.mla import MLA, mla_scale  # noqa: E402
@@ -54,28 +55,30 @@ CONFIGS = {"dense": (DENSE, None), "moe": (MOE, None), "dense_without_all_reduce
            "moe_ep": (GROUPED, (2, DEVICES // 2)),  # 2 expert shards, each expert's FFN over the rest
            "moe_ep_only": (GROUPED, (DEVICES, 1)),  # every device its own experts, whole
            "moe_ep_wrong_expert": (GROUPED, (2, DEVICES // 2)),
+           "moe_ep_every_pair_computed": (GROUPED, (2, DEVICES // 2)),
            "mla": (MLA_MOE, None), "mla_ep": (MLA_MOE, (2, DEVICES // 2)),
            "mla_without_all_reduce": (MLA_MOE, None)}
 PAGE, PAGES = 4, 16
+ALL_REDUCE_ROWS, DECODE_STEP = collectives.all_reduce_rows, megakernel.decode_step
 
 
 
 def run(name):
     """One config; "..._without_all_reduce" plants a bug: each device keeps its own partial sums;
-    "..._wrong_expert": each device fetches its shard's experts by their global ids."""
+    "..._wrong_expert": each device fetches its shard's experts by their global ids;
+    "..._every_pair_computed": each device also adds the products of the pairs whose expert it
+    does not hold (never fetched: the ring slot's stale tile)."""
     cfg, ep_tp = CONFIGS[name]
+    # each run starts from the real kernel: a planted bug lasts for its own config only
+    collectives.all_reduce_rows, megakernel.decode_step = ALL_REDUCE_ROWS, DECODE_STEP
     if name.endswith("_without_all_reduce"):
-        from weld.kernels.megakernel import collectives
-
         def partial_only(x_ref, out_ref, *_, **__):
             out_ref[...] = x_ref[...]
         collectives.all_reduce_rows = partial_only
-    if name.endswith("_wrong_expert"):
-        from weld.kernels.megakernel import decode
-
-        decode_step = decode.decode_step
-        decode.decode_step = lambda *a, **k: decode_step(*a, **k, _bug="global_expert_ids")
-        megakernel.decode_step = decode.decode_step
+    bug = {"_wrong_expert": "global_expert_ids", "_every_pair_computed": "every_pair_computed"}
+    planted = next((b for suffix, b in bug.items() if name.endswith(suffix)), None)
+    if planted:
+        megakernel.decode_step = lambda *a, **k: DECODE_STEP(*a, **k, _bug=planted)
     pltpu.reset_tpu_interpret_mode_state()
     devices = np.array(jax.devices()[:DEVICES])
     mesh = Mesh(devices.reshape(1, DEVICES), ("dp", "tp")) if ep_tp is None else \

@@ -48,7 +48,7 @@ from weld.kernels.megakernel.attention import attend_rows, kv_scratch
 from weld.kernels.megakernel.plan import INT4_GROUP, MegakernelSpec, Plan, fit_plan, make_plan
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a dense layer's, in stream order (plan.matrices)
-BUGS = (None, "skip_wait", "wrong_slot", "wrong_expert", "global_expert_ids") + linear.BUGS[1:]  # planted bugs, for the tests
+BUGS = (None, "skip_wait", "wrong_slot", "wrong_expert", "global_expert_ids", "every_pair_computed") + linear.BUGS[1:]  # planted bugs, for the tests
 # the per-layer vectors a spec's switch asks for: (name, the switch)
 _OPTIONAL_VECTORS = (("inv_freq", "rope"), ("qkv_bias", "qkv_bias"), ("o_bias", "o_bias"), ("q_norm", "qk_norm"),
                      ("k_norm", "qk_norm"), ("router_bias", "router_bias"), ("shared_expert_gate", "shared_expert_gate"),
@@ -387,6 +387,16 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             collectives.all_reduce_rows(delta_ref, reduced, *scratch_, axis=tp_axis, devices=tp_size)
             x_ref[...] = x_ref[...] + reduced[...]
 
+        def tile_expert(tile):
+            """A routed expert's tile: (whether this device holds the expert its pair chose, None when
+            every device does; its local index), read from SMEM since routing. (None, None) otherwise."""
+            if tile.pair < 0:
+                return None, None
+            expert = chosen[tile.pair // top_k, tile.pair % top_k]
+            if _bug == "wrong_expert":
+                expert = (expert + 1) % spec.routed_experts
+            return is_local(expert)
+
         def tile_copies(i):
             tile = tiles[i]
             m, slot, rows = index[(tile.layer, tile.matrix)], i % depth, pl.ds(0, tile.rows)
@@ -394,12 +404,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             src_w = w_refs[m]
             src_s = s_refs[scale_of[m]] if kind == "int8" else None
             src_g = [g_refs[2 * group_of[m]], g_refs[2 * group_of[m] + 1]] if kind == "int4" else []
-            held = None  # a routed expert's tile: whether this device holds the expert (None: every device)
-            if tile.pair >= 0:  # a routed expert's tile: the expert its pair chose, in SMEM since routing
-                expert = chosen[tile.pair // top_k, tile.pair % top_k]
-                if _bug == "wrong_expert":
-                    expert = (expert + 1) % spec.routed_experts
-                held, expert = is_local(expert)
+            held, expert = tile_expert(tile)
+            if tile.pair >= 0:
                 src_w = src_w.at[expert]
                 src_s = src_s.at[expert] if src_s is not None else None
                 src_g = [g.at[expert] for g in src_g]
@@ -453,25 +459,33 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                     copies_do(i, "wait")
                 slot = (i + 1) % depth if _bug == "wrong_slot" else i % depth
                 kind = kind_of[index[(layer, name)]]
-                if kind == "int4":  # unpacked and dequantized in VMEM: f32 [rows, in]
-                    groups = -(-tile.cols // INT4_GROUP)
-                    w = _unpack_int4(rings[kind][slot, :tile.rows, :groups * INT4_GROUP // 2],
-                                     *(ring[slot, :tile.rows, :groups] for ring in group_rings), tile.cols)
-                else:
-                    w = rings[kind][slot, :tile.rows, :tile.cols]  # [rows, in]
-                if compute is not None:  # per-row scales applied to the weights first
-                    w = w.astype(jnp.float32)
-                    y = compute(w * scale_ring[slot, 0, :tile.rows][:, None] if kind == "int8" else w, tile)
-                else:
-                    if kind == "float":
-                        lhs = x.astype(w.dtype)
+
+                def product(tile=tile, slot=slot, kind=kind):
+                    if kind == "int4":  # unpacked and dequantized in VMEM: f32 [rows, in]
+                        groups = -(-tile.cols // INT4_GROUP)
+                        w = _unpack_int4(rings[kind][slot, :tile.rows, :groups * INT4_GROUP // 2],
+                                         *(ring[slot, :tile.rows, :groups] for ring in group_rings), tile.cols)
                     else:
-                        w, lhs = w.astype(jnp.float32), x
-                    y = jax.lax.dot_general(lhs, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                            precision=jax.lax.Precision.HIGHEST)  # [N, rows]
-                    if kind == "int8":
-                        y = y * scale_ring[slot, :, :tile.rows]  # [1, rows]
-                write(tile.row_start, tile.rows, y)
+                        w = rings[kind][slot, :tile.rows, :tile.cols]  # [rows, in]
+                    if compute is not None:  # per-row scales applied to the weights first
+                        w = w.astype(jnp.float32)
+                        y = compute(w * scale_ring[slot, 0, :tile.rows][:, None] if kind == "int8" else w, tile)
+                    else:
+                        if kind == "float":
+                            lhs = x.astype(w.dtype)
+                        else:
+                            w, lhs = w.astype(jnp.float32), x
+                        y = jax.lax.dot_general(lhs, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                                precision=jax.lax.Precision.HIGHEST)  # [N, rows]
+                        if kind == "int8":
+                            y = y * scale_ring[slot, :, :tile.rows]  # [1, rows]
+                    write(tile.row_start, tile.rows, y)
+
+                held = tile_expert(tile)[0]
+                if held is None or _bug == "every_pair_computed":
+                    product()
+                else:  # an expert another device holds: its tile was never fetched, its product is not made
+                    pl.when(held)(product)
                 i += 1
                 cursor[0] = i
             if i == first:
@@ -541,13 +555,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 gemv(layer, "up", x_row, into(eu_ref, pair), pair)
                 h = jax.nn.silu(eg_ref[pair:pair + 1, :]) * eu_ref[pair:pair + 1, :]
                 weight = weight_ref[n:n + 1, choice:choice + 1]  # [1, 1]
-                held = is_local(choice_ref[n:n + 1, choice:choice + 1])[0]  # [1, 1]; None: every expert is here
 
-                def add_row(start, rows, out, n=n, weight=weight, held=held):
-                    out = weight * out
-                    if held is not None:  # another shard's expert: its slot was never filled
-                        out = jnp.where(held, out, 0.0)
-                    delta_ref[n:n + 1, start:start + rows] = delta_ref[n:n + 1, start:start + rows] + out
+                def add_row(start, rows, out, n=n, weight=weight):  # (only for an expert this device holds)
+                    delta_ref[n:n + 1, start:start + rows] = delta_ref[n:n + 1, start:start + rows] + weight * out
                 gemv(layer, "down", h, add_row, pair)
 
         # The stream starts first: its prologue is in flight while the embedding rows land.
