@@ -224,3 +224,59 @@ def test_qwen3_5_vlm_checkpoint_loads_its_text_model(tiny_model_dir, tmp_path):
         cache = spec.create(num_pages=4, page_size=4, dtype=jnp.float32, num_slots=1)
         outs.append(_forward(loaded, cache, [[5, 6, 7, 8, 9]], [list(range(5))], [[0, 1]], [0])[0])
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_grouped_channels_compute_as_flat(kind):
+    """`DeltaNet.shards` (the tensor-parallel megakernel's layout: w_qkv's rows, the conv's and
+    the conv windows' channels in groups of [q | k | v] per device's heads) gives the XLA
+    forward the flat layout's outputs and states, prefill (across a chunk boundary) and decode;
+    the grouped windows are the flat ones reordered."""
+    import dataclasses
+
+    from weld.models import kimi_linear, qwen3_next
+    from weld.models.common import moe as moe_lib
+    from weld.models.common.mla import MLA, mla_scale
+    from weld.models.common.rope import RopeScaling
+    from weld.models.common.spec import random_weights
+    from weld.models.family import WeightTarget
+
+    lin, full = "linear_attention", "full_attention"
+    if kind == "gdn":
+        family = qwen3_next
+        cfg = qwen3_next.Config(
+            architecture="qwen3_next", vocab_size=64, hidden_size=32, intermediate_size=40, num_layers=2,
+            num_heads=4, num_kv_heads=2, head_dim=16, layer_types=(lin, full), rotary_dim=4,
+            linear=la.DeltaNet(num_k_heads=4, num_v_heads=8, k_dim=8, v_dim=4, conv_width=4))
+    else:
+        family = kimi_linear
+        cfg = kimi_linear.Config(
+            architecture="kimi_linear", vocab_size=64, hidden_size=32, intermediate_size=40, num_layers=2,
+            layer_types=(lin, full), sparse_layers=(),
+            linear=la.DeltaNet(num_k_heads=4, num_v_heads=4, k_dim=8, v_dim=8, conv_width=4, kind="kda"),
+            mla=MLA(num_heads=4, q_lora_rank=None, kv_lora_rank=16, nope_dim=8, rope_dim=8, v_dim=8, rope=None,
+                    scale=mla_scale(8, 8, RopeScaling())),
+            moe=moe_lib.MoE(num_experts=4, top_k=2, intermediate_size=16))
+    grouped = dataclasses.replace(cfg, linear=dataclasses.replace(cfg.linear, shards=2))
+    order = la.grouped_channels(grouped.linear)
+    assert sorted(order) == list(range(cfg.linear.conv_channels)) and list(order) != sorted(order)
+    weights = random_weights(family.weight_specs(cfg), seed=3)
+    target = WeightTarget(backend="megakernel")
+    flat_w = family.prepare_weights(jax.tree.map(lambda a: a, weights), cfg, target)
+    grouped_w = family.prepare_weights(jax.tree.map(lambda a: a, weights), grouped, target)
+    rng = np.random.default_rng(0)
+    runs = []
+    for c, w in ((cfg, flat_w), (grouped, grouped_w)):
+        cache = family.cache_spec(c).create(16, 8, jnp.float32, num_slots=2)
+        fwd = jax.jit(lambda w, t, p, cache, c=c: family.forward(w, c, t, p, cache, AttentionBatch(
+            jnp.arange(16, dtype=jnp.int32).reshape(2, 8), jnp.arange(2, dtype=jnp.int32))))
+        rng = np.random.default_rng(0)
+        tokens = jnp.asarray(rng.integers(0, 64, (2, 70)), jnp.int32)
+        logits, _, cache = fwd(w, tokens, jnp.broadcast_to(jnp.arange(70), (2, 70)).astype(jnp.int32), cache)
+        step, _, cache = fwd(w, tokens[:, :1], jnp.full((2, 1), 70, jnp.int32), cache)
+        runs.append((np.asarray(logits), np.asarray(step), cache.layers[0]))
+    (flat_logits, flat_step, flat_state), (g_logits, g_step, g_state) = runs
+    np.testing.assert_allclose(g_logits, flat_logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(g_step, flat_step, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(g_state.conv), np.asarray(flat_state.conv)[:, order], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(g_state.state), np.asarray(flat_state.state), atol=1e-5)

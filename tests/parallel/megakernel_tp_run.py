@@ -25,7 +25,10 @@ from jax.sharding import Mesh  # noqa: E402
 
 from json_runs import interpret_races_found  # noqa: E402
 from weld.kernels.megakernel import collectives  # noqa: E402
-from weld.models import FAMILIES, deepseek, llama, megakernel  # noqa: E402
+from weld.models import FAMILIES, deepseek, kimi_linear, llama, megakernel, qwen3_next  # noqa: E402
+from weld.models.common import linear_attention as la  # noqa: E402
+from weld.models.common.cache import RecurrentState  # noqa: E402
+from weld.models.family import WeightTarget  # noqa: E402
 from weld.models.common import moe as moe_lib  # noqa: E402
 from weld.models.common.mla import MLA, mla_scale  # noqa: E402
 from weld.models.common.rope import Rope, RopeScaling  # noqa: E402
@@ -50,6 +53,23 @@ MLA_MOE = deepseek.Config(
     mla=MLA(num_heads=8, q_lora_rank=24, kv_lora_rank=16, nope_dim=8, rope_dim=8, v_dim=12,
             rope=Rope(8, 1e4, YARN, 64, interleaved=True), scale=mla_scale(8, 8, YARN)),
     moe=GROUPED.moe, first_k_dense_replace=1)
+# Qwen3-Next in miniature (3 Gated DeltaNet layers : 1 gated full-attention layer, 2 value heads
+# per key head, a gated shared expert) and Kimi Linear (KDA and NoPE MLA layers, grouped routing):
+# the linear layers split by head, their q/k/v channels grouped per device
+LIN, FULL = "linear_attention", "full_attention"
+NEXT = qwen3_next.Config(
+    architecture="qwen3_next", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+    num_kv_heads=4, head_dim=16, layer_types=(LIN, LIN, LIN, FULL),
+    linear=la.DeltaNet(num_k_heads=4, num_v_heads=8, k_dim=8, v_dim=8, conv_width=4), rotary_dim=4,
+    moe=moe_lib.MoE(num_experts=8, top_k=2, intermediate_size=16, shared_intermediate_size=32, shared_gate=True),
+    sparse_layers=(1, 3))
+KIMI = kimi_linear.Config(
+    architecture="kimi_linear", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=4,
+    layer_types=(LIN, FULL, LIN, FULL),
+    linear=la.DeltaNet(num_k_heads=4, num_v_heads=4, k_dim=8, v_dim=8, conv_width=4, kind="kda", norm_eps=1e-5),
+    mla=MLA(num_heads=4, q_lora_rank=None, kv_lora_rank=16, nope_dim=8, rope_dim=8, v_dim=8, rope=None,
+            scale=mla_scale(8, 8, RopeScaling())),
+    moe=GROUPED.moe, sparse_layers=(1, 2, 3), rms_norm_eps=1e-5)
 # name -> (config, mesh (ep, tp) over the devices; ep 1: a ("dp", "tp") mesh)
 CONFIGS = {"dense": (DENSE, None), "moe": (MOE, None), "dense_without_all_reduce": (DENSE, None),
            "moe_ep": (GROUPED, (2, DEVICES // 2)),  # 2 expert shards, each expert's FFN over the rest
@@ -57,7 +77,9 @@ CONFIGS = {"dense": (DENSE, None), "moe": (MOE, None), "dense_without_all_reduce
            "moe_ep_wrong_expert": (GROUPED, (2, DEVICES // 2)),
            "moe_ep_every_pair_computed": (GROUPED, (2, DEVICES // 2)),
            "mla": (MLA_MOE, None), "mla_ep": (MLA_MOE, (2, DEVICES // 2)),
-           "mla_without_all_reduce": (MLA_MOE, None)}
+           "mla_without_all_reduce": (MLA_MOE, None),
+           "gdn": (NEXT, None), "gdn_ep": (NEXT, (2, DEVICES // 2)), "kda_ep": (KIMI, (2, DEVICES // 2)),
+           "gdn_flat_channels": (NEXT, None)}
 PAGE, PAGES = 4, 16
 ALL_REDUCE_ROWS, DECODE_STEP = collectives.all_reduce_rows, megakernel.decode_step
 
@@ -67,7 +89,9 @@ def run(name):
     """One config; "..._without_all_reduce" plants a bug: each device keeps its own partial sums;
     "..._wrong_expert": each device fetches its shard's experts by their global ids;
     "..._every_pair_computed": each device also adds the products of the pairs whose expert it
-    does not hold (never fetched: the ring slot's stale tile)."""
+    does not hold (never fetched: the ring slot's stale tile); "..._flat_channels": the linear
+    layers' q/k/v channels left flat, not grouped per device (each device's share of w_qkv is
+    then not its heads')."""
     cfg, ep_tp = CONFIGS[name]
     # each run starts from the real kernel: a planted bug lasts for its own config only
     collectives.all_reduce_rows, megakernel.decode_step = ALL_REDUCE_ROWS, DECODE_STEP
@@ -93,17 +117,29 @@ def run(name):
     rng = np.random.default_rng(0)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(5), (2, 5)).astype(jnp.int32)
-    cache = family.cache_spec(cfg).create(PAGES, PAGE, jnp.float32)
-    xla = jax.jit(lambda w, t, p, c, bt: family.forward(w, cfg, t, p, c, AttentionBatch(bt)))
+    cache = family.cache_spec(cfg).create(PAGES, PAGE, jnp.float32, num_slots=2)
+    slots = jnp.arange(2, dtype=jnp.int32)
+    xla = jax.jit(lambda w, t, p, c, bt: family.forward(w, cfg, t, p, c, AttentionBatch(bt, slots)))
     logits, _, cache = xla(weights, prompt, positions, cache, tables)
+    # the kernel's model: a linear model's q/k/v channels grouped per device (weights, conv windows)
+    k_cfg = megakernel.tensor_parallel_config(cfg, mesh)
+    flat = name.endswith("_flat_channels")  # planted: grouped in the kernel's config, flat in the weights and windows
+    order = la.grouped_channels(k_cfg.linear) if hasattr(cfg, "linear") and not flat else None
+    k_weights = family.prepare_weights(jax.tree.map(lambda a: a, weights), cfg if flat else k_cfg,
+                                       WeightTarget(backend="megakernel"))
+
+    def grouped(c, forward=True):  # the conv windows in the kernel's channel order (or back)
+        idx = None if order is None else order if forward else np.argsort(order)
+        return type(c)(layers=[RecurrentState(conv=x.conv[:, idx], state=x.state)
+                               if isinstance(x, RecurrentState) and idx is not None else x for x in c.layers])
     options = megakernel.KernelOptions(tile_rows=16, vocab_tile_rows=16, ring_depth=3, pages_per_kv_tile=2,
                                        interpret=pltpu.InterpretParams(dma_execution_mode="on_wait",
                                                                        uninitialized_memory="nan", detect_races=True))
-    kernel = jax.jit(lambda w, t, p, c, bt: megakernel.sharded_forward(w, cfg, t, p, c, AttentionBatch(bt), mesh=mesh,
-                                                                       options=options))
+    kernel = jax.jit(lambda w, t, p, c, bt: megakernel.sharded_forward(w, k_cfg, t, p, c, AttentionBatch(bt, slots),
+                                                                       mesh=mesh, options=options))
     shard = lambda tree, shardings: jax.device_put(tree, shardings)  # noqa: E731
-    k_cache = shard(cache, sharding.cache_shardings(cache, mesh))
-    k_weights = shard(weights, sharding.weight_shardings(weights, family.weight_specs(cfg), mesh))
+    k_cache = shard(grouped(cache), sharding.cache_shardings(cache, mesh))
+    k_weights = shard(k_weights, sharding.weight_shardings(k_weights, family.weight_specs(cfg), mesh))
     tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
     pos = positions[:, -1:] + 1
     errors, same = [], True
@@ -114,7 +150,7 @@ def run(name):
         same &= bool(np.array_equal(np.argmax(np.asarray(got), -1), np.argmax(np.asarray(ref), -1)))
         tok, pos = jnp.argmax(ref[:, -1], axis=-1).astype(jnp.int32)[:, None], pos + 1
     pool_err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
-                   for a, b in zip(jax.tree.leaves(k_cache), jax.tree.leaves(cache)))
+                   for a, b in zip(jax.tree.leaves(grouped(k_cache, forward=False)), jax.tree.leaves(cache)))
     return {"config": name, "max_rel_err": max(errors), "greedy_equal": same, "pool_err": pool_err,
             "races": interpret_races_found()}
 

@@ -7,10 +7,12 @@ and the kernel all-reduces by remote DMA the embedding rows and every attention'
 device holds a shard of the experts and of the router: the scores are gathered in the kernel,
 only the device's own chosen experts are fetched and multiplied, and the all-reduce combines
 the experts' outputs. MLA splits its query heads (W_UK, W_UV and o with them); the latent and its rotary key
-are computed alike on every device, each writing its own copy of the latent pool. Two greedy steps equal the one-device XLA forward (logits within 1e-3, the same tokens,
+are computed alike on every device, each writing its own copy of the latent pool. Linear
+attention (Gated DeltaNet, KDA) splits its key and value heads, with the fused q/k/v channels
+(w_qkv, the conv, its windows) grouped per device (`DeltaNet.shards`). Two greedy steps equal the one-device XLA forward (logits within 1e-3, the same tokens,
 the pools); without the all-reduce, or with a shard's experts addressed by their global ids
-or the products of experts another device holds added from the ring's stale tiles (planted
-bugs), they do not."""
+the products of experts another device holds added from the ring's stale tiles, or the q/k/v
+channels left flat (planted bugs), they do not."""
 
 from __future__ import annotations
 
@@ -24,15 +26,16 @@ def _run(devices: int, configs: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("devices,configs", [
-    (4, ["dense", "moe", "moe_ep", "mla_ep", "dense_without_all_reduce", "moe_ep_wrong_expert",
-         "moe_ep_every_pair_computed"]),
+    (4, ["moe_ep", "mla_ep", "gdn_ep", "kda_ep", "dense_without_all_reduce", "moe_ep_wrong_expert",
+         "moe_ep_every_pair_computed", "gdn_flat_channels"]),
+    pytest.param(4, ["dense", "moe", "mla", "gdn"], marks=pytest.mark.slow),
     pytest.param(8, ["dense", "moe_ep", "moe_ep_only", "mla", "mla_ep", "mla_without_all_reduce"],
                  marks=pytest.mark.slow)])
 def test_tensor_parallel_megakernel_equals_one_device_xla(devices, configs):
     result = _run(devices, configs)
     for name in configs:
         row = result[name]
-        if name.endswith(("_without_all_reduce", "_wrong_expert", "_every_pair_computed")):
+        if name.endswith(("_without_all_reduce", "_wrong_expert", "_every_pair_computed", "_flat_channels")):
             assert row["max_rel_err"] > 1e-2 and not row["greedy_equal"], row
         else:
             assert row["max_rel_err"] < 1e-3 and row["greedy_equal"] and row["pool_err"] < 1e-4, row
@@ -85,5 +88,9 @@ def test_layouts_the_kernel_cannot_split_are_refused_in_one_line():
         architecture="qwen3_next", vocab_size=64, hidden_size=32, intermediate_size=40, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, layer_types=("linear_attention", "full_attention"),
         linear=la.DeltaNet(num_k_heads=2, num_v_heads=4, k_dim=8, v_dim=12, conv_width=4), rotary_dim=4)
-    with pytest.raises(ValueError, match=r"not qwen3_next's linear-attention layers; use backend 'xla'$"):
-        megakernel.local_config(hybrid, 2)
+    local = megakernel.local_config(hybrid, 2)  # linear layers: key and value heads split
+    assert (local.linear.num_k_heads, local.linear.num_v_heads, local.linear.shards, local.num_heads) == (1, 2, 1, 2)
+    assert megakernel.tensor_parallel_config(hybrid, mesh((1, 2), ("dp", "tp"))).linear.shards == 2
+    tiled = dataclasses.replace(hybrid, linear=dataclasses.replace(hybrid.linear, tiled_v_heads=True))
+    with pytest.raises(ValueError, match=r"do not split: tiled value heads$"):
+        megakernel.check_mesh(tiled, mesh((1, 2), ("dp", "tp")))

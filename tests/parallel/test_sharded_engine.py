@@ -3,7 +3,8 @@ virtual CPU devices: tensor parallel 2 and 4, tensor x expert and tensor x data 
 the one-device greedy tokens, with logprobs and prompt logprobs within 1e-4, with the fused
 decode, prefix-cache hits and n-gram speculative verification, and the weights really are
 split (device 0 holds a fraction of their bytes). The tensor-parallel megakernel (with expert
-parallelism inside the kernel) runs the same checks for the dense, MoE and MLA models.
+parallelism inside the kernel) runs the same checks for the dense, MoE, MLA and hybrid
+linear-attention models.
 
 Each model runs in a subprocess (`sharded_run.py`): the device count is fixed when JAX starts.
 The default suite runs one model of each kind; `-m slow` runs the rest of the families.
@@ -44,11 +45,11 @@ SLOW_CASES = {
     "llama": [TP2, TP2_DP2, {**TP2, **SPEC}, {"data_parallel_size": 4, **SPEC}],
     "qwen3_moe": [TP2, TP2_DP2_EP, {**TP2_EP, **SPEC}, {**TP2, **MEGAKERNEL, **SPEC}],
     "deepseek_v3": [TP2, TP4_EP_ETP2, {**TP2_EP, **MEGAKERNEL, **SPEC}],
-    "qwen3_next": [TP2_DP2_EP, TP4],
+    "qwen3_next": [TP2_DP2_EP, TP4, {**TP2_EP, **MEGAKERNEL, **SPEC}],
     "mistral": [TP2, TP2_DP2],  # sliding window
     "gemma3_text": [TP2, {**TP2_DP2, **SPEC}],
     "gpt_oss": [TP2, TP2_DP2_EP, TP4_EP_ETP2],
-    "kimi_linear": [TP2, {**TP2_DP2_EP, **SPEC}],
+    "kimi_linear": [TP2, {**TP2_DP2_EP, **SPEC}, {**TP2, **MEGAKERNEL}],
     "qwen3_5_moe_text": [TP2, TP2_DP2_EP],
     "deepseek_v2": [TP4, TP2_DP2_EP],
 }

@@ -150,6 +150,7 @@ class LLM:
                     from weld.models import megakernel
 
                     megakernel.check_mesh(self.cfg, self.mesh)
+                    self.cfg = megakernel.tensor_parallel_config(self.cfg, self.mesh)
             except ValueError as err:
                 raise InvalidInputError(f"backend 'megakernel': {err}") from None
         self.tokenizer = load_tokenizer(self.model)

@@ -279,9 +279,10 @@ PROJECTIONS = ("wq", "wq_a", "wq_b", "wkv_a", "wo", "w_gate_up", "w_gate", "w_up
 def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     """On XLA: the KDA layers' input projections and convs fused, gate/up fused (dense MLPs,
     shared and routed experts), then the projections in `layers.prepared_matrix`'s form. The
-    megakernel streams them as declared, with the three convs as one."""
+    megakernel streams them as declared, with the three convs as one (their channels grouped
+    for tensor parallelism: `DeltaNet.shards`)."""
     if target.backend != "xla":
-        return decoder.megakernel_weights(weights, la.fuse_convs)
+        return decoder.megakernel_weights(weights, lambda lw: la.group_channels(cfg.linear, lw))
 
     def fuse(lw: dict) -> None:
         if "w_out" in lw:  # a KDA layer

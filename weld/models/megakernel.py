@@ -246,20 +246,21 @@ class KernelOptions:
 def local_config(cfg, tensor: int, expert_shards: int = 1):
     """cfg as one of `tensor` tensor-parallel devices sees it (the shapes `sharding.weight_shardings`
     gives a device): its attention heads (GQA: and KV heads; MLA: the query heads, the latent and
-    its rotary key stay whole, computed alike on every device), its slice of every MLP's
-    intermediate and of the vocabulary, and of each routed expert's intermediate (split over
-    tensor / expert_shards devices: expert parallelism puts 1/expert_shards of the experts on each
-    group of them). The experts stay counted whole: the router chooses among all of them
-    (`spec_for(expert_shards=)` takes the device's share)."""
+    its rotary key stay whole, computed alike on every device), its linear-attention key and
+    value heads (the q/k/v channels grouped per device: `tensor_parallel_config`), its slice of
+    every MLP's intermediate and of the vocabulary, and of each routed expert's intermediate
+    (split over tensor / expert_shards devices: expert parallelism puts 1/expert_shards of the
+    experts on each group of them). The experts stay counted whole: the router chooses among all
+    of them (`spec_for(expert_shards=)` takes the device's share)."""
     if tensor == 1:
         return cfg
-    mla = _mla(cfg)
-    if _linear_layers(cfg) or not isinstance(cfg, (llama.Config, deepseek.Config)):
-        raise ValueError(f"the tensor-parallel megakernel runs GQA and MLA attention (dense or MoE), not "
-                         f"{cfg.architecture}'s linear-attention layers; use backend 'xla'")
+    check_supported(cfg)
+    mla, net = _mla(cfg), getattr(cfg, "linear", None) if _linear_layers(cfg) else None
     expert_tp = tensor // expert_shards
     split = {"num_heads": (mla.num_heads, tensor)} if mla else \
         {"num_heads": (cfg.num_heads, tensor), "num_kv_heads": (cfg.num_kv_heads, tensor)}
+    if net is not None:
+        split.update(linear_key_heads=(net.num_k_heads, tensor), linear_value_heads=(net.num_v_heads, tensor))
     split["vocab_size"] = (cfg.vocab_size, tensor)
     dense = len(cfg.sparse_layers) < cfg.num_layers  # the dense MLP's intermediate is split only where it is used
     if dense:
@@ -269,7 +270,9 @@ def local_config(cfg, tensor: int, expert_shards: int = 1):
                      expert_intermediate=(cfg.moe.intermediate_size, expert_tp),
                      shared_intermediate=(cfg.moe.shared_intermediate_size, tensor))
     bad = [f"{name} {n} over {k} devices" for name, (n, k) in split.items() if n % k]
-    o_bias = not mla and cfg.o_bias
+    if net is not None and net.tiled_v_heads and net.num_v_heads != net.num_k_heads:
+        bad.append("tiled value heads")
+    o_bias = not mla and cfg.attention.o_bias
     if bad or o_bias:
         raise ValueError(f"the tensor-parallel megakernel splits heads, KV heads, intermediates, experts and the "
                          f"vocabulary evenly and has no o bias; this model's do not split: {', '.join(bad or ['o_bias'])}")
@@ -277,10 +280,24 @@ def local_config(cfg, tensor: int, expert_shards: int = 1):
                                           shared_intermediate_size=cfg.moe.shared_intermediate_size // tensor)
     local = dict(vocab_size=cfg.vocab_size // tensor, moe=moe,
                  intermediate_size=cfg.intermediate_size // tensor if dense else cfg.intermediate_size)
+    if net is not None:
+        local["linear"] = dataclasses.replace(net, num_k_heads=net.num_k_heads // tensor,
+                                              num_v_heads=net.num_v_heads // tensor, shards=1)
     if mla:
-        return dataclasses.replace(cfg, mla=dataclasses.replace(mla, num_heads=mla.num_heads // tensor), **local)
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tensor, num_kv_heads=cfg.num_kv_heads // tensor,
-                               **local)
+        local["mla"] = dataclasses.replace(mla, num_heads=mla.num_heads // tensor)
+    else:
+        local.update(num_heads=cfg.num_heads // tensor, num_kv_heads=cfg.num_kv_heads // tensor)
+    return dataclasses.replace(cfg, **local)
+
+
+def tensor_parallel_config(cfg, mesh):
+    """cfg as the engine runs it with the megakernel over mesh: a linear-attention model's q/k/v
+    channels grouped per tensor-parallel device (`DeltaNet.shards`; the weights are laid out so
+    by `prepare_weights`, and the XLA forward reads them so too). Other configs are unchanged."""
+    net = getattr(cfg, "linear", None)
+    if not _linear_layers(cfg) or mesh is None:
+        return cfg
+    return dataclasses.replace(cfg, linear=dataclasses.replace(net, shards=tensor_layout(mesh)[1]))
 
 
 def tensor_layout(mesh) -> tuple[str | tuple[str, ...], int, int]:
@@ -316,6 +333,11 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
     from weld.models.common import sharding
 
     axis, tensor, shards = tensor_layout(mesh)
+    net = getattr(cfg, "linear", None)
+    if _linear_layers(cfg) and net.shards != tensor:
+        raise ValueError(f"the linear layers' q/k/v channels are in {net.shards} groups, not one per each of the "
+                         f"{tensor} tensor-parallel devices: run cfg through `tensor_parallel_config` before "
+                         "`prepare_weights`")
     local = local_config(cfg, tensor, shards)
     family = next(f for f in FAMILIES if isinstance(cfg, f.Config))
     weight_specs = jax.tree_util.tree_map(lambda s: s.spec, sharding.weight_shardings(weights, family.weight_specs(cfg),

@@ -325,9 +325,10 @@ PROJECTIONS = ("wqkv", "wq", "wk", "wv", "wo", "w_gate_up", "w_gate", "w_up", "w
 def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     """On XLA: each layer's input projections fused (q/k/v, the linear layers' four, gate/up and
     the experts'), then put in `layers.prepared_matrix`'s form (packed for the CPU kernels, or
-    quantized at load), layer by layer; the LM head too. The megakernel streams them as declared."""
+    quantized at load), layer by layer; the LM head too. The megakernel streams them as declared
+    (the linear layers' q/k/v channels grouped for tensor parallelism: `DeltaNet.shards`)."""
     if target.backend != "xla":
-        return decoder.megakernel_weights(weights)
+        return decoder.megakernel_weights(weights, lambda lw: la.group_channels(cfg.linear, lw))
 
     def fuse(lw: dict) -> None:
         fuse_qkv(lw)

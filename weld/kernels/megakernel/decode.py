@@ -316,9 +316,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     n_cap = len(capture_layers)
     if _bug is not None and _bug in linear.BUGS and not lin_layers:
         raise ValueError(f"_bug {_bug!r} needs linear layers")
-    if tp_size > 1 and (tp_axis is None or lin_layers or spec.o_bias):
-        raise ValueError("the tensor-parallel megakernel covers GQA and MLA layers (dense or MoE) without an o "
-                         "bias, inside shard_map over tp_axis")
+    if tp_size > 1 and (tp_axis is None or spec.o_bias):
+        raise ValueError("the tensor-parallel megakernel covers layers without an o bias, inside shard_map over "
+                         "tp_axis")
     shards = spec.expert_shards if sparse else 1  # expert parallelism: this device's experts are one shard
     if shards > 1 and (tp_size % shards or tp_axis is None):
         raise ValueError(f"{shards} expert shards must divide the {tp_size} tensor-parallel devices")

@@ -28,11 +28,12 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from weld.models.common.cache import Recurrent, RecurrentState, gather_slots, scatter_slots
 from weld.models.common.decoder import Rows
 from weld.models.common.layers import linear
-from weld.models.common.quant import concat_rows
+from weld.models.common.quant import concat_rows, take_rows
 from weld.models.common.spec import WeightSpec
 
 CHUNK = 64  # tokens per chunk of the parallel form
@@ -64,6 +65,11 @@ class DeltaNet:
     # The value heads' order: grouped by key head (HF: key head j serves value heads j r .. j r + r - 1)
     # or tiled (llama.cpp's Qwen3.5 GGUFs: value head p is served by key head p mod Hk).
     tiled_v_heads: bool = False
+    # The fused q/k/v channels (GDN's w_qkv rows, the conv's rows and the conv windows' channels)
+    # in this many groups, each [q | k | v] of its share of the heads (`grouped_channels`): the
+    # tensor-parallel megakernel's layout, where each device's contiguous share is its own heads'
+    # channels. 1: [q_all | k_all | v_all]. The XLA forward reads either.
+    shards: int = 1
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -82,6 +88,10 @@ class DeltaNet:
                              f"{self.num_k_heads} key heads")
         if self.conv_width < 2:
             raise ValueError(f"invalid linear attention: conv width {self.conv_width} < 2")
+        tiled = self.tiled_v_heads and self.num_v_heads != self.num_k_heads  # a key head's value heads apart
+        if self.shards > 1 and (self.num_k_heads % self.shards or tiled):
+            raise ValueError(f"invalid linear attention: {self.num_k_heads} key heads"
+                             f"{' with tiled value heads' if tiled else ''} do not split into {self.shards} groups")
 
     @property
     def key_dim(self) -> int:
@@ -98,6 +108,27 @@ class DeltaNet:
 
     def cache(self) -> Recurrent:
         return Recurrent(self.conv_channels, self.conv_width, (self.num_v_heads, self.k_dim, self.v_dim))
+
+
+def grouped_channels(net: DeltaNet) -> np.ndarray:
+    """The flat channel ([q_all | k_all | v_all]) at each position of the grouped layout
+    (`DeltaNet.shards` groups, each [q | k | v] of 1/shards of the key heads and the value heads
+    they serve)."""
+    kd, vd, n = net.key_dim // net.shards, net.value_dim // net.shards, net.shards
+    return np.concatenate([np.r_[g * kd:(g + 1) * kd, net.key_dim + g * kd:net.key_dim + (g + 1) * kd,
+                                 2 * net.key_dim + g * vd:2 * net.key_dim + (g + 1) * vd] for g in range(n)])
+
+
+def group_channels(net: DeltaNet, lw: dict) -> None:
+    """One layer's weights, loaded flat, in `net.shards` groups, in place: GDN's w_qkv rows and
+    the conv's (KDA's three convs fused first). A no-op for shards 1 and other layers."""
+    fuse_convs(lw)
+    if net.shards == 1 or "conv" not in lw:
+        return
+    order = grouped_channels(net)
+    lw["conv"] = lw["conv"][order]
+    if "w_qkv" in lw:
+        lw["w_qkv"] = take_rows(lw["w_qkv"], order)
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -196,7 +227,8 @@ def delta_rule(q, k, v, g, beta, state) -> tuple[jax.Array, jax.Array]:
 
 def delta_net_core(net: DeltaNet, qkv: jax.Array, beta: jax.Array, g: jax.Array, conv: jax.Array,
                    positions: jax.Array, state: RecurrentState) -> tuple[jax.Array, RecurrentState]:
-    """One row group's recurrence. qkv [b, t, C] (before the conv: [q_all | k_all | v_all]),
+    """One row group's recurrence. qkv [b, t, C] (before the conv: [q_all | k_all | v_all], or
+    grouped as `net.shards` says, as conv [C, K] and the windows are),
     beta [b, t, Hv] (after the sigmoid), g [b, t, Hv] or [b, t, Hv, dk] log-decays, conv [C, K];
     positions [b, t] (-1: padding); state: the rows' conv windows and states (zero for rows that
     start at position 0). Returns (o [b, t, Hv, dv] f32, the rows' new state)."""
@@ -204,6 +236,8 @@ def delta_net_core(net: DeltaNet, qkv: jax.Array, beta: jax.Array, g: jax.Array,
     valid = positions >= 0
     mixed, window = causal_conv(qkv, state.conv, conv, jnp.sum(valid, axis=1).astype(jnp.int32))
     mixed = jax.nn.silu(mixed.astype(jnp.float32))
+    if net.shards > 1:  # grouped channels (`DeltaNet.shards`) back in the flat order
+        mixed = jnp.take(mixed, np.argsort(grouped_channels(net)), axis=-1)
     kd, r = net.key_dim, net.num_v_heads // net.num_k_heads
     q = l2norm(mixed[..., :kd].reshape(bsz, t, net.num_k_heads, net.k_dim)) * net.k_dim ** -0.5
     k = l2norm(mixed[..., kd:2 * kd].reshape(bsz, t, net.num_k_heads, net.k_dim))
@@ -260,7 +294,9 @@ def delta_net_specs(net: DeltaNet, d: int) -> dict:
     scale), w_out [d, Hv dv]; KDA also the up-projections w_fb and w_gb [Hv dv, dk]."""
     hv, vd = net.num_v_heads, net.value_dim
     big = ("w_qkv", "w_z", "w_q", "w_k", "w_v")
-    spec = {name: WeightSpec((rows, d), ("linear_heads", "embed"), quantize="linear" if name in big else None)
+    low_rank = ("w_fa", "w_ga")  # KDA's down-projections to rank k_dim: every head's, whole under TP
+    spec = {name: WeightSpec((rows, d), (None if name in low_rank else "linear_heads", "embed"),
+                             quantize="linear" if name in big else None)
             for name, rows in inputs(net)}
     spec.update(norm=WeightSpec((net.v_dim,), (None,), init="ones"),
                 w_out=WeightSpec((d, vd), ("embed", "linear_heads"), quantize="linear"),
@@ -320,6 +356,8 @@ def delta_net_layer(net: DeltaNet, lw: dict, y: jax.Array, rows: Rows,
         g = -jnp.exp(lw["A_log"].astype(jnp.float32)) * jax.nn.softplus(parts["w_a"].astype(jnp.float32) + lw["dt_bias"].astype(jnp.float32))
     else:
         qkv, activation = jnp.concatenate([parts["w_q"], parts["w_k"], parts["w_v"]], axis=-1), jax.nn.sigmoid
+        if net.shards > 1:  # the conv's channels are grouped
+            qkv = jnp.take(qkv, grouped_channels(net), axis=-1)
         f = linear(parts["w_fa"], lw["w_fb"]).astype(jnp.float32) + lw["dt_bias"].astype(jnp.float32)
         g = kda_log_decay(net, lw["A_log"], f.reshape(-1, hv, net.k_dim))  # [N, Hv, dk]
         gate = linear(parts["w_ga"], lw["w_gb"])

@@ -629,6 +629,18 @@ def to_blocks(w: QuantWeight) -> Blocks:
     return Blocks(codes, rows(w.scales), rows(w.mins), w.fmt)
 
 
+def take_rows(w, index: np.ndarray):
+    """The rows (outputs) of a matrix [n, k] at index: an array's, or a row-layout QuantWeight's
+    (codes and their per-row scales / groups); panel formats are refused."""
+    if not isinstance(w, QuantWeight):
+        return jnp.take(w, index, axis=-2)
+    if not w.rows:
+        raise ValueError(f"rows of a {w.fmt} matrix (panels) cannot be reordered; load with a per-row quantization")
+    axis = -2 if w.scales.ndim == w.codes.ndim else -1
+    pick = lambda v: None if v is None else jnp.take(v, index, axis=axis)  # noqa: E731
+    return QuantWeight(jnp.take(w.codes, index, axis=-2), pick(w.scales), pick(w.mins), len(index), w.k, w.fmt)
+
+
 def concat_rows(parts: list) -> "QuantWeight | jax.Array | None":
     """Matrices [n_i, k] stacked along their outputs: arrays by jnp.concatenate, QuantWeights of one
     format by their panels (re-packed when an n_i is not a multiple of 16). None when the forms

@@ -56,6 +56,9 @@ RULES: dict[str, tuple[str, ...]] = {
     # replicated: "embed" (the residual stream), "latent" / "q_lora" (MLA's compressed widths,
     # shared by every head), "moe", DSpark's "markov" and "target_stack"
 }
+# Leaves made at preparation, not declared, that are split all the same (by their name): KDA's
+# three convs fused as one [C, K], over its channels (`linear_attention.group_channels`)
+PREPARED_AXES: dict[str, tuple[str | None, ...]] = {"conv": ("linear_heads", None)}
 
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
@@ -161,15 +164,19 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def weight_shardings(weights: Any, specs: Any, mesh: Mesh) -> Any:
     """A NamedSharding for every array leaf of a (prepared) weight tree: by its `WeightSpec`'s
-    logical axes where the tree has the declared leaf at that path and shape, and whole
-    (replicated) where it has not (weights made at preparation)."""
+    logical axes where the tree has the declared leaf at that path and shape, by
+    `PREPARED_AXES` for the few undeclared leaves named there, and whole (replicated) for the
+    other weights made at preparation."""
     declared = {path_str(path): spec for path, spec in iter_specs(specs)}
 
     def leaf(path, x):
-        key = path_str(tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path))
-        spec = declared.get(key)
+        keys = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+        spec = declared.get(path_str(keys))
         if spec is not None and tuple(spec.shape) == tuple(np.shape(x)):
             return NamedSharding(mesh, partition(mesh, spec.axes, tuple(spec.shape)))
+        axes = PREPARED_AXES.get(keys[-1]) if keys else None
+        if spec is None and axes is not None and len(axes) == np.ndim(x):
+            return NamedSharding(mesh, partition(mesh, axes, tuple(np.shape(x))))
         return replicated(mesh)
 
     return jax.tree_util.tree_map_with_path(leaf, weights)
@@ -198,7 +205,8 @@ def cache_shardings(cache: Any, mesh: Mesh) -> Any:
     """Shardings of a `cache.Cache`: K/V pools [pages, page, kv_heads, head_dim] over their pages
     (data-parallel ranks) and KV heads (`kv_pool_axes`), MLA's latent pool over its pages
     (every head reads it), recurrent states [slots, heads, dk, dv] over their heads, the conv
-    windows whole. A pool whose pages do not divide over the ranks is a ValueError."""
+    windows [slots, channels, K - 1] over their channels (contiguous: each device its heads'
+    when the channels are grouped, `DeltaNet.shards`). A pool whose pages do not divide over the ranks is a ValueError."""
     from weld.models.common.cache import KVPages, LatentPages, RecurrentState
 
     ranks = mesh_axes(mesh, "pages")
@@ -216,7 +224,8 @@ def cache_shardings(cache: Any, mesh: Mesh) -> Any:
             return LatentPages(pool=NamedSharding(mesh, spec_of(pages(layer.pool))))
         if isinstance(layer, RecurrentState):
             axes = (None, "linear_heads") + (None,) * (layer.state.ndim - 2)
-            return RecurrentState(conv=replicated(mesh),
+            return RecurrentState(conv=NamedSharding(mesh, partition(mesh, (None, "linear_heads", None),
+                                                                      layer.conv.shape)),
                                   state=NamedSharding(mesh, partition(mesh, axes, layer.state.shape)))
         return jax.tree_util.tree_map(lambda _: replicated(mesh), layer)
 
