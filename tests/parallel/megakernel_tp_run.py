@@ -37,7 +37,8 @@ from weld.models.common.cache import AttentionBatch  # noqa: E402
 from weld.models.common.spec import random_weights  # noqa: E402
 
 DENSE = llama.Config(architecture="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
-                     num_heads=16, num_kv_heads=8, head_dim=8, qk_norm=True, qkv_bias=True, rope_theta=1e6)
+                     num_heads=16, num_kv_heads=8, head_dim=8, qk_norm=True, qkv_bias=True, o_bias=True,
+                     rope_theta=1e6)  # an o bias: added once to the devices' sum
 MOE = dataclasses.replace(DENSE, architecture="qwen3_moe", sparse_layers=(1,),
                           moe=moe_lib.MoE(num_experts=4, top_k=2, intermediate_size=16, norm_topk_prob=True))
 # DeepSeek-V3's routing (sigmoid scores, a correction bias, group-limited) and a shared expert, on
@@ -109,7 +110,10 @@ def run(name):
         Mesh(devices.reshape(1, *ep_tp), ("dp", "ep", "tp"))
     family = next(f for f in FAMILIES if isinstance(cfg, f.Config))
     weights = random_weights(family.weight_specs(cfg), seed=0)
-    for lw in weights["layers"]:  # a correction bias that moves the choices (its declared init is zeros)
+    for i, lw in enumerate(weights["layers"]):  # biases whose declared init is zeros: the o bias, and a
+        # correction bias that moves the choices
+        if "bo" in lw:
+            lw["bo"] = jnp.asarray(np.random.default_rng(2 + i).normal(0, 0.5, cfg.hidden_size), jnp.float32)
         if "score_bias" in lw.get("moe", {}):
             lw["moe"]["score_bias"] = jnp.asarray(np.random.default_rng(1).normal(0, 0.5, cfg.moe.num_experts),
                                                   jnp.float32)

@@ -272,10 +272,9 @@ def local_config(cfg, tensor: int, expert_shards: int = 1):
     bad = [f"{name} {n} over {k} devices" for name, (n, k) in split.items() if n % k]
     if net is not None and net.tiled_v_heads and net.num_v_heads != net.num_k_heads:
         bad.append("tiled value heads")
-    o_bias = not mla and cfg.attention.o_bias
-    if bad or o_bias:
+    if bad:
         raise ValueError(f"the tensor-parallel megakernel splits heads, KV heads, intermediates, experts and the "
-                         f"vocabulary evenly and has no o bias; this model's do not split: {', '.join(bad or ['o_bias'])}")
+                         f"vocabulary evenly; this model's do not split: {', '.join(bad)}")
     moe = cfg.moe and dataclasses.replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // expert_tp,
                                           shared_intermediate_size=cfg.moe.shared_intermediate_size // tensor)
     local = dict(vocab_size=cfg.vocab_size // tensor, moe=moe,

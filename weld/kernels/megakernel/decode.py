@@ -316,9 +316,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     n_cap = len(capture_layers)
     if _bug is not None and _bug in linear.BUGS and not lin_layers:
         raise ValueError(f"_bug {_bug!r} needs linear layers")
-    if tp_size > 1 and (tp_axis is None or spec.o_bias):
-        raise ValueError("the tensor-parallel megakernel covers layers without an o bias, inside shard_map over "
-                         "tp_axis")
+    if tp_size > 1 and tp_axis is None:
+        raise ValueError("the tensor-parallel megakernel runs inside shard_map over tp_axis")
     shards = spec.expert_shards if sparse else 1  # expert parallelism: this device's experts are one shard
     if shards > 1 and (tp_size % shards or tp_axis is None):
         raise ValueError(f"{shards} expert shards must divide the {tp_size} tensor-parallel devices")
@@ -625,8 +624,11 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             if gate is not None:
                 out = out * jax.nn.sigmoid(gate)
             gemv(layer, "o", out.reshape(n_tok, q_dim), into(delta_ref))
-            if spec.o_bias:
-                delta_ref[...] = delta_ref[...] + row("o_bias", layer)
+            if spec.o_bias:  # tensor parallel: added once, by the first device, to the sum to come
+                bias = row("o_bias", layer)
+                if tp_size > 1:
+                    bias = jnp.where(jax.lax.axis_index(tp_axis) == 0, bias, 0.0)
+                delta_ref[...] = delta_ref[...] + bias
 
         def mla_attention(layer, y):
             """Absorbed MLA (weld.models.common.mla): the query's nope part folded through W_UK into
