@@ -26,9 +26,9 @@ def _run(devices: int, configs: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("devices,configs", [
-    (4, ["moe_ep", "mla_ep", "gdn_ep", "kda_ep", "dense_without_all_reduce", "moe_ep_wrong_expert",
-         "moe_ep_every_pair_computed", "gdn_flat_channels"]),
-    pytest.param(4, ["dense", "moe", "mla", "gdn"], marks=pytest.mark.slow),
+    (4, ["moe_ep", "mla_ep", "gdn_ep", "kda_ep", "moe_ep_wrong_expert", "gdn_flat_channels"]),
+    pytest.param(4, ["dense", "moe", "mla", "gdn", "dense_without_all_reduce", "moe_ep_every_pair_computed"],
+                 marks=pytest.mark.slow),
     pytest.param(8, ["dense", "moe_ep", "moe_ep_only", "mla", "mla_ep", "mla_without_all_reduce"],
                  marks=pytest.mark.slow)])
 def test_tensor_parallel_megakernel_equals_one_device_xla(devices, configs):
