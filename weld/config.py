@@ -267,9 +267,8 @@ class EngineConfig:
                f"'int8_channel') or with int4 experts ('int8_channel_int4_experts'), not {self.quantization!r}")
         if self.parallel.sharded:
             par = self.parallel
-            _check(self.backend == "xla" or (par.data_parallel_size == 1 and par.nnodes == 1),
-                   "the megakernel backend runs tensor parallel on one host (data_parallel_size 1, nnodes 1): "
-                   "use backend 'xla' for data parallelism or several hosts")
+            _check(self.backend == "xla" or par.nnodes == 1,
+                   "the megakernel backend runs on one host (nnodes 1): use backend 'xla' over several hosts")
             _check(self.quantization in (None, "none"),
                    f"quantization {self.quantization!r} runs on one device (the native CPU kernels); over a mesh "
                    "weights load as float (a GGUF's blocks are dequantized)")

@@ -71,7 +71,8 @@ KIMI = kimi_linear.Config(
     mla=MLA(num_heads=4, q_lora_rank=None, kv_lora_rank=16, nope_dim=8, rope_dim=8, v_dim=8, rope=None,
             scale=mla_scale(8, 8, RopeScaling())),
     moe=GROUPED.moe, sparse_layers=(1, 2, 3), rms_norm_eps=1e-5)
-# name -> (config, mesh (ep, tp) over the devices; ep 1: a ("dp", "tp") mesh)
+# name -> (config, mesh: (ep, tp) over the devices, None: a ("dp", "tp") mesh with dp 1, {"dp": n}:
+# n ranks of DEVICES / n tensor-parallel devices)
 CONFIGS = {"dense": (DENSE, None), "moe": (MOE, None), "dense_without_all_reduce": (DENSE, None),
            "moe_ep": (GROUPED, (2, DEVICES // 2)),  # 2 expert shards, each expert's FFN over the rest
            "moe_ep_only": (GROUPED, (DEVICES, 1)),  # every device its own experts, whole
@@ -80,7 +81,9 @@ CONFIGS = {"dense": (DENSE, None), "moe": (MOE, None), "dense_without_all_reduce
            "mla": (MLA_MOE, None), "mla_ep": (MLA_MOE, (2, DEVICES // 2)),
            "mla_without_all_reduce": (MLA_MOE, None),
            "gdn": (NEXT, None), "gdn_ep": (NEXT, (2, DEVICES // 2)), "kda_ep": (KIMI, (2, DEVICES // 2)),
-           "gdn_flat_channels": (NEXT, None)}
+           "gdn_flat_channels": (NEXT, None),
+           # data parallel: 2 ranks, each its own row over its own pages, tensor parallel within
+           "moe_dp": (GROUPED, {"dp": 2}), "mla_dp": (MLA_MOE, {"dp": 2})}
 PAGE, PAGES = 4, 16
 ALL_REDUCE_ROWS, DECODE_STEP = collectives.all_reduce_rows, megakernel.decode_step
 
@@ -106,7 +109,8 @@ def run(name):
         megakernel.decode_step = lambda *a, **k: DECODE_STEP(*a, **k, _bug=planted)
     pltpu.reset_tpu_interpret_mode_state()
     devices = np.array(jax.devices()[:DEVICES])
-    mesh = Mesh(devices.reshape(1, DEVICES), ("dp", "tp")) if ep_tp is None else \
+    ranks = ep_tp["dp"] if isinstance(ep_tp, dict) else 1
+    mesh = Mesh(devices.reshape(ranks, DEVICES // ranks), ("dp", "tp")) if ep_tp is None or ranks > 1 else \
         Mesh(devices.reshape(1, *ep_tp), ("dp", "ep", "tp"))
     family = next(f for f in FAMILIES if isinstance(cfg, f.Config))
     weights = random_weights(family.weight_specs(cfg), seed=0)
@@ -141,6 +145,7 @@ def run(name):
                                                                        uninitialized_memory="nan", detect_races=True))
     kernel = jax.jit(lambda w, t, p, c, bt: megakernel.sharded_forward(w, k_cfg, t, p, c, AttentionBatch(bt, slots),
                                                                        mesh=mesh, options=options))
+    k_tables = tables % (PAGES // ranks)  # data parallel: row r's pages are on its rank, by local ids
     shard = lambda tree, shardings: jax.device_put(tree, shardings)  # noqa: E731
     k_cache = shard(grouped(cache), sharding.cache_shardings(cache, mesh))
     k_weights = shard(k_weights, sharding.weight_shardings(k_weights, family.weight_specs(cfg), mesh))
@@ -149,7 +154,7 @@ def run(name):
     errors, same = [], True
     for _ in range(2):
         ref, _, cache = xla(weights, tok, pos, cache, tables)
-        got, _, k_cache = kernel(k_weights, tok, pos, k_cache, tables)
+        got, _, k_cache = kernel(k_weights, tok, pos, k_cache, k_tables)
         errors.append(float(np.abs(np.asarray(got) - np.asarray(ref)).max() / np.abs(np.asarray(ref)).max()))
         same &= bool(np.array_equal(np.argmax(np.asarray(got), -1), np.argmax(np.asarray(ref), -1)))
         tok, pos = jnp.argmax(ref[:, -1], axis=-1).astype(jnp.int32)[:, None], pos + 1

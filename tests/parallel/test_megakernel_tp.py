@@ -9,7 +9,8 @@ only the device's own chosen experts are fetched and multiplied, and the all-red
 the experts' outputs. MLA splits its query heads (W_UK, W_UV and o with them); the latent and its rotary key
 are computed alike on every device, each writing its own copy of the latent pool. Linear
 attention (Gated DeltaNet, KDA) splits its key and value heads, with the fused q/k/v channels
-(w_qkv, the conv, its windows) grouped per device (`DeltaNet.shards`). Two greedy steps equal the one-device XLA forward (logits within 1e-3, the same tokens,
+(w_qkv, the conv, its windows) grouped per device (`DeltaNet.shards`). Under data parallelism
+(2 ranks of 2) each rank runs its own row over its own pages. Two greedy steps equal the one-device XLA forward (logits within 1e-3, the same tokens,
 the pools); without the all-reduce, or with a shard's experts addressed by their global ids
 the products of experts another device holds added from the ring's stale tiles, or the q/k/v
 channels left flat (planted bugs), they do not."""
@@ -26,8 +27,8 @@ def _run(devices: int, configs: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("devices,configs", [
-    (4, ["moe_ep", "mla_ep", "gdn_ep", "kda_ep", "moe_ep_wrong_expert", "gdn_flat_channels"]),
-    pytest.param(4, ["dense", "moe", "mla", "gdn", "dense_without_all_reduce", "moe_ep_every_pair_computed"],
+    (4, ["moe_ep", "mla_ep", "gdn_ep", "kda_ep", "moe_dp", "moe_ep_wrong_expert", "gdn_flat_channels"]),
+    pytest.param(4, ["dense", "moe", "mla", "gdn", "mla_dp", "dense_without_all_reduce", "moe_ep_every_pair_computed"],
                  marks=pytest.mark.slow),
     pytest.param(8, ["dense", "moe_ep", "moe_ep_only", "mla", "mla_ep", "mla_without_all_reduce"],
                  marks=pytest.mark.slow)])
@@ -68,8 +69,10 @@ def test_layouts_the_kernel_cannot_split_are_refused_in_one_line():
         megakernel.check_mesh(cfg, mesh((1, 2, 2), ("dp", "ep", "tp")))
     with pytest.raises(ValueError, match=r"num_experts 6 over 4 devices"):
         megakernel.check_mesh(dataclasses.replace(cfg, num_kv_heads=4), mesh((1, 4, 1), ("dp", "ep", "tp")))
-    with pytest.raises(ValueError, match=r"with dp 1, got \{'dp': 2, 'tp': 2\}"):
-        megakernel.check_mesh(cfg, mesh((2, 2), ("dp", "tp")))
+    megakernel.check_mesh(cfg, mesh((2, 2), ("dp", "tp")))  # data parallel: each rank its own rows
+    assert megakernel.tensor_layout(mesh((4, 1), ("dp", "tp"))) == (None, 1, 1)
+    with pytest.raises(ValueError, match=r"data parallelism \(2 ranks\) without expert parallelism"):
+        megakernel.check_mesh(dataclasses.replace(cfg, num_kv_heads=4), mesh((2, 2, 1), ("dp", "ep", "tp")))
     from weld.models import deepseek, qwen3_next
     from weld.models.common import linear_attention as la
     from weld.models.common.mla import MLA
@@ -91,6 +94,8 @@ def test_layouts_the_kernel_cannot_split_are_refused_in_one_line():
     local = megakernel.local_config(hybrid, 2)  # linear layers: key and value heads split
     assert (local.linear.num_k_heads, local.linear.num_v_heads, local.linear.shards, local.num_heads) == (1, 2, 1, 2)
     assert megakernel.tensor_parallel_config(hybrid, mesh((1, 2), ("dp", "tp"))).linear.shards == 2
+    with pytest.raises(ValueError, match=r"for attention layers only, not qwen3_next's linear-attention layers"):
+        megakernel.check_mesh(hybrid, mesh((2, 2), ("dp", "tp")))
     tiled = dataclasses.replace(hybrid, linear=dataclasses.replace(hybrid.linear, tiled_v_heads=True))
     with pytest.raises(ValueError, match=r"do not split: tiled value heads$"):
         megakernel.check_mesh(tiled, mesh((1, 2), ("dp", "tp")))

@@ -153,8 +153,8 @@ def test_parallel_settings_are_checked_before_anything_loads():
            ({"expert_tensor_parallel_size": 2, "tensor_parallel_size": 4}, "needs enable_expert_parallel"),
            ({"expert_tensor_parallel_size": 3, "tensor_parallel_size": 4, "enable_expert_parallel": True},
             "expert_tensor_parallel_size (3) must divide tensor_parallel_size (4)"),
-           ({"tensor_parallel_size": 2, "data_parallel_size": 2, "backend": "megakernel"},
-            "megakernel backend runs tensor parallel on one host"),
+           ({"tensor_parallel_size": 2, "nnodes": 2, "backend": "megakernel"},
+            "the megakernel backend runs on one host (nnodes 1)"),
            ({"tensor_parallel_size": 2, "quantization": "int8"}, "runs on one device"),
            ({"node_rank": 2, "nnodes": 2}, "node_rank must be an integer in [0, 1]")]
     for kwargs, message in bad:
@@ -162,6 +162,7 @@ def test_parallel_settings_are_checked_before_anything_loads():
             EngineConfig.create(**kwargs)
     assert ParallelConfig().world_size == 1 and not ParallelConfig().sharded
     assert EngineConfig.create(tensor_parallel_size=2, backend="megakernel").parallel.sharded  # tensor parallel
+    assert EngineConfig.create(tensor_parallel_size=2, data_parallel_size=2, backend="megakernel").parallel.sharded
 
 
 def test_vllm_flag_names_choose_the_layout():

@@ -299,41 +299,56 @@ def tensor_parallel_config(cfg, mesh):
     return dataclasses.replace(cfg, linear=dataclasses.replace(net, shards=tensor_layout(mesh)[1]))
 
 
-def tensor_layout(mesh) -> tuple[str | tuple[str, ...], int, int]:
-    """(the tensor-parallel mesh axis or axes, their devices, the expert shards) of a ("dp", "tp")
-    or ("dp", "ep", "tp") mesh with dp 1 (ValueError for others)."""
+def tensor_layout(mesh) -> tuple[str | tuple[str, ...] | None, int, int]:
+    """(the tensor-parallel mesh axis or axes (None: none), their devices, the expert shards) of
+    a ("dp", "tp") or ("dp", "ep", "tp") mesh (ValueError for others)."""
     from weld.models.common import sharding
 
     shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    if shape.get("dp", 1) != 1 or set(mesh.axis_names) - {"dp", "ep", "tp"}:
-        raise ValueError(f"the tensor-parallel megakernel runs on a ('dp', 'tp') or ('dp', 'ep', 'tp') mesh with "
-                         f"dp 1, got {shape}")
+    if set(mesh.axis_names) - {"dp", "ep", "tp"}:
+        raise ValueError(f"the megakernel runs on a ('dp', 'tp') or ('dp', 'ep', 'tp') mesh, got {shape}")
     names = tuple(a for a in sharding.TENSOR if shape.get(a, 1) > 1)  # shard-major, as the rules split
-    return (names[0] if len(names) == 1 else names), math.prod(shape[a] for a in names), shape.get("ep", 1)
+    axis = None if not names else names[0] if len(names) == 1 else names
+    return axis, math.prod(shape[a] for a in names), shape.get("ep", 1)
 
 
 def check_mesh(cfg, mesh) -> None:
-    """Raises ValueError when the megakernel cannot run cfg over mesh (before anything loads)."""
+    """Raises ValueError when the megakernel cannot run cfg over mesh (before anything loads):
+    shards that do not divide (`local_config`); with data parallelism, experts split over the
+    ranks (expert parallelism: each rank's tokens would have to visit the others' experts) and
+    linear-attention state slots (their pools are not split over the ranks)."""
+    from weld.models.common import sharding
+
     _, tensor, shards = tensor_layout(mesh)
+    ranks = sharding.data_parallel_size(mesh)
+    if ranks > 1 and cfg.moe is not None and "ep" in mesh.axis_names:
+        raise ValueError(f"the megakernel runs data parallelism ({ranks} ranks) without expert parallelism (which "
+                         "splits the experts over the ranks): drop enable_expert_parallel or use backend 'xla'")
+    if ranks > 1 and _linear_layers(cfg):
+        raise ValueError(f"the megakernel runs data parallelism ({ranks} ranks) for attention layers only, not "
+                         f"{cfg.architecture}'s linear-attention layers; use backend 'xla'")
     local_config(cfg, tensor, shards)
 
 
 def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: AttentionBatch, logits_indices=None,
                     capture_layers: tuple[int, ...] = (), *, mesh, options: KernelOptions = KernelOptions()):
-    """`forward` over the tensor-parallel devices of mesh (a `Mesh`, or the abstract mesh the engine
-    traces under): a ("dp", "tp") mesh, or with expert parallelism ("dp", "ep", "tp"), with dp 1
-    (`sharding.RULES`: heads, MLPs and the vocabulary over ep x tp, routed experts over ep, each
-    expert's FFN over tp). Each device runs the megakernel on its shard of the weights and pools
-    (laid out by the sharding rules, `sharding.weight_shardings` / `cache_shardings`, so nothing
-    moves on the way in), all-reducing inside the kernel by remote DMA (the experts' outputs
-    too: the combine); the logits come back split over the vocabulary, the hidden states whole
-    (every device holds the summed residual stream)."""
+    """`forward` over mesh (a `Mesh`, or the abstract mesh the engine traces under): a ("dp",
+    "tp") mesh, or with expert parallelism ("dp", "ep", "tp") (`sharding.RULES`: heads, MLPs and
+    the vocabulary over ep x tp, routed experts over ep, each expert's FFN over tp). Each device
+    runs the megakernel on its shard of the weights and pools (laid out by the sharding rules,
+    `sharding.weight_shardings` / `cache_shardings`, so nothing moves on the way in),
+    all-reducing inside the kernel by remote DMA over its tensor-parallel group (the experts'
+    outputs too: the combine). Data-parallel ranks (`check_mesh` says which models) each run
+    their own rows over their own pages (`weld.engine.batch.rank_rows`, local page ids). The
+    logits come back split over the vocabulary, the hidden states whole (every device of a
+    group holds the summed residual stream)."""
     from weld.models import FAMILIES
     from weld.models.common import sharding
 
+    check_mesh(cfg, mesh)
     axis, tensor, shards = tensor_layout(mesh)
     net = getattr(cfg, "linear", None)
-    if _linear_layers(cfg) and net.shards != tensor:
+    if _linear_layers(cfg) and tensor > 1 and net.shards != tensor:
         raise ValueError(f"the linear layers' q/k/v channels are in {net.shards} groups, not one per each of the "
                          f"{tensor} tensor-parallel devices: run cfg through `tensor_parallel_config` before "
                          "`prepare_weights`")
@@ -342,7 +357,8 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
     weight_specs = jax.tree_util.tree_map(lambda s: s.spec, sharding.weight_shardings(weights, family.weight_specs(cfg),
                                                                                       mesh))
     cache_specs = jax.tree_util.tree_map(lambda s: s.spec, sharding.cache_shardings(cache, mesh))
-    whole = jax.sharding.PartitionSpec()
+    ranks = "dp" if sharding.data_parallel_size(mesh) > 1 else None  # each rank its own rows
+    rows = jax.sharding.PartitionSpec(ranks)
     slots = jnp.arange(tokens.shape[0], dtype=jnp.int32) if batch.state_slots is None else batch.state_slots
 
     def step(w, t, p, c, bt, s):
@@ -350,8 +366,8 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
                                     tp=(axis, tensor), expert_shards=shards)
         return (logits, c) if hidden is None else (logits, c, hidden)
 
-    out_specs = (jax.sharding.PartitionSpec(None, None, axis), cache_specs) + ((whole,) if capture_layers else ())
-    run = jax.shard_map(step, mesh=mesh, in_specs=(weight_specs, whole, whole, cache_specs, whole, whole),
+    out_specs = (jax.sharding.PartitionSpec(ranks, None, axis), cache_specs) + ((rows,) if capture_layers else ())
+    run = jax.shard_map(step, mesh=mesh, in_specs=(weight_specs, rows, rows, cache_specs, rows, rows),
                         out_specs=out_specs, check_vma=False)
     logits, cache, *hidden = run(weights, tokens, positions, cache, batch.block_tables, slots)
     if logits_indices is not None:
