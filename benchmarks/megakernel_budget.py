@@ -7,7 +7,10 @@ and batch, the plan's ring, KV tiles and activations, whether it fits each gener
 (and at which ring depth), and the bytes a step must move with the time that takes at the
 generation's HBM bandwidth. int8 rows keep what the families' declarations leave unquantized in
 bf16 (a float ring beside the int8 one); "int8 + int4 experts" is the seeds' mix
-(`--quantization int8_channel_int4_experts`: routed experts int4 with a scale and min per 128 inputs). Prints markdown tables (docs/megakernel.md holds a copy).
+(`--quantization int8_channel_int4_experts`: routed experts int4 with a scale and min per 128 inputs).
+Then the same per device under a tensor x expert layout for each shape (`LAYOUTS`;
+`MegakernelSpec.shard`), with the bytes each device sends over ICI per step. Prints markdown
+tables (docs/megakernel.md holds a copy).
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ KIMI_LINEAR_48B = plan.MegakernelSpec(
     sparse_layers=tuple(range(1, 27)), num_experts=256, top_k=8, expert_intermediate=1024, shared_intermediate=1024)
 SHAPES = {"Qwen3-30B-A3B (MoE)": QWEN3_MOE_30B, "Kimi-K2 (MLA + MoE)": KIMI_K2,
           "Qwen3-Next-80B-A3B (GDN 3:1 + MoE)": QWEN3_NEXT_80B, "Kimi-Linear-48B-A3B (KDA 3:1 MLA + MoE)": KIMI_LINEAR_48B}
+# a tensor x expert layout for each (ep, tp): the tensor-parallel devices ep x tp, the experts over
+# ep. Kimi K2 as the seeds run it (TP4 x EP8: attention over all 32 chips); Qwen3-Next's 2 KV heads
+# allow 2 tensor-parallel devices at most (the kernel splits KV heads, never replicates them)
+LAYOUTS = {"Qwen3-30B-A3B (MoE)": (4, 1), "Kimi-K2 (MLA + MoE)": (8, 4),
+           "Qwen3-Next-80B-A3B (GDN 3:1 + MoE)": (2, 1), "Kimi-Linear-48B-A3B (KDA 3:1 MLA + MoE)": (8, 1)}
 
 
 def unquantized(spec: plan.MegakernelSpec) -> tuple[str, ...]:
@@ -56,8 +64,19 @@ def unquantized(spec: plan.MegakernelSpec) -> tuple[str, ...]:
     return tuple(sorted(names & {"w_uk", "w_uv", "w_b", "w_a", "w_fa", "w_fb", "w_ga", "w_gb"}))
 
 
-def rows(context: int):
-    for name, base in SHAPES.items():
+def ici_bytes(spec: plan.MegakernelSpec, devices: int) -> int:
+    """Bytes one device sends per step over ICI in a tensor-parallel kernel: the all-reduce of the
+    embedding rows and of every layer's two partial outputs (f32 [N, d] to each peer), and under
+    expert parallelism each sparse layer's gathered scores (f32 [N (+1), E] to each peer)."""
+    reduce = (1 + 2 * spec.num_layers) * (devices - 1) * spec.tokens * spec.hidden * 4
+    scores = len(spec.sparse_layers) * (devices - 1) * (spec.tokens + 1) * spec.routed_experts * 4
+    return reduce + (scores if spec.expert_shards > 1 else 0)
+
+
+def rows(context: int, sharded: bool = False):
+    for name, full in SHAPES.items():
+        ep, tp = LAYOUTS[name] if sharded else (1, 1)
+        base = full.shard(ep * tp, ep)
         for weights, wb, sb, int4 in (("bf16", 2, 0, False), ("int8", 1, 4, False), ("int8 + int4 experts", 1, 4, True)):
             for batch in (1, 8):
                 floats = dict(float_matrices=unquantized(base), float_bytes=2) if sb else {}
@@ -74,8 +93,10 @@ def rows(context: int):
                 p = plan.make_plan(spec)
                 step = plan.step_bytes(spec, context)
                 floors = [plan.step_floor_seconds(spec, gen, context) * 1e3 for gen in plan.TPU_GENERATIONS]
-                yield (name, weights, batch, len(p.tiles), p.ring_bytes / MIB, p.kv_bytes / MIB, p.activation_bytes / MIB,
-                       p.vmem_bytes / MIB, fits, step / 1e9, floors)
+                label = f"{name}, ep {ep} x tp {tp}" if sharded else name
+                yield (label, weights, batch, len(p.tiles), p.ring_bytes / MIB, p.kv_bytes / MIB,
+                       p.activation_bytes / MIB, p.vmem_bytes / MIB, fits, step / 1e9, floors,
+                       ici_bytes(spec, ep * tp) / 1e6)
 
 
 def main() -> None:
@@ -83,19 +104,27 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     args = parser.parse_args()
     gens = list(plan.TPU_GENERATIONS)
-    print("| model | weights | batch | tiles/step | ring | KV tiles | activations | total | "
-          + " | ".join(gens) + " |")
-    print("|---" * (8 + len(gens)) + "|")
-    table = list(rows(args.context))
-    for name, weights, batch, tiles, ring, kv, act, total, fits, _, _ in table:
-        print(f"| {name} | {weights} | {batch} | {tiles} | {ring:.2f} MiB | {kv:.2f} MiB | {act:.2f} MiB | "
-              f"{total:.2f} MiB | " + " | ".join(fits) + " |")
-    print()
-    print(f"| model | weights | batch | context | bytes/step | " + " | ".join(f"floor {g}" for g in gens) + " |")
-    print("|---" * (5 + len(gens)) + "|")
-    for name, weights, batch, *_, step, floors in table:
-        print(f"| {name} | {weights} | {batch} | {args.context} | {step:.3f} GB | "
-              + " | ".join(f"{f:.3f} ms" for f in floors) + " |")
+    for sharded in (False, True):
+        if sharded:
+            print("Per device, tensor x expert parallel (the megakernel's in-kernel all-reduces; a pair's "
+                  "expert read only where it is held: the expected 1 / ep of the pairs):\n")
+        print("| model | weights | batch | tiles/step | ring | KV tiles | activations | total | "
+              + " | ".join(gens) + " |")
+        print("|---" * (8 + len(gens)) + "|")
+        table = list(rows(args.context, sharded))
+        for name, weights, batch, tiles, ring, kv, act, total, fits, *_ in table:
+            print(f"| {name} | {weights} | {batch} | {tiles} | {ring:.2f} MiB | {kv:.2f} MiB | {act:.2f} MiB | "
+                  f"{total:.2f} MiB | " + " | ".join(fits) + " |")
+        print()
+        ici = " ICI sent/step |" if sharded else ""
+        print(f"| model | weights | batch | context | bytes/step |{ici} " + " | ".join(f"floor {g}" for g in gens)
+              + " |")
+        print("|---" * (5 + len(gens) + bool(sharded)) + "|")
+        for name, weights, batch, *_, step, floors, sent in table:
+            print(f"| {name} | {weights} | {batch} | {args.context} | {step:.3f} GB |"
+                  + (f" {sent:.1f} MB |" if sharded else "") + " " + " | ".join(f"{f:.3f} ms" for f in floors)
+                  + " |")
+        print()
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ def test_layouts_the_kernel_cannot_split_are_refused_in_one_line():
     import dataclasses
 
     import jax
+    import jax.numpy as jnp
 
     from weld.models import llama, megakernel
     from weld.models.common import moe as moe_lib
@@ -81,7 +82,8 @@ def test_layouts_the_kernel_cannot_split_are_refused_in_one_line():
     mla = deepseek.Config(architecture="deepseek_v3", vocab_size=128, hidden_size=32, intermediate_size=64,
                           num_layers=2, mla=MLA(num_heads=8, q_lora_rank=24, kv_lora_rank=16, nope_dim=8, rope_dim=8,
                                                 v_dim=12, rope=Rope(8, 1e4), scale=0.25),
-                          moe=moe_lib.MoE(num_experts=8, top_k=2, intermediate_size=16), first_k_dense_replace=1)
+                          moe=moe_lib.MoE(num_experts=8, top_k=2, intermediate_size=16, shared_intermediate_size=32),
+                          first_k_dense_replace=1)
     local = megakernel.local_config(mla, 4, 2)  # MLA: the query heads split, the latent whole
     assert (local.mla.num_heads, local.mla.kv_lora_rank, local.intermediate_size, local.moe.intermediate_size) == \
         (2, 16, 16, 8)
@@ -96,6 +98,14 @@ def test_layouts_the_kernel_cannot_split_are_refused_in_one_line():
     assert megakernel.tensor_parallel_config(hybrid, mesh((1, 2), ("dp", "tp"))).linear.shards == 2
     with pytest.raises(ValueError, match=r"for attention layers only, not qwen3_next's linear-attention layers"):
         megakernel.check_mesh(hybrid, mesh((2, 2), ("dp", "tp")))
+    # the budget's rule in the kernel's terms (`MegakernelSpec.shard`) is local_config's
+    for model, tensor, shards in ((cfg, 2, 1), (dataclasses.replace(cfg, num_kv_heads=4), 4, 2), (mla, 4, 2),
+                                  (mla, 8, 8), (hybrid, 2, 1)):
+        local = megakernel.local_config(model, tensor, shards)
+        want = megakernel.spec_for(local, batch=2, page_size=4, weight_dtype=jnp.float32, kv_dtype=jnp.float32,
+                                   expert_shards=shards if model.moe else 1)
+        whole = megakernel.spec_for(model, batch=2, page_size=4, weight_dtype=jnp.float32, kv_dtype=jnp.float32)
+        assert whole.shard(tensor, shards) == want, (model.architecture, tensor, shards)
     tiled = dataclasses.replace(hybrid, linear=dataclasses.replace(hybrid.linear, tiled_v_heads=True))
     with pytest.raises(ValueError, match=r"do not split: tiled value heads$"):
         megakernel.check_mesh(tiled, mesh((1, 2), ("dp", "tp")))

@@ -289,6 +289,34 @@ class MegakernelSpec:
         """Routed (token, choice) pairs of one call in a sparse layer."""
         return self.tokens * self.top_k
 
+    def shard(self, tensor: int, expert_shards: int = 1) -> "MegakernelSpec":
+        """This spec as one of `tensor` tensor-parallel devices runs it (`weld.models.megakernel`'s
+        `local_config`, in the kernel's terms): heads (GQA: and KV heads; MLA: query heads, the
+        latent whole), linear-attention heads, the dense MLP's intermediate (where a layer is
+        dense), the vocabulary and the shared expert split `tensor` ways; the routed experts
+        `expert_shards` ways, each expert's FFN over the tensor / expert_shards devices of a
+        shard. ValueError naming what does not split."""
+        if tensor == 1:
+            return self
+        dense = len(self.sparse_layers) < self.num_layers
+        split = {"num_heads": tensor, "vocab": tensor}
+        if not self.mla:
+            split["num_kv_heads"] = tensor
+        if dense:
+            split["intermediate"] = tensor
+        if self.linear_layers:
+            split.update(linear_k_heads=tensor, linear_v_heads=tensor)
+        if self.sparse_layers:
+            split.update(num_experts=expert_shards, expert_intermediate=tensor // expert_shards,
+                         shared_intermediate=tensor)
+        if tensor % expert_shards:
+            raise ValueError(f"{expert_shards} expert shards do not divide {tensor} tensor-parallel devices")
+        bad = [f"{name} {getattr(self, name)} over {k}" for name, k in split.items() if getattr(self, name) % k]
+        if bad:
+            raise ValueError(f"this spec does not split over {tensor} devices: {', '.join(bad)}")
+        return dataclasses.replace(self, expert_shards=expert_shards if self.sparse_layers else 1,
+                                   **{name: getattr(self, name) // k for name, k in split.items()})
+
     def matrices(self, layer: int = 0) -> list[tuple[str, int, int]]:
         """A layer's static weight matrices in stream order: (name, rows = out, cols = in). A
         sparse layer's routed experts come after these, per pair (`expert_matrices`)."""
@@ -323,10 +351,13 @@ class MegakernelSpec:
         return rows * (cols * self.weight_bytes + self.scale_bytes)
 
     def layer_weight_bytes(self, layer: int = 0) -> int:
-        """Bytes a call streams for one layer: a sparse layer's experts once per routed pair."""
+        """Bytes a call streams for one layer: a sparse layer's experts once per routed pair (under
+        expert parallelism, the expected share: a pair's expert is fetched only by the devices
+        holding it, 1 / expert_shards of the pairs when the choices spread evenly)."""
         static = sum(self.tile_bytes(n, r, c) for n, r, c in self.matrices(layer))
         if layer in self.sparse_layers:
-            static += self.pairs * sum(self.tile_bytes(n, r, c, expert=True) for n, r, c in self.expert_matrices())
+            experts = self.pairs * sum(self.tile_bytes(n, r, c, expert=True) for n, r, c in self.expert_matrices())
+            static += experts // self.expert_shards
         return static
 
     def conv_bytes(self) -> int:
