@@ -27,9 +27,11 @@ def _run(devices: int, configs: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("devices,configs", [
-    (4, ["moe_ep", "mla_ep", "gdn_ep", "kda_ep", "moe_dp", "moe_ep_wrong_expert", "gdn_flat_channels"]),
-    pytest.param(4, ["dense", "moe", "mla", "gdn", "mla_dp", "dense_without_all_reduce", "moe_ep_every_pair_computed"],
-                 marks=pytest.mark.slow),
+    # the default suite: each kind of layer under expert parallelism, and a planted bug (data
+    # parallelism runs in the default suite through the engine, test_sharded_engine.py)
+    (4, ["moe_ep", "mla_ep", "gdn_ep", "kda_ep", "moe_ep_wrong_expert"]),
+    pytest.param(4, ["dense", "moe", "mla", "gdn", "moe_dp", "mla_dp", "dense_without_all_reduce",
+                     "moe_ep_every_pair_computed", "gdn_flat_channels"], marks=pytest.mark.slow),
     pytest.param(8, ["dense", "moe_ep", "moe_ep_only", "mla", "mla_ep", "mla_without_all_reduce"],
                  marks=pytest.mark.slow)])
 def test_tensor_parallel_megakernel_equals_one_device_xla(devices, configs):
