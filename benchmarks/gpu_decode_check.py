@@ -91,7 +91,6 @@ def main() -> int:
         result["batches"][b] = row
         print(f"batch {b:3d}: {row['step_ms']:.3f} ms/step, {row['tok_per_s']:.0f} tok/s, "
               f"{row['GBps']:.0f} GB/s = {row['share_of_copy']:.0%} of the copy bandwidth")
-        del cache, state
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
