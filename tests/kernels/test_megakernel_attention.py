@@ -62,6 +62,33 @@ def test_decode_steps_cross_a_page_boundary(interpret):
     assert not races_found()
 
 
+@pytest.mark.parametrize("bug", [None, "full_window"])
+def test_sliding_window_skips_the_tiles_before_it(interpret, bug):
+    """Window 5: row 0 at position 13 sees 9..13 (its tile 0, pages 7 and 2, is wholly before the
+    window: poisoned with NaN, never read), row 1 at 6 sees 2..6 (its window starts inside tile 0),
+    row 2 is padding. The twin, the models' XLA attention and the kernel agree; a kernel that
+    ignores the window ("full_window") reads the poison."""
+    q, kn, vn, kp, vp = _problem(seed=3)
+    positions = jnp.asarray([13, 6, -1], jnp.int32)
+    bt = jnp.asarray(BLOCK_TABLES)
+    ref_out, ref_k, _ = paged_decode_attention_reference(q, kn, vn, kp, vp, positions, bt, sliding_window=5)
+    full_out, _, _ = paged_decode_attention_reference(q, kn, vn, kp, vp, positions, bt)
+    assert not np.allclose(np.asarray(ref_out[:2]), np.asarray(full_out[:2]), atol=1e-3)  # the window matters
+    xla_out, _, _ = paged_attention(q[:, None], kn[:, None], vn[:, None], kp, vp, positions[:, None], bt,
+                                    pages_per_tile=2, sliding_window=5)
+    _close(ref_out[:2], xla_out[:2, 0])
+    poisoned = [p.at[jnp.asarray([7, 2])].set(jnp.nan) for p in (kp, vp)]
+    out, k2, _ = paged_decode_attention(q, kn, vn, *poisoned, positions, bt, sliding_window=5, pages_per_tile=2,
+                                        interpret=interpret, _bug=bug)
+    if bug is None:
+        assert not races_found()
+        _close(out, ref_out)
+        np.testing.assert_array_equal(np.asarray(k2)[np.asarray([11, 5, 3, 14, 0, 9])],
+                                      np.asarray(ref_k)[np.asarray([11, 5, 3, 14, 0, 9])])
+    else:
+        assert not np.all(np.isfinite(np.asarray(out[0])))
+
+
 def test_hand_checked_single_token():
     """Position 0: the only visible key is the new token's, so the output is its value exactly."""
     from interpret_mode import interpret_params

@@ -15,10 +15,10 @@ from interpret_mode import races_found
 
 from weld.kernels.megakernel import decode as mk
 from weld.kernels.megakernel.plan import VmemBudgetError
-from weld.models import FAMILIES, llama
+from weld.models import FAMILIES, gemma3, llama
 from weld.models import megakernel
 from weld.models.common.cache import AttentionBatch
-from weld.models.common.rope import RopeScaling
+from weld.models.common.rope import Rope, RopeScaling
 from weld.models.common import quant
 from weld.models.common.spec import abstract_weights, map_specs, random_weights
 from weld.models.family import WeightTarget
@@ -57,8 +57,9 @@ def _setup(cfg, batch, seed=0, adjust=None):
     for i, n in enumerate(prompt_lens):
         tokens[i, :n] = rng.integers(0, cfg.vocab_size, n)
         positions[i, :n] = np.arange(n)
-    cache = _family(cfg).cache_spec(cfg).create(NUM_PAGES, PAGE, jnp.float32, num_slots=len(BLOCK_TABLES))
-    bt = jnp.asarray(BLOCK_TABLES[:batch])
+    cache_spec = _family(cfg).cache_spec(cfg)
+    cache = cache_spec.create(NUM_PAGES, PAGE, jnp.float32, num_slots=len(BLOCK_TABLES))
+    bt = cache_spec.tables(jnp.asarray(BLOCK_TABLES[:batch]))  # every page group's pool: the same page ids
     logits, _, cache = _xla_step(cfg)(weights, jnp.asarray(tokens), jnp.asarray(positions), cache, bt)
     last = jnp.asarray(np.array(prompt_lens) - 1)
     first = jnp.argmax(jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], axis=-1).astype(jnp.int32)
@@ -163,6 +164,55 @@ def test_verify_block_matches_single_steps_and_xla(interpret):
 @pytest.mark.slow
 def test_verify_block_qwen_batch2(interpret):
     _verify_block(QWEN, 2, interpret)
+
+
+# Gemma 3: sandwich norms, GELU-tanh, the scaled embedding, sliding layers (window 3) with their
+# own RoPE base beside a full layer with linearly scaled RoPE (two page groups), soft-capped logits
+GEMMA = gemma3.Config(architecture="gemma3_text", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=16, layer_types=(gemma3.SLIDING, gemma3.FULL, gemma3.SLIDING),
+                      sliding_window=3, rope_global=Rope(16, 1e6, RopeScaling(kind="linear", factor=2.0), 64),
+                      rope_local=Rope(16, 1e4, RopeScaling(), 64), query_pre_attn_scalar=24.0,
+                      final_logit_softcapping=3.0)
+# Mistral: every layer slides (one page group, windowed)
+MISTRAL = dataclasses.replace(LLAMA, architecture="mistral", sliding_window=3, rope_scaling=RopeScaling())
+WINDOW_OPTIONS = dataclasses.replace(OPTIONS, pages_per_kv_tile=1)  # tiles of 4 tokens: windows skip tiles
+
+
+def _random_norms(weights, rng):
+    """Norm weights away from their init, each its own (a swapped or missing norm shows)."""
+    for lw in weights["layers"]:
+        for name in [n for n in lw if n.endswith("norm")]:
+            lw[name] = jnp.asarray(rng.normal(0.0, 0.3, lw[name].shape), lw[name].dtype)
+
+
+@pytest.mark.parametrize("cfg,bug", [(GEMMA, None), pytest.param(MISTRAL, None, marks=pytest.mark.slow),
+                                     (GEMMA, "full_window")], ids=["gemma3", "mistral", "gemma3-full-window"])
+def test_sliding_windows_and_gemma3_match_xla(interpret, cfg, bug):
+    """Batch 4 with a padding row, 5 steps: rows reach positions 11, whose windows start past
+    whole tiles (skipped). Logits within 1e-3 and the XLA path's greedy tokens; a kernel that
+    attends past the window ("full_window") is caught."""
+    options = dataclasses.replace(WINDOW_OPTIONS, interpret=interpret)
+    if bug is None:
+        errors, cache, ref_cache = _greedy_run(cfg, batch=4, steps=5, interpret=interpret, padding_row=True,
+                                               options=options, adjust=_random_norms)
+        assert max(errors) < 1e-3, errors
+        _assert_caches_close(cache, ref_cache)
+        assert not races_found()
+        return
+    weights, cache, bt, tok, pos = _setup(cfg, 4, adjust=_random_norms)
+    step = jax.jit(lambda w, t, p, c, b: mk.decode_step(
+        megakernel.spec_for(cfg, batch=4, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32,
+                            pages_per_kv_tile=1), megakernel.kernel_params(cfg, w), t, p, b,
+        [layer.k for layer in c.layers], [layer.v for layer in c.layers], tile_rows=16, vocab_tile_rows=32,
+        ring_depth=3, interpret=interpret, _bug=bug)[0])
+    ref_logits, _, _ = _xla_step(cfg)(weights, tok[:, None], pos[:, None], cache, bt)
+    logits = step(weights, tok[:, None], pos[:, None], cache, bt)
+    assert _rel_err(logits, ref_logits) > 1e-2
+
+
+def test_gemma3_verify_block(interpret):
+    """The verify block on Gemma 3: a window boundary inside the block."""
+    _verify_block(GEMMA, 2, interpret, setup=functools.partial(_setup, adjust=_random_norms))
 
 
 def _quantized(weights, cfg, mode="int8_channel"):
@@ -275,6 +325,9 @@ def test_validation_names_both_values():
     bad = dict(params, layers=[dict(params["layers"][0], k=jnp.zeros((8, 33)))] + params["layers"][1:])
     with pytest.raises(ValueError, match=r"layers\[0\]\['k'\] must be \[out, in\] = \(16, 32\), got \(8, 33\)"):
         mk.decode_step(spec, bad, tok[:, None], pos[:, None], bt, [p.k for p in cache.layers], [p.v for p in cache.layers])
-    with pytest.raises(ValueError, match="no sliding-window attention"):
-        megakernel.spec_for(dataclasses.replace(cfg, sliding_window=4), batch=1, page_size=PAGE,
-                            weight_dtype=jnp.float32, kv_dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"block_tables must be \[B, page_groups x max_pages\] with B = 1 and 2 page "
+                                         r"groups, got \(1, 5\)"):
+        mk.decode_step(dataclasses.replace(spec, page_groups=2, layer_groups=(0, 1)), params, tok[:, None],
+                       pos[:, None], bt, [p.k for p in cache.layers], [p.v for p in cache.layers])
+    with pytest.raises(ValueError, match=r"layer_windows must be empty or one int per layer \(2\)"):
+        dataclasses.replace(spec, layer_windows=(4,))

@@ -8,17 +8,17 @@ run only on a TPU (benchmarks/megakernel_lowering.py says what this does not cov
 from __future__ import annotations
 
 import pytest
-from test_megakernel_decode import LLAMA, QWEN
+from test_megakernel_decode import GEMMA, LLAMA, MISTRAL, QWEN
 from test_megakernel_linear import KIMI, NEXT
 from test_megakernel_mla import V3
-from test_megakernel_moe import GROUPED, QWEN_MOE
+from test_megakernel_moe import GPT_OSS, GROUPED, QWEN_MOE
 
 from weld.models import megakernel
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, QWEN, QWEN_MOE, GROUPED, V3, NEXT, KIMI],
+@pytest.mark.parametrize("cfg", [LLAMA, QWEN, QWEN_MOE, GROUPED, V3, NEXT, KIMI, GEMMA, MISTRAL, GPT_OSS],
                          ids=["llama", "qwen-biases-tied", "qwen3_moe", "grouped-routing", "deepseek_v3", "qwen3_next",
-                              "kimi_linear"])
+                              "kimi_linear", "gemma3", "mistral-sliding", "gpt_oss"])
 @pytest.mark.parametrize("generation", ["v6e", "v7"])
 def test_every_family_lowers_to_mosaic(cfg, generation):
     text = megakernel.lower_for_tpu(cfg, batch=4, generation=generation)

@@ -13,15 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from interpret_mode import races_found
-from test_megakernel_decode import (LLAMA, OPTIONS, PAGE, _assert_caches_close, _dequantized, _greedy_run,
-                                    _int8_matches_xla, _kernel_step, _quantized, _rel_err, _setup, _xla_step)
+from test_megakernel_decode import (LLAMA, OPTIONS, PAGE, WINDOW_OPTIONS, _assert_caches_close, _dequantized,
+                                    _greedy_run, _int8_matches_xla, _kernel_step, _quantized, _rel_err, _setup,
+                                    _xla_step)
 
 from weld.kernels.megakernel import decode as mk
 from weld.kernels.megakernel import plan as mkplan
-from weld.models import llama
+from weld.models import gpt_oss, llama
 from weld.models import megakernel
 from weld.models.common import moe as moe_lib
 from weld.models.common import quant
+from weld.models.common.rope import Rope, RopeScaling
 
 # Qwen3-MoE's shape: softmax top-2 of 6 experts, renormalised; layers 0 and 2 sparse, layer 1 dense
 QWEN_MOE = llama.Config(architecture="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
@@ -36,6 +38,34 @@ GROUPED = dataclasses.replace(
     moe=moe_lib.MoE(num_experts=8, top_k=3, intermediate_size=16, router="sigmoid_group", n_group=4, topk_group=2,
                     score_bias=True, norm_topk_prob=True, routed_scaling_factor=2.5, shared_intermediate_size=24,
                     shared_gate=True))
+
+
+# gpt-oss: attention sinks, q/k/v/o biases, a sliding layer (window 3) and a full one, YaRN without
+# truncation, a router bias, top-2-then-softmax routing, experts with biases and the clamped
+# SwiGLU (a small limit, so the clamps bite on random weights)
+GPT_OSS = gpt_oss.Config(
+    architecture="gpt_oss", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+    moe=moe_lib.MoE(num_experts=4, top_k=2, intermediate_size=16, router="topk_softmax", activation="clamped_swiglu",
+                    expert_bias=True, router_bias=True, swiglu_limit=0.3, swiglu_alpha=1.702),
+    layer_types=(gpt_oss.SLIDING, gpt_oss.FULL), sliding_window=3,
+    rope=Rope(8, 1.5e5, RopeScaling(kind="yarn", factor=4.0, original_max_position_embeddings=16, truncate=False), 64))
+
+
+def _random_biases(weights, rng):
+    """Sinks, attention biases, the router's and the experts' biases away from their zero init."""
+    for lw in weights["layers"]:
+        for tree in (lw, lw.get("moe", {})):
+            for name in [n for n in tree if n.startswith("b") or n in ("sinks", "router_bias")]:
+                tree[name] = jnp.asarray(rng.normal(0.0, 0.5, tree[name].shape), jnp.float32)
+
+
+def test_gpt_oss_sinks_and_biased_clamped_experts_match_xla(interpret):
+    """Batch 4 with a padding row, 5 greedy steps past the sliding layer's skipped tiles."""
+    errors, cache, ref_cache = _greedy_run(GPT_OSS, batch=4, steps=5, interpret=interpret, padding_row=True,
+                                           options=WINDOW_OPTIONS, adjust=_random_biases)
+    assert max(errors) < 1e-3, errors
+    _assert_caches_close(cache, ref_cache)
+    assert not races_found()
 
 
 def _with_score_bias(weights, cfg, seed=7):
@@ -161,6 +191,6 @@ def test_moe_validation_and_support():
         mk.decode_step(spec, bad, tok[:, None], pos[:, None], bt, *pools, route=megakernel.router(QWEN_MOE))
     with pytest.raises(ValueError, match=r"top_k \(7\) exceeds the routed experts \(6\)"):
         dataclasses.replace(spec, top_k=7)
-    gpt_oss_like = dataclasses.replace(QWEN_MOE, moe=dataclasses.replace(QWEN_MOE.moe, expert_bias=True))
-    with pytest.raises(ValueError, match="SwiGLU without biases"):
-        megakernel.check_supported(gpt_oss_like)
+    with pytest.raises(ValueError, match=r"layers\[0\]\['b_gate'\] must be \(6, 16\), got None"):
+        mk.decode_step(dataclasses.replace(spec, expert_bias=True), params, tok[:, None], pos[:, None], bt, *pools,
+                       route=megakernel.router(QWEN_MOE))

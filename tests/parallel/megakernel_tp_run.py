@@ -25,7 +25,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 from json_runs import interpret_races_found  # noqa: E402
 from weld.kernels.megakernel import collectives  # noqa: E402
-from weld.models import FAMILIES, deepseek, kimi_linear, llama, megakernel, qwen3_next  # noqa: E402
+from weld.models import FAMILIES, deepseek, gemma3, gpt_oss, kimi_linear, llama, megakernel, qwen3_next  # noqa: E402
 from weld.models.common import linear_attention as la  # noqa: E402
 from weld.models.common.cache import RecurrentState  # noqa: E402
 from weld.models.family import WeightTarget  # noqa: E402
@@ -71,6 +71,21 @@ KIMI = kimi_linear.Config(
     mla=MLA(num_heads=4, q_lora_rank=None, kv_lora_rank=16, nope_dim=8, rope_dim=8, v_dim=8, rope=None,
             scale=mla_scale(8, 8, RopeScaling())),
     moe=GROUPED.moe, sparse_layers=(1, 2, 3), rms_norm_eps=1e-5)
+# Gemma 3 in miniature: sandwich norms (normed after the all-reduce), sliding layers of window 3
+# beside a full one (two page groups, two RoPE tables), the scaled embedding, soft-capped logits
+GEMMA = gemma3.Config(architecture="gemma3_text", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3,
+                      num_heads=8, num_kv_heads=4, head_dim=8, layer_types=(gemma3.SLIDING, gemma3.FULL, gemma3.SLIDING),
+                      sliding_window=3, rope_global=Rope(8, 1e6, RopeScaling(kind="linear", factor=2.0), 64),
+                      rope_local=Rope(8, 1e4, RopeScaling(), 64), query_pre_attn_scalar=12.0,
+                      final_logit_softcapping=5.0)
+# gpt-oss in miniature: sinks (split with the heads), q/k/v/o biases, sliding and full layers, a
+# router bias, experts with biases (gate / up split with each expert's FFN; down added once per
+# pair, by the first device that holds the expert) and the clamped SwiGLU
+GPT_OSS = gpt_oss.Config(
+    architecture="gpt_oss", vocab_size=128, hidden_size=32, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8,
+    moe=moe_lib.MoE(num_experts=4, top_k=2, intermediate_size=16, router="topk_softmax", activation="clamped_swiglu",
+                    expert_bias=True, router_bias=True, swiglu_limit=0.3),
+    layer_types=("sliding_attention", "full_attention"), sliding_window=3, rope=Rope(8, 1.5e5, YARN, 64))
 # name -> (config, mesh: (ep, tp) over the devices, None: a ("dp", "tp") mesh with dp 1, {"dp": n}:
 # n ranks of DEVICES / n tensor-parallel devices)
 CONFIGS = {"dense": (DENSE, None), "moe": (MOE, None), "dense_without_all_reduce": (DENSE, None),
@@ -83,7 +98,8 @@ CONFIGS = {"dense": (DENSE, None), "moe": (MOE, None), "dense_without_all_reduce
            "gdn": (NEXT, None), "gdn_ep": (NEXT, (2, DEVICES // 2)), "kda_ep": (KIMI, (2, DEVICES // 2)),
            "gdn_flat_channels": (NEXT, None),
            # data parallel: 2 ranks, each its own row over its own pages, tensor parallel within
-           "moe_dp": (GROUPED, {"dp": 2}), "mla_dp": (MLA_MOE, {"dp": 2})}
+           "moe_dp": (GROUPED, {"dp": 2}), "mla_dp": (MLA_MOE, {"dp": 2}), "gemma3": (GEMMA, None),
+           "gpt_oss": (GPT_OSS, None), "gpt_oss_ep": (GPT_OSS, (2, DEVICES // 2))}
 PAGE, PAGES = 4, 16
 ALL_REDUCE_ROWS, DECODE_STEP = collectives.all_reduce_rows, megakernel.decode_step
 
@@ -118,10 +134,16 @@ def run(name):
         # correction bias that moves the choices
         if "bo" in lw:
             lw["bo"] = jnp.asarray(np.random.default_rng(2 + i).normal(0, 0.5, cfg.hidden_size), jnp.float32)
+        for tree in (lw, lw.get("moe", {})) if cfg is GPT_OSS else ():  # sinks and biases away from zero
+            for key in [k for k in tree if k.startswith("b") or k in ("sinks", "router_bias")]:
+                tree[key] = jnp.asarray(np.random.default_rng(5 + i).normal(0, 0.5, tree[key].shape), jnp.float32)
+        for key in [k for k in lw if k.endswith("norm") and cfg is GEMMA]:  # (1 + w) norms away from 1
+            lw[key] = jnp.asarray(np.random.default_rng(7 + i).normal(0, 0.3, lw[key].shape), jnp.float32)
         if "score_bias" in lw.get("moe", {}):
             lw["moe"]["score_bias"] = jnp.asarray(np.random.default_rng(1).normal(0, 0.5, cfg.moe.num_experts),
                                                   jnp.float32)
     tables = jnp.asarray(np.arange(PAGES).reshape(2, PAGES // 2)[:, ::-1].copy(), jnp.int32)
+    tables = family.cache_spec(cfg).tables(tables)  # every page group's pool: the same page ids
     rng = np.random.default_rng(0)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(5), (2, 5)).astype(jnp.int32)

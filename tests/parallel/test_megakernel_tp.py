@@ -29,8 +29,8 @@ def _run(devices: int, configs: list[str]) -> dict:
 @pytest.mark.parametrize("devices,configs", [
     # the default suite: each kind of layer under expert parallelism, and a planted bug (data
     # parallelism runs in the default suite through the engine, test_sharded_engine.py)
-    (4, ["moe_ep", "mla_ep", "gdn_ep", "kda_ep", "moe_ep_wrong_expert"]),
-    pytest.param(4, ["dense", "moe", "mla", "gdn", "moe_dp", "mla_dp", "dense_without_all_reduce",
+    (4, ["moe_ep", "mla_ep", "gdn_ep", "kda_ep", "gemma3", "gpt_oss_ep", "moe_ep_wrong_expert"]),
+    pytest.param(4, ["dense", "moe", "mla", "gdn", "gpt_oss", "moe_dp", "mla_dp", "dense_without_all_reduce",
                      "moe_ep_every_pair_computed", "gdn_flat_channels"], marks=pytest.mark.slow),
     pytest.param(8, ["dense", "moe_ep", "moe_ep_only", "mla", "mla_ep", "mla_without_all_reduce"],
                  marks=pytest.mark.slow)])

@@ -213,9 +213,10 @@ PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     """On XLA: q/k/v and gate/up fused; on the CPU with the native kernels, f32 projections and the
-    tied embedding (the LM head; lookups gather rows from its panels) packed."""
+    tied embedding (the LM head; lookups gather rows from its panels) packed. The megakernel
+    streams the declared matrices (`decoder.megakernel_weights`)."""
     if target.backend != "xla":
-        return weights
+        return decoder.megakernel_weights(weights)
     for lw in weights["layers"]:
         if target.fuse:
             fuse_qkv(lw)
@@ -263,5 +264,4 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
     return logits, states, cache
 
 
-def megakernel(cfg: Config) -> Callable:
-    raise ValueError("the megakernel does not cover gemma3 yet (sandwich norms, sliding layers): use backend='xla'")
+megakernel = decoder.megakernel  # the TPU decode megakernel's forward (ValueError for what it does not cover)

@@ -214,9 +214,10 @@ def cache_spec(cfg: Config) -> CacheSpec:
 
 def prepare_weights(weights: dict, cfg: Config, target: Any) -> dict:
     """On XLA: q/k/v fused, expert gate/up stacked together; on the CPU with the native kernels,
-    f32 attention projections and the LM head packed."""
+    f32 attention projections and the LM head packed. The megakernel streams the declared
+    matrices (`decoder.megakernel_weights`)."""
     if target.backend != "xla":
-        return weights
+        return decoder.megakernel_weights(weights)
     for lw in weights["layers"]:
         if target.fuse:
             fuse_qkv(lw)
@@ -255,5 +256,4 @@ def forward(weights: dict, cfg: Config, tokens, positions, cache: Cache, batch: 
     return logits, states, cache
 
 
-def megakernel(cfg: Config) -> Callable:
-    raise ValueError("the megakernel does not cover gpt_oss yet (MoE, attention sinks): use backend='xla'")
+megakernel = decoder.megakernel  # the TPU decode megakernel's forward (ValueError for what it does not cover)

@@ -1,6 +1,8 @@
-"""The model families on the TPU decode megakernel: llama (dense and MoE), deepseek (MLA + MoE),
-and the hybrids with linear-attention layers, qwen3_next (Gated DeltaNet + gated GQA with partial
-RoPE and (1 + w) norms, MoE) and kimi_linear (KDA + NoPE MLA, MoE).
+"""The model families on the TPU decode megakernel: llama (dense and MoE, sliding windows
+included), gemma3 (sandwich norms, sliding and full layers with their own RoPE bases), gpt_oss
+(attention sinks, sliding and full layers, routed experts with biases and the clamped SwiGLU), deepseek
+(MLA + MoE), and the hybrids with linear-attention layers, qwen3_next (Gated DeltaNet + gated GQA
+with partial RoPE and (1 + w) norms, MoE) and kimi_linear (KDA + NoPE MLA, MoE).
 
 The kernel (`weld.kernels.megakernel.decode`) knows plain numbers and arrays; this adapter maps a
 family's `Config` to its `MegakernelSpec`, the family's weight tree to the kernel's operands
@@ -19,16 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from weld.kernels.megakernel.decode import MATRICES, Int4Matrix, Int8Matrix, decode_step
+from weld.kernels.megakernel.decode import EXPERT_BIASES, MATRICES, Int4Matrix, Int8Matrix, decode_step
 from weld.kernels.megakernel.plan import MegakernelSpec
-from weld.models import deepseek, kimi_linear, llama, qwen3_next
+from weld.models import deepseek, gemma3, gpt_oss, kimi_linear, llama, qwen3_next
 from weld.models.common import linear_attention as la
 from weld.models.common import moe as moe_lib
 from weld.models.common.cache import AttentionBatch, Cache, KVPages, LatentPages, RecurrentState
 from weld.models.common.quant import QuantWeight
 
-FAMILIES = (llama.Config, deepseek.Config, qwen3_next.Config, kimi_linear.Config)
-NORM_PLUS_ONE = (qwen3_next.Config,)  # families whose RMSNorm weights are (1 + w), stored around 0
+FAMILIES = (llama.Config, gemma3.Config, gpt_oss.Config, deepseek.Config, qwen3_next.Config, kimi_linear.Config)
+NORM_PLUS_ONE = (qwen3_next.Config, gemma3.Config)  # families whose RMSNorm weights are (1 + w), stored around 0
 LINEAR = "linear_attention"  # a hybrid's layer type for its linear-attention layers
 # the kernel's matrix names -> the family's weight names (a sparse layer's under lw["moe"]: the
 # expert stacks under the same names, the shared expert's under "shared"); a linear layer's
@@ -51,19 +53,57 @@ def _linear_layers(cfg) -> tuple[int, ...]:
 def check_supported(cfg) -> None:
     """Raises ValueError for what the megakernel does not cover."""
     if not isinstance(cfg, FAMILIES):
-        raise ValueError(f"the megakernel runs the llama, deepseek, qwen3_next and kimi_linear families, got a "
-                         f"{type(cfg).__module__} config")
+        raise ValueError(f"the megakernel runs the llama, gemma3, gpt_oss, deepseek, qwen3_next and kimi_linear "
+                         f"families, got a {type(cfg).__module__} config")
     mla = _mla(cfg)
     if isinstance(cfg, deepseek.Config) and mla.rope is None:
         raise ValueError("the megakernel's deepseek MLA needs a rotary part (NoPE layers are not covered); "
                          "use backend='xla'")
     moe = cfg.moe
-    if moe is not None and (moe.expert_bias or moe.activation != "swiglu"):
-        raise ValueError(f"the megakernel's experts are SwiGLU without biases ({cfg.architecture} has "
-                         f"activation {moe.activation!r}, expert biases {moe.expert_bias}); use backend='xla'")
-    if isinstance(cfg, llama.Config) and any(cfg.window_for(i) is not None for i in range(cfg.num_layers)):
-        raise ValueError(f"the megakernel has no sliding-window attention (sliding_window={cfg.sliding_window}); "
-                         "use backend='xla'")
+    if moe is not None and moe.activation not in ("swiglu", "clamped_swiglu"):
+        raise ValueError(f"the megakernel's experts are SwiGLU or gpt-oss's clamped SwiGLU ({cfg.architecture} has "
+                         f"activation {moe.activation!r}); use backend='xla'")
+
+
+def _ropes(cfg) -> list:
+    """Each layer's rotary embedding (None: none)."""
+    mla = _mla(cfg)
+    if mla:
+        return [mla.rope] * cfg.num_layers
+    if hasattr(cfg, "rope_for"):
+        return [cfg.rope_for(i) for i in range(cfg.num_layers)]
+    return [cfg.rope] * cfg.num_layers
+
+
+def _rope_tables(cfg) -> tuple[list, tuple[int, ...]]:
+    """(the distinct rotary embeddings, in order of first use; each layer's index among them)."""
+    ropes = _ropes(cfg)
+    distinct = [r for i, r in enumerate(ropes) if r is not None and r not in ropes[:i]]
+    return distinct, tuple(distinct.index(r) if r is not None else 0 for r in ropes)
+
+
+def _pages(cfg) -> dict:
+    """The spec's sliding windows and page groups (`cache_spec(cfg).page_groups`), per layer."""
+    from weld.models import FAMILIES as ALL
+
+    cache = next(f for f in ALL if isinstance(cfg, f.Config)).cache_spec(cfg)
+    groups = cache.page_groups()
+    if len(groups) == 1 and groups[0].window is None:
+        return {}
+    paged = {i for g in groups for i in g.layers}
+    return dict(layer_windows=tuple(cache.layers[i].window or 0 if i in paged else 0 for i in range(cfg.num_layers)),
+                layer_groups=tuple(cache.group_of(i) if i in paged else 0 for i in range(cfg.num_layers)),
+                page_groups=len(groups))
+
+
+def _gemma(cfg, weight_dtype) -> dict:
+    """Gemma 3's switches: sandwich norms, the GELU-tanh MLP, the embedding scaled by sqrt(d) in
+    the weights' dtype (as the XLA forward and transformers scale it), the logits' soft cap."""
+    if not isinstance(cfg, gemma3.Config):
+        return {}
+    return dict(sandwich_norms=True, mlp_activation="gelu_tanh",
+                embed_scale=float(np.asarray(math.sqrt(cfg.hidden_size), jnp.dtype(weight_dtype))),
+                logit_softcap=float(cfg.final_logit_softcapping or 0.0))
 
 
 def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight_dtype, kv_dtype,
@@ -74,14 +114,16 @@ def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight
     1/expert_shards of cfg's routed experts)."""
     check_supported(cfg)
     mla = _mla(cfg)
-    rope = mla.rope if mla else cfg.rope
-    mscale = rope.tables()[1] if rope is not None else 1.0
+    ropes, layer_rope = _rope_tables(cfg)
+    rope = ropes[0] if ropes else None
     moe = cfg.moe
     experts = {} if moe is None or not cfg.sparse_layers else dict(
         sparse_layers=tuple(cfg.sparse_layers), num_experts=moe.num_experts // expert_shards,
         expert_shards=expert_shards, top_k=moe.top_k,
         expert_intermediate=moe.intermediate_size, shared_intermediate=moe.shared_intermediate_size,
-        shared_expert_gate=moe.shared_gate, router_bias=moe.router_bias or moe.score_bias)
+        shared_expert_gate=moe.shared_gate, router_bias=moe.router_bias or moe.score_bias,
+        expert_bias=moe.expert_bias, expert_activation=moe.activation, swiglu_limit=float(moe.swiglu_limit),
+        swiglu_alpha=float(moe.swiglu_alpha))
     if mla:  # one latent key head of kv_lora_rank + rope_dim
         attention = dict(num_heads=mla.num_heads, num_kv_heads=1, head_dim=mla.kv_lora_rank + mla.rope_dim,
                          attention="mla", q_lora_rank=mla.q_lora_rank or 0, kv_lora_rank=mla.kv_lora_rank,
@@ -92,6 +134,7 @@ def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight
         g = cfg.attention
         attention = dict(num_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
                          qkv_bias=g.qkv_bias, o_bias=g.o_bias, qk_norm=g.qk_norm, output_gate=g.output_gate,
+                         attention_sinks=g.sinks,
                          rotary_dim=rope.dim if rope.dim < g.head_dim else 0, attn_scale=float(g.scale or 0.0))
     linear_layers = _linear_layers(cfg)
     linear = {} if not linear_layers else dict(
@@ -100,12 +143,13 @@ def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight
         conv_width=cfg.linear.conv_width, linear_norm_eps=cfg.linear.norm_eps,
         gate_lower_bound=float(cfg.linear.gate_lower_bound or 0.0), tiled_v_heads=cfg.linear.tiled_v_heads)
     return MegakernelSpec(
-        hidden=cfg.hidden_size, intermediate=max(cfg.intermediate_size, 1), vocab=cfg.vocab_size,
+        hidden=cfg.hidden_size, intermediate=max(getattr(cfg, "intermediate_size", 0), 1), vocab=cfg.vocab_size,
         num_layers=cfg.num_layers, weight_bytes=1 if int8 else jnp.dtype(weight_dtype).itemsize,
         kv_bytes=jnp.dtype(kv_dtype).itemsize, batch=batch, tokens_per_row=tokens_per_row, page_size=page_size,
         pages_per_kv_tile=pages_per_kv_tile, scale_bytes=4 if int8 else 0, float_matrices=tuple(float_matrices),
         float_bytes=jnp.dtype(float_dtype).itemsize, int4_experts=int4_experts, rms_norm_eps=cfg.rms_norm_eps,
-        rope_mscale=float(mscale), **attention, **experts, **linear)
+        rope_mscale=tuple(float(r.tables()[1]) for r in ropes), rope_tables=max(len(ropes), 1), layer_rope=layer_rope if len(ropes) > 1 else (),
+        **attention, **experts, **linear, **_pages(cfg), **_gemma(cfg, weight_dtype))
 
 
 def kernel_params(cfg, weights: dict) -> dict:
@@ -135,9 +179,12 @@ def kernel_params(cfg, weights: dict) -> dict:
         "mlp_norm": stack("mlp_norm", d) + plus,
         "final_norm": weights["final_norm"].astype(jnp.float32) + plus,
     }
-    rope = mla.rope if mla else cfg.rope
-    if rope is not None:
-        params["inv_freq"] = jnp.asarray(np.asarray(rope.tables()[0]), jnp.float32)
+    ropes, _ = _rope_tables(cfg)
+    if ropes:
+        params["inv_freq"] = jnp.asarray(np.stack([np.asarray(r.tables()[0]) for r in ropes]), jnp.float32)
+    if isinstance(cfg, gemma3.Config):  # sandwich norms
+        params["post_attn_norm"] = stack("post_attn_norm", d) + plus
+        params["post_mlp_norm"] = stack("post_mlp_norm", d) + plus
     if mla:
         params["kv_a_norm"] = stack("kv_a_norm", mla.kv_lora_rank)
         if mla.q_lora_rank:
@@ -149,6 +196,8 @@ def kernel_params(cfg, weights: dict) -> dict:
                                        lambda lw, _: jnp.concatenate([lw["bq"], lw["bk"], lw["bv"]]) if "bq" in lw else None)
         if g.o_bias:
             params["o_bias"] = stack("bo", d)
+        if g.sinks:
+            params["sinks"] = stack("sinks", g.num_heads)
         if g.qk_norm:
             params["q_norm"] = stack("q_norm", g.head_dim) + plus
             params["k_norm"] = stack("k_norm", g.head_dim) + plus
@@ -185,6 +234,7 @@ def _layer_params(lw: dict, mla: bool) -> dict:
     out.update({name: _matrix(mlp[_WEIGHT_NAMES[name]]) for name in MATRICES[4:]})
     if "moe" in lw:
         out["router"] = mlp["router"]
+        out.update({name: mlp[name] for name in EXPERT_BIASES if name in mlp})
         out.update({name: _matrix(mlp["shared"][key]) for name, key in _SHARED_NAMES.items() if "shared" in mlp})
     return out
 
@@ -262,7 +312,7 @@ def local_config(cfg, tensor: int, expert_shards: int = 1):
     if net is not None:
         split.update(linear_key_heads=(net.num_k_heads, tensor), linear_value_heads=(net.num_v_heads, tensor))
     split["vocab_size"] = (cfg.vocab_size, tensor)
-    dense = len(cfg.sparse_layers) < cfg.num_layers  # the dense MLP's intermediate is split only where it is used
+    dense = len(getattr(cfg, "sparse_layers", ())) < cfg.num_layers  # the dense MLP's intermediate: split where used
     if dense:
         split["intermediate_size"] = (cfg.intermediate_size, tensor)
     if cfg.moe is not None:
@@ -277,8 +327,9 @@ def local_config(cfg, tensor: int, expert_shards: int = 1):
                          f"vocabulary evenly; this model's do not split: {', '.join(bad)}")
     moe = cfg.moe and dataclasses.replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // expert_tp,
                                           shared_intermediate_size=cfg.moe.shared_intermediate_size // tensor)
-    local = dict(vocab_size=cfg.vocab_size // tensor, moe=moe,
-                 intermediate_size=cfg.intermediate_size // tensor if dense else cfg.intermediate_size)
+    local = dict(vocab_size=cfg.vocab_size // tensor, moe=moe)
+    if dense:
+        local["intermediate_size"] = cfg.intermediate_size // tensor
     if net is not None:
         local["linear"] = dataclasses.replace(net, num_k_heads=net.num_k_heads // tensor,
                                               num_v_heads=net.num_v_heads // tensor, shards=1)
@@ -460,9 +511,10 @@ def _lower(cfg, batch, generation, dtype, page_size, num_pages) -> str:
     family = next(f for f in FAMILIES if isinstance(cfg, f.Config))
     weights = jax.eval_shape(lambda w: family.prepare_weights(w, cfg, WeightTarget(backend="megakernel")),
                              abstract_weights(family.weight_specs(cfg), dtype))
-    cache = jax.eval_shape(lambda: family.cache_spec(cfg).create(num_pages, page_size, dtype, num_slots=batch))
+    cache_spec = family.cache_spec(cfg)
+    cache = jax.eval_shape(lambda: cache_spec.create(num_pages, page_size, dtype, num_slots=batch))
     options = KernelOptions(generation=generation, interpret=False)
     tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
-    tables = jax.ShapeDtypeStruct((batch, max(1, num_pages // batch)), jnp.int32)
+    tables = jax.ShapeDtypeStruct((batch, len(cache_spec.page_groups()) * max(1, num_pages // batch)), jnp.int32)
     step = jax.jit(lambda w, t, p, c, bt: forward(w, cfg, t, p, c, AttentionBatch(bt), options=options)[0])
     return step.trace(weights, tokens, tokens, cache, tables).lower(lowering_platforms=("tpu",)).as_text()

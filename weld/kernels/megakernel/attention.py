@@ -4,7 +4,9 @@ TPU call, and the tile loop (`attend_rows`) that the whole-model kernel runs ins
 Covers: B rows of T query tokens each (decode: T = 1; the speculative verify block: T = k + 1
 consecutive positions, causal within the block), grouped-query attention (H query heads over KV
 kv heads, H % KV == 0), a paged KV cache [P, page_size, KV, E] shared by all rows with a block
-table [B, max_pages] per row. Not covered yet: sliding windows, quantized caches.
+table [B, max_pages] per row, sliding windows (a token at p sees keys in (p - window, p]; the
+tiles wholly before a row's first window are neither read nor computed, so their pages may
+already serve others). Not covered yet: quantized caches.
 
 Token n = b * T + t has position p = positions[n] (p < 0: padding, output 0, nothing written;
 a row is padding when its first token is). For each live row b:
@@ -14,7 +16,8 @@ a row is padding when its first token is). For each live row b:
   2. the row's pages 0 .. last // page_size (last = its largest position) stream HBM -> VMEM in
      tiles of `pages_per_tile` pages, double buffered (tile i+1 in flight while tile i computes),
      one DMA semaphore per buffer;
-  3. an online softmax over the tiles gives out[n] = softmax(q k^T * scale, keys <= p) v.
+  3. an online softmax over the tiles gives out[n] = softmax(q k^T * scale, keys <= p) v (with a
+     window, keys in (p - window, p]).
 Positions and block tables are scalar-prefetch operands (SMEM). A tile past the row's last page
 re-reads that page (its keys are masked), so no slot ever holds uninitialized memory.
 
@@ -29,11 +32,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 _MASKED = -1e30  # finite: a fully masked tile never makes exp() produce NaN
-BUGS = (None, "skip_wait", "wrong_slot", "skip_write_wait")  # planted bugs, for the tests
+BUGS = (None, "skip_wait", "wrong_slot", "skip_write_wait", "full_window")  # planted bugs, for the tests
 
 
 def paged_block_attention_reference(q, k_new, v_new, k_pages, v_pages, positions, block_tables, *,
-                                    scale: float | None = None):
+                                    scale: float | None = None, sliding_window: int | None = None):
     """q [B, T, H, E]; k_new, v_new [B, T, KV, E]; pools [P, page, KV, E]; positions [B, T];
     block_tables [B, M]. Returns (out [B, T, H, E] f32, k_pages, v_pages) with every token's
     K/V written at its position."""
@@ -52,7 +55,10 @@ def paged_block_attention_reference(q, k_new, v_new, k_pages, v_pages, positions
     values = v_pages[block_tables].reshape(b, s_max, kv_heads, e).astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(b, t, kv_heads, g, e) * scale
     s = jnp.einsum("btkge,bske->btkgs", qg, keys, precision=jax.lax.Precision.HIGHEST)
-    visible = jnp.arange(s_max)[None, None, None, None, :] <= positions[:, :, None, None, None]
+    kv_pos = jnp.arange(s_max)[None, None, None, None, :]
+    visible = kv_pos <= positions[:, :, None, None, None]
+    if sliding_window is not None:
+        visible &= kv_pos > positions[:, :, None, None, None] - sliding_window
     s = jnp.where(visible, s, _MASKED)
     p = jnp.where(visible, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
     out = jnp.einsum("btkgs,bske->btkge", p, values, precision=jax.lax.Precision.HIGHEST)
@@ -61,10 +67,11 @@ def paged_block_attention_reference(q, k_new, v_new, k_pages, v_pages, positions
 
 
 def paged_decode_attention_reference(q, k_new, v_new, k_pages, v_pages, positions, block_tables, *,
-                                     scale: float | None = None):
+                                     scale: float | None = None, sliding_window: int | None = None):
     """The one-token twin: q [B, H, E]; k_new, v_new [B, KV, E]; positions [B]."""
     out, k_pages, v_pages = paged_block_attention_reference(q[:, None], k_new[:, None], v_new[:, None], k_pages,
-                                                            v_pages, positions[:, None], block_tables, scale=scale)
+                                                            v_pages, positions[:, None], block_tables, scale=scale,
+                                                            sliding_window=sliding_window)
     return out[:, 0], k_pages, v_pages
 
 
@@ -80,11 +87,15 @@ def kv_scratch(pages_per_tile: int, page_size: int, kv_heads: int, head_dim: int
 
 
 def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref, k_buf, v_buf, sems, write_sems,
-                *, rows: int, tokens: int, pages_per_tile: int, scale: float, bug: str | None = None):
+                *, rows: int, tokens: int, pages_per_tile: int, scale: float, window: int | None = None,
+                table_offset: int = 0, sinks=None, bug: str | None = None):
     """The tile loop, called inside a Pallas TPU kernel (see the module docstring).
 
-    pos_ref [B * T] and bt_ref [B, M]: SMEM. q_ref [B * T, H, E], kn_ref / vn_ref [B * T, KV, E]
-    (the pools' dtype) and out_ref [B * T, H, E]: VMEM. k_pool / v_pool [P, page, KV, E]: HBM,
+    pos_ref [B * T] and bt_ref [B, M']: SMEM; the row's table is bt_ref[b, table_offset:] (a page
+    group's, when several sit side by side). q_ref [B * T, H, E], kn_ref / vn_ref [B * T, KV, E]
+    (the pools' dtype) and out_ref [B * T, H, E]: VMEM. sinks: None, or f32 [1, H], a logit per
+    head that joins every softmax's denominator and weighs no value (gpt-oss): the running max
+    starts at it and the denominator at exp(0) = 1. k_pool / v_pool [P, page, KV, E]: HBM,
     written in place. k_buf, v_buf, sems, write_sems: `kv_scratch(...)`. vn_ref and v_pool None:
     the values are the keys themselves (MLA's latent pool: the caller keeps the first dims).
     """
@@ -98,14 +109,14 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
     def page_copies(row, tile, slot, last_page):
         copies = []
         for j in range(pages_per_tile):
-            page = bt_ref[row, jnp.minimum(tile * pages_per_tile + j, last_page)]
+            page = bt_ref[row, table_offset + jnp.minimum(tile * pages_per_tile + j, last_page)]
             for pool, buf, which in pools:
                 copies.append(pltpu.make_async_copy(pool.at[page], buf.at[slot, j], sems.at[which, slot]))
         return copies
 
     def token_writes(row, t):
         n, pos = row * tokens + t, pos_ref[row * tokens + t]
-        page = bt_ref[row, jnp.maximum(pos, 0) // page_size]
+        page = bt_ref[row, table_offset + jnp.maximum(pos, 0) // page_size]
         return [pltpu.make_async_copy(src.at[n], pool.at[page, pos % page_size], write_sems.at[i])
                 for i, (src, pool) in enumerate(news)]
 
@@ -134,7 +145,12 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
             if bug != "skip_write_wait":
                 for_live_tokens(row, lambda w: w.wait())
             num_tiles = last // tile_tokens + 1
-            for c in page_copies(row, 0, 0, last_page):
+            # the first tile some query's window reaches (a row's tokens are consecutive, the first
+            # lowest); a planted "full_window" bug attends over the whole context
+            first_tile = 0
+            if window is not None and bug != "full_window":
+                first_tile = jnp.maximum(q_pos[0] - window + 1, 0) // tile_tokens
+            for c in page_copies(row, first_tile, first_tile % 2, last_page):
                 c.start()
             q = q_ref[pl.ds(first, tokens)].astype(jnp.float32)  # [t, h, e]
             qg = q.reshape(tokens, kv_heads, g, e) * scale
@@ -157,6 +173,8 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
                 values = keys if v_pool is None else v_buf[read].reshape(tile_tokens, kv_heads, e).astype(jnp.float32)
                 kv_pos = tile * tile_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, tile_tokens), 3)
                 visible = kv_pos <= q_pos_col  # [t, 1, 1, s]
+                if window is not None and bug != "full_window":
+                    visible &= kv_pos > q_pos_col - window
                 s = jnp.einsum("tkge,ske->tkgs", qg, keys, precision=jax.lax.Precision.HIGHEST)
                 s = jnp.where(visible, s, _MASKED)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
@@ -166,15 +184,19 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
                 acc = acc * correction + jnp.einsum("tkgs,ske->tkge", p, values, precision=jax.lax.Precision.HIGHEST)
                 return m_new, l, acc
 
-            init = (jnp.full((tokens, kv_heads, g, 1), _MASKED, jnp.float32),
-                    jnp.zeros((tokens, kv_heads, g, 1), jnp.float32),
-                    jnp.zeros((tokens, kv_heads, g, e), jnp.float32))
-            _, l, acc = jax.lax.fori_loop(0, num_tiles, tile_body, init)
+            if sinks is None:
+                init = (jnp.full((tokens, kv_heads, g, 1), _MASKED, jnp.float32),
+                        jnp.zeros((tokens, kv_heads, g, 1), jnp.float32))
+            else:
+                init = (jnp.broadcast_to(sinks.reshape(1, kv_heads, g, 1), (tokens, kv_heads, g, 1)),
+                        jnp.ones((tokens, kv_heads, g, 1), jnp.float32))
+            init += (jnp.zeros((tokens, kv_heads, g, e), jnp.float32),)
+            _, l, acc = jax.lax.fori_loop(first_tile, num_tiles, tile_body, init)
             if bug == "skip_wait":  # drain what was never waited for
                 def drain(tile, _):
                     for c in page_copies(row, tile, tile % 2, last_page):
                         c.wait()
-                jax.lax.fori_loop(0, num_tiles, drain, None)
+                jax.lax.fori_loop(first_tile, num_tiles, drain, None)
             if bug == "skip_write_wait":
                 for_live_tokens(row, lambda w: w.wait())
             out = acc / jnp.maximum(l, 1e-30)  # a padding token inside a live row: 0
@@ -208,16 +230,18 @@ def _validate(q, k_new, v_new, k_pages, v_pages, positions, block_tables, pages_
 
 
 def paged_block_attention(q, k_new, v_new, k_pages, v_pages, positions, block_tables, *,
-                          scale: float | None = None, pages_per_tile: int = 2, interpret=False,
-                          _bug: str | None = None):
+                          scale: float | None = None, sliding_window: int | None = None, pages_per_tile: int = 2,
+                          interpret=False, _bug: str | None = None):
     """The Pallas kernel; same contract as `paged_block_attention_reference`.
 
     The pools are updated in place (aliased; donate them under jit to avoid a copy).
     `_bug` plants a DMA bug (tests only): "skip_wait" computes a KV tile without waiting for it,
     "wrong_slot" computes from the other buffer, "skip_write_wait" streams pages without first
-    waiting for the new tokens' K/V to land.
+    waiting for the new tokens' K/V to land, "full_window" ignores the sliding window.
     """
     _validate(q, k_new, v_new, k_pages, v_pages, positions, block_tables, pages_per_tile)
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     if _bug not in BUGS:
         raise ValueError(f"_bug must be one of {BUGS}, got {_bug!r}")
     b, t, h, e = q.shape
@@ -230,7 +254,7 @@ def paged_block_attention(q, k_new, v_new, k_pages, v_pages, positions, block_ta
                out_ref, k_ref, v_ref,  # out [B * T, H, E] VMEM; pools [P, page, KV, E] HBM
                *scratch):  # kv_scratch: K and V tiles, their semaphores, the write semaphores
         attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_ref, v_ref, out_ref, *scratch, rows=b, tokens=t,
-                    pages_per_tile=pages_per_tile, scale=scale, bug=_bug)
+                    pages_per_tile=pages_per_tile, scale=scale, window=sliding_window, bug=_bug)
 
     vmem = pltpu.MemorySpace.VMEM
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -256,8 +280,8 @@ def paged_block_attention(q, k_new, v_new, k_pages, v_pages, positions, block_ta
 
 
 def paged_decode_attention(q, k_new, v_new, k_pages, v_pages, positions, block_tables, *,
-                           scale: float | None = None, pages_per_tile: int = 2, interpret=False,
-                           _bug: str | None = None):
+                           scale: float | None = None, sliding_window: int | None = None, pages_per_tile: int = 2,
+                           interpret=False, _bug: str | None = None):
     """One token per row: q [B, H, E]; k_new, v_new [B, KV, E]; positions [B] (see
     `paged_block_attention`)."""
     if q.ndim != 3:
@@ -269,5 +293,5 @@ def paged_decode_attention(q, k_new, v_new, k_pages, v_pages, positions, block_t
         raise ValueError(f"positions must be [B], got shape {positions.shape}")
     out, k_pages, v_pages = paged_block_attention(
         q[:, None], k_new[:, None], v_new[:, None], k_pages, v_pages, positions[:, None], block_tables, scale=scale,
-        pages_per_tile=pages_per_tile, interpret=interpret, _bug=_bug)
+        sliding_window=sliding_window, pages_per_tile=pages_per_tile, interpret=interpret, _bug=_bug)
     return out[:, 0], k_pages, v_pages

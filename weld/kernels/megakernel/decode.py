@@ -1,14 +1,15 @@
 """The decode megakernel: a whole dense-decoder step (every layer, the LM head) as one Pallas call.
 
 Covers the dense family's switches (any layer count, GQA, any even head dim, qkv / o biases,
-q / k RMSNorm, tied embeddings, rope frequencies given as a table), B rows of T tokens each
+q / k RMSNorm, tied embeddings, rope frequencies given as tables, one per layer kind), Gemma 3's
+switches (sandwich norms, GELU-tanh MLP, a scaled embedding, soft-capped logits), B rows of T tokens each
 (decode: T = 1; a speculative verify block: T = k + 1 consecutive positions, causal within the
 block), f32 / bf16 weights or int8 weights with per-output-channel scales, a paged KV cache of
 one [P, page, KV, E] pool pair per attention layer; MoE layers (router in the kernel, only the
 chosen experts' tiles streamed), absorbed MLA on latent pages, and linear-attention layers (Gated
 DeltaNet, KDA: `linear.py`, each sequence's state read into VMEM and written back in place) in
-any hybrid layer schedule. Not covered: sliding windows (Mistral's window, Qwen's sliding
-layers).
+any hybrid layer schedule; sliding-window layers (Mistral's window, Qwen's and Gemma's sliding
+layers), each page group of layers reading its own block table.
 
 One `pallas_call` with no grid:
   - SMEM (scalar prefetch): token ids [N], positions [N] (N = B x T, -1 = padding), block tables
@@ -36,6 +37,7 @@ bf16 weights the MXU is fed bf16 activations with f32 accumulation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -48,12 +50,16 @@ from weld.kernels.megakernel.attention import attend_rows, kv_scratch
 from weld.kernels.megakernel.plan import INT4_GROUP, MegakernelSpec, Plan, fit_plan, make_plan
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a dense layer's, in stream order (plan.matrices)
-BUGS = (None, "skip_wait", "wrong_slot", "wrong_expert", "global_expert_ids", "every_pair_computed") + linear.BUGS[1:]  # planted bugs, for the tests
+EXPERT_BIASES = ("b_gate", "b_up", "b_down")  # a sparse layer's expert biases [E, out] (spec.expert_bias)
+BUGS = (None, "skip_wait", "wrong_slot", "wrong_expert", "global_expert_ids", "every_pair_computed",
+        "full_window") + linear.BUGS[1:]  # planted bugs, for the tests
 # the per-layer vectors a spec's switch asks for: (name, the switch)
 _OPTIONAL_VECTORS = (("inv_freq", "rope"), ("qkv_bias", "qkv_bias"), ("o_bias", "o_bias"), ("q_norm", "qk_norm"),
                      ("k_norm", "qk_norm"), ("router_bias", "router_bias"), ("shared_expert_gate", "shared_expert_gate"),
                      ("kv_a_norm", "mla"), ("q_a_norm", "q_lora"), ("A_log", "linear_layers"),
-                     ("dt_bias", "linear_layers"), ("linear_norm", "linear_layers"))
+                     ("dt_bias", "linear_layers"), ("linear_norm", "linear_layers"),
+                     ("post_attn_norm", "sandwich_norms"), ("post_mlp_norm", "sandwich_norms"),
+                     ("sinks", "attention_sinks"))
 LATENT_NORM_EPS = 1e-6  # MLA's q_a and kv_a norms (transformers hard-codes it)
 
 
@@ -127,8 +133,9 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, l
     for name, a in (("tokens", tokens), ("positions", positions)):
         if a.shape != (b, t):
             raise ValueError(f"{name} must be [B, T] = {(b, t)} (spec.batch, spec.tokens_per_row), got {a.shape}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != b:
-        raise ValueError(f"block_tables must be [B, max_pages] with B = {b}, got {block_tables.shape}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != b or block_tables.shape[1] % spec.page_groups:
+        raise ValueError(f"block_tables must be [B, page_groups x max_pages] with B = {b} and {spec.page_groups} "
+                         f"page groups, got {block_tables.shape}")
     if state_slots is not None and tuple(state_slots.shape) != (b,):
         raise ValueError(f"state_slots must be [B] = {(b,)}, got {tuple(state_slots.shape)}")
     if spec.mla != (v_pools is None):
@@ -137,10 +144,11 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, l
     if len(params["layers"]) != n_layers or len(k_pools) != len(attending) or len(v_pools) != len(attending):
         raise ValueError(f"spec.num_layers is {n_layers} with {len(attending)} attention layers, but got "
                          f"{len(params['layers'])} weight layers, {len(k_pools)} K pools and {len(v_pools)} V pools")
-    pool_shape = (k_pools[0].shape[0], spec.page_size, spec.num_kv_heads, e) if k_pools else None
+    pool_shape = (spec.page_size, spec.num_kv_heads, e)  # a page group's pools may hold their own number of pages
     for i, (kp, vp) in zip(attending, zip(k_pools, v_pools)):
-        if kp.shape != pool_shape or vp.shape != pool_shape:
-            raise ValueError(f"pools of layer {i} must be [P, page, KV, E] = {pool_shape}, got {kp.shape} and {vp.shape}")
+        if kp.shape[1:] != pool_shape or vp.shape != kp.shape:
+            raise ValueError(f"pools of layer {i} must be [P, page, KV, E] = [P, *{pool_shape}], got {kp.shape} and "
+                             f"{vp.shape}")
     linear_states = linear_states or []
     if len(linear_states) != len(spec.linear_layers):
         raise ValueError(f"{len(spec.linear_layers)} linear layers need as many (window, state) pool pairs, "
@@ -155,7 +163,8 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, l
                                  f"{shapes}, got {[(tuple(a.shape), str(a.dtype)) for a in pair]}")
     vd = spec.linear_value_dim
     expected = {"embed": (spec.vocab, d), "lm_head": (spec.vocab, d), "attn_norm": (n_layers, d),
-                "mlp_norm": (n_layers, d), "final_norm": (d,), "inv_freq": (spec.rope_dims // 2,),
+                "mlp_norm": (n_layers, d), "final_norm": (d,), "inv_freq": (spec.rope_tables, spec.rope_dims // 2),
+                "post_attn_norm": (n_layers, d), "post_mlp_norm": (n_layers, d), "sinks": (n_layers, spec.num_heads),
                 "qkv_bias": (n_layers, spec.q_proj_dim + 2 * kv), "o_bias": (n_layers, d), "q_norm": (n_layers, e),
                 "k_norm": (n_layers, e), "router_bias": (n_layers, spec.num_experts),
                 "shared_expert_gate": (n_layers, d), "kv_a_norm": (n_layers, spec.kv_lora_rank),
@@ -176,6 +185,9 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, l
         if i in spec.sparse_layers:  # the routed experts' stacks [E, out, in] and the router [E, d]
             shapes.update({name: (spec.num_experts, rows, cols) for name, rows, cols in spec.expert_matrices()})
         side = {"router": (spec.num_experts, d)} if i in spec.sparse_layers else {}
+        if i in spec.sparse_layers and spec.expert_bias:
+            side.update(b_gate=(spec.num_experts, spec.expert_intermediate),
+                        b_up=(spec.num_experts, spec.expert_intermediate), b_down=(spec.num_experts, d))
         if i in spec.linear_layers:
             side["conv"] = (spec.conv_channels, spec.conv_width)
         for name, shape in side.items():
@@ -206,19 +218,23 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     params: "embed" [V, d] (HBM, rows fetched by DMA), "lm_head" [V, d] (the embedding itself
       when tied), "layers": L dicts of MATRICES, each [out, in] or an `Int8Matrix` (all or none,
       the LM head too),
-      "attn_norm" / "mlp_norm" [L, d], "final_norm" [d], "inv_freq" [rope dims / 2] (the model's
-      rope table, f32; not with spec.rope False), and per the spec's switches "qkv_bias" [L, q + 2 kv], "o_bias" [L, d],
-      "q_norm" / "k_norm" [L, E]. A sparse layer (`spec.sparse_layers`) has, in place of gate,
+      "attn_norm" / "mlp_norm" [L, d], "final_norm" [d], "inv_freq" [spec.rope_tables, rope dims /
+      2] (the model's rope tables, f32, `spec.layer_rope` says which layer uses which; not with
+      spec.rope False), and per the spec's switches "qkv_bias" [L, q + 2 kv], "o_bias" [L, d],
+      "q_norm" / "k_norm" [L, E], "post_attn_norm" / "post_mlp_norm" [L, d] (sandwich norms). A sparse layer (`spec.sparse_layers`) has, in place of gate,
       up and down, the expert stacks "gate", "up" [E, I, d] and "down" [E, d, I] (float or
       `Int8Matrix` of [E, out, in] codes and [E, out] scales), the "router" [E, d] (any float
       dtype; scores in f32), and with a shared expert "shared_gate", "shared_up", "shared_down";
-      per the spec's switches the vectors "router_bias" [L, E] and "shared_expert_gate" [L, d].
+      per the spec's switches the vectors "router_bias" [L, E] and "shared_expert_gate" [L, d],
+      and with expert biases "b_gate", "b_up" [E, I] and "b_down" [E, d] (HBM; each routed pair's
+      rows fetched by DMA once the layer is routed); "sinks" [L, H] (attention sinks).
     route: with sparse layers, the model's routing rule: (scores f32 [N, E], bias f32 [1, E] or
       None) -> (weights f32 [N, top_k], expert ids int32 [N, top_k]), traced inside the kernel.
     capture_layers: layers whose output hidden states (the residual stream after the layer)
       are returned, f32 [B, T, d] each (a drafter's features).
     tokens, positions: int32 [B, T] (position -1: padding; a row is padding when its first is).
-    block_tables: int32 [B, M]. k_pools, v_pools: one array [P, page, KV, E] per attention layer
+    block_tables: int32 [B, page_groups x M] (`spec.layer_groups` says which table a layer reads;
+      a layer with a window (`spec.layer_windows`) reads only the pages its window spans). k_pools, v_pools: one array [P, page, KV, E] per attention layer
       (`spec.attention_layers`), updated in place (MLA: k_pools are the latent pools [P, page, 1,
       kv_lora_rank + rope_dim], v_pools None).
       An MLA layer has "q" (or "q_a", "q_b"), "kv_a", "w_uk" [heads x nope, latent], "w_uv"
@@ -306,13 +322,16 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     ring_dtypes = {"int8": jnp.int8, "int4": jnp.uint8, "float": next(iter(float_dtypes), jnp.float32)}
     sparse = spec.sparse_layers
     routers = [params["layers"][i]["router"] for i in sparse]  # HBM [E, d], read whole once per layer
+    # HBM f32 [E, I], [E, I], [E, d] per sparse layer: the experts' biases, each pair's rows fetched
+    biases = [params["layers"][i][name].astype(jnp.float32) for i in sparse for name in EXPERT_BIASES] \
+        if spec.expert_bias else []
     convs = [params["layers"][i]["conv"] for i in lin_layers]  # HBM [C, K], read whole once per layer
     n_pairs, top_k = spec.pairs, spec.top_k
     vector_names = _vector_names(spec)
     vectors = [params[name].astype(jnp.float32).reshape(-1, params[name].shape[-1]) for name in vector_names]
     kv_dtype = k_pools[0].dtype if k_pools else jnp.float32
     n_vec, n_mat, n_scale, n_router, n_conv = len(vectors), len(weight_ops), len(scale_ops), len(routers), len(convs)
-    n_group = len(group_ops)
+    n_group, n_bias = len(group_ops), len(biases)
     n_cap = len(capture_layers)
     if _bug is not None and _bug in linear.BUGS and not lin_layers:
         raise ValueError(f"_bug {_bug!r} needs linear layers")
@@ -322,6 +341,19 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     if shards > 1 and (tp_size % shards or tp_axis is None):
         raise ValueError(f"{shards} expert shards must divide the {tp_size} tensor-parallel devices")
     gather_rows = n_tok + (1 if spec.router_bias else 0)  # the router scores gathered over the shards (and bias)
+    table_width = block_tables.shape[1] // spec.page_groups  # each page group's table, side by side
+    if spec.expert_activation == "clamped_swiglu":  # gpt-oss
+        def expert_activation(gate, up):
+            gate = jnp.minimum(gate, spec.swiglu_limit)
+            up = jnp.clip(up, -spec.swiglu_limit, spec.swiglu_limit)
+            return (up + 1) * (gate * jax.nn.sigmoid(spec.swiglu_alpha * gate))
+    else:
+        def expert_activation(gate, up):
+            return jax.nn.silu(gate) * up
+    if spec.mlp_activation == "gelu_tanh":
+        activation = functools.partial(jax.nn.gelu, approximate=True)
+    else:
+        activation = jax.nn.silu
 
     def kernel(tok_ref, pos_ref, bt_ref, slot_ref, *refs):
         refs = list(refs)
@@ -337,6 +369,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         s_refs = take(n_scale)  # HBM [1, out] each, [E, 1, out] for a stack (int8 only)
         g_refs = take(n_group)  # HBM (scales, mins) [.., out, groups] of each int4 matrix
         router_refs = dict(zip(sparse, take(n_router)))  # HBM [E, d] per sparse layer
+        bias_refs = {layer: take(3) for layer in sparse} if n_bias else {}  # HBM (gate, up, down) biases
         conv_refs = dict(zip(lin_layers, take(n_conv)))  # HBM [C, K] per linear layer
         take(n_pools)  # the input pools: aliased, use the outputs
         # outputs
@@ -356,6 +389,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             ov_ref, qlo_ref = take(2) if spec.q_lora else (take(1)[0], None)
         if sparse:
             router_buf, router_sem, scores_ref, choice_ref, weight_ref, chosen, chosen_sem, eg_ref, eu_ref = take(9)
+            pair_bias = take(4) if n_bias else None  # each pair's gate, up, down bias rows; their semaphore
             sg_ref, su_ref = take(2) if spec.shared_intermediate else (None, None)
         lin = dict(zip(linear.SCRATCH, take(len(linear.SCRATCH)))) if lin_layers else None
         reduce_scratch = take(4) if tp_size > 1 else None  # the summed rows, the peers' slots, semaphores
@@ -376,15 +410,19 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             index = expert if _bug == "global_expert_ids" else expert - first
             return (expert >= first) & (expert < first + spec.num_experts), jnp.clip(index, 0, spec.num_experts - 1)
 
-        def residual_add():
+        def residual_add(post_norm=None):
             """x += this layer part's output: with tensor parallelism, the sum of every device's
-            partial output (an all-reduce by remote DMA)."""
+            partial output (an all-reduce by remote DMA); with sandwich norms, normed by the
+            [1, d] weight `post_norm` (after the sum: the norm is not linear)."""
             if reduce_scratch is None:
-                x_ref[...] = x_ref[...] + delta_ref[...]
-                return
-            reduced, *scratch_ = reduce_scratch
-            collectives.all_reduce_rows(delta_ref, reduced, *scratch_, axis=tp_axis, devices=tp_size)
-            x_ref[...] = x_ref[...] + reduced[...]
+                out = delta_ref[...]
+            else:
+                reduced, *scratch_ = reduce_scratch
+                collectives.all_reduce_rows(delta_ref, reduced, *scratch_, axis=tp_axis, devices=tp_size)
+                out = reduced[...]
+            if post_norm is not None:
+                out = rms_norm(out, post_norm)
+            x_ref[...] = x_ref[...] + out
 
         def tile_expert(tile):
             """A routed expert's tile: (whether this device holds the expert its pair chose, None when
@@ -511,7 +549,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         def dense_mlp(layer, y):
             gemv(layer, "gate", y, into(gate_ref))
             gemv(layer, "up", y, into(up_ref))
-            gemv(layer, "down", jax.nn.silu(gate_ref[...]) * up_ref[...], into(delta_ref))
+            gemv(layer, "down", activation(gate_ref[...]) * up_ref[...], into(delta_ref))
 
         def sparse_mlp(layer, y):
             """The router, the shared expert, then each routed pair's expert on its token's row."""
@@ -538,6 +576,16 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             copy.wait()
             routed.add(layer)
             pump()  # the first experts' tiles are in flight while the shared expert computes
+            bias_copies = []
+            if pair_bias is not None:  # each pair's bias rows (of its local expert: any valid row when
+                # another device holds it, whose product is not made)
+                *bias_bufs, bias_sem = pair_bias
+                for pair in range(n_pairs):
+                    _, expert = is_local(chosen[pair // top_k, pair % top_k])
+                    bias_copies += [pltpu.make_async_copy(src.at[pl.ds(expert, 1)], buf.at[pl.ds(pair, 1)],
+                                                          bias_sem.at[0]) for src, buf in zip(bias_refs[layer], bias_bufs)]
+                for c in bias_copies:
+                    c.start()
             if spec.shared_intermediate:
                 gemv(layer, "shared_gate", y, into(sg_ref))
                 gemv(layer, "shared_up", y, into(su_ref))
@@ -547,17 +595,30 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                     delta_ref[...] = delta_ref[...] * jax.nn.sigmoid(gate)
             else:
                 delta_ref[...] = jnp.zeros_like(delta_ref)
+            for c in bias_copies:
+                c.wait()
             for pair in range(n_pairs):
                 n, choice = divmod(pair, top_k)
                 x_row = y[n:n + 1]
                 gemv(layer, "gate", x_row, into(eg_ref, pair), pair)
                 gemv(layer, "up", x_row, into(eu_ref, pair), pair)
-                h = jax.nn.silu(eg_ref[pair:pair + 1, :]) * eu_ref[pair:pair + 1, :]
+                gate, up = eg_ref[pair:pair + 1, :], eu_ref[pair:pair + 1, :]
+                if pair_bias is not None:
+                    gate, up = gate + bias_bufs[0][pair:pair + 1, :], up + bias_bufs[1][pair:pair + 1, :]
+                h = expert_activation(gate, up)
                 weight = weight_ref[n:n + 1, choice:choice + 1]  # [1, 1]
 
                 def add_row(start, rows, out, n=n, weight=weight):  # (only for an expert this device holds)
                     delta_ref[n:n + 1, start:start + rows] = delta_ref[n:n + 1, start:start + rows] + weight * out
                 gemv(layer, "down", h, add_row, pair)
+                if pair_bias is not None:  # the down bias, once per pair: by a device that holds the expert,
+                    # the first of those that split its FFN
+                    held = is_local(chosen[n, choice])[0]
+                    adds = True if held is None else held
+                    if tp_size > 1:
+                        adds = adds & expert_shard()[1]
+                    bias = jnp.where(adds, weight * bias_bufs[2][pair:pair + 1, :], 0.0)
+                    delta_ref[n:n + 1, :] = delta_ref[n:n + 1, :] + bias
 
         # The stream starts first: its prologue is in flight while the embedding rows land.
         pump()
@@ -569,22 +630,28 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         for c in emb_copies:
             c.wait()
         x_ref[...] = emb_buf[...].astype(jnp.float32)
+        if spec.embed_scale != 1.0:
+            x_ref[...] = x_ref[...] * spec.embed_scale
         if tp_size > 1:  # each device holds the rows of its vocabulary slice: the others' are zeros, then summed
             ids = jnp.stack([tok_ref[n] for n in range(n_tok)]).reshape(n_tok, 1) - first_id
             delta_ref[...] = jnp.where((ids >= 0) & (ids < spec.vocab), x_ref[...], 0.0)
             x_ref[...] = jnp.zeros_like(x_ref)
             residual_add()
 
-        # Rotary tables for the N tokens, as the XLA path computes them (rotate-half layout).
+        # Rotary tables for the N tokens, as the XLA path computes them (rotate-half layout): one
+        # (cos, sin) pair [N, 1, rope dims / 2] per table of inverse frequencies.
+        tables = []
         if spec.rope:
             pos = jnp.stack([pos_ref[n] for n in range(n_tok)]).astype(jnp.float32).reshape(n_tok, 1)
-            freqs = pos * vec["inv_freq"][...]  # [N, rope dims / 2]
-            cos = (jnp.cos(freqs) * spec.rope_mscale)[:, None, :]  # [N, 1, rope dims / 2]
-            sin = (jnp.sin(freqs) * spec.rope_mscale)[:, None, :]
+            for j in range(spec.rope_tables):
+                freqs = pos * vec["inv_freq"][j:j + 1, :]  # [N, rope dims / 2]
+                mscale = spec.rope_mscale[j] if spec.rope_mscale else 1.0
+                tables.append(((jnp.cos(freqs) * mscale)[:, None, :], (jnp.sin(freqs) * mscale)[:, None, :]))
 
-        def rope(z):  # [N, heads, dims]: the first rope dims rotated; interleaved pairs de-interleaved, as HF's
+        def rope(z, layer):  # [N, heads, dims]: the first rope dims rotated; interleaved pairs de-interleaved, as HF's
             if not spec.rope:
                 return z
+            cos, sin = tables[spec.rope_table(layer)]
             rd = spec.rope_dims
             rest = [z[..., rd:]] if rd < z.shape[-1] else []  # partial RoPE: the dims past rd as they are
             z = z[..., :rd]
@@ -614,12 +681,15 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             if spec.qk_norm:
                 q = rms_norm(q, row("q_norm", layer)[None])
                 k = rms_norm(k, row("k_norm", layer)[None])
-            q_heads[...] = rope(q)
-            kn_ref[...] = rope(k).astype(kv_dtype)
+            q_heads[...] = rope(q, layer)
+            kn_ref[...] = rope(k, layer).astype(kv_dtype)
             vn_ref[...] = v.reshape(n_tok, kvh, e).astype(kv_dtype)
             pools = pool_of[layer]
             attend_rows(pos_ref, bt_ref, q_heads, kn_ref, vn_ref, k_out[pools], v_out[pools], att_ref, *attn_scratch,
-                        rows=b, tokens=t, pages_per_tile=spec.pages_per_kv_tile, scale=spec.scale)
+                        rows=b, tokens=t, pages_per_tile=spec.pages_per_kv_tile, scale=spec.scale,
+                        window=spec.window(layer), table_offset=spec.group(layer) * table_width,
+                        sinks=row("sinks", layer) if spec.attention_sinks else None,
+                        bug=_bug if _bug == "full_window" else None)
             out = att_ref[...]
             if gate is not None:
                 out = out * jax.nn.sigmoid(gate)
@@ -643,9 +713,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             gemv(layer, "kv_a", y, into(ka_ref))
             kv = ka_ref[...]  # [N, r + dr]
             c_kv = rms_norm(kv[:, :r], row("kv_a_norm", layer), LATENT_NORM_EPS)
-            kn_ref[...] = jnp.concatenate([c_kv[:, None, :], rope(kv[:, None, r:])], axis=-1).astype(kv_dtype)
+            kn_ref[...] = jnp.concatenate([c_kv[:, None, :], rope(kv[:, None, r:], layer)], axis=-1).astype(kv_dtype)
             q = qa_ref[...].reshape(n_tok, h, dn + dr)
-            q_heads[:, :, r:] = rope(q[:, :, dn:])
+            q_heads[:, :, r:] = rope(q[:, :, dn:], layer)
             q_nope = q[:, :, :dn]
 
             def absorb(w, tile):  # a tile of whole heads of W_UK [heads x dn, r]: q_abs = W_UK[h]^T q_nope[h]
@@ -657,7 +727,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 q_heads[:, start // dn:(start + rows) // dn, :r] = y
             gemv(layer, "w_uk", None, into_heads, compute=absorb)
             attend_rows(pos_ref, bt_ref, q_heads, kn_ref, None, k_out[pool_of[layer]], None, att_ref, *attn_scratch,
-                        rows=b, tokens=t, pages_per_tile=spec.pages_per_kv_tile, scale=spec.scale)
+                        rows=b, tokens=t, pages_per_tile=spec.pages_per_kv_tile, scale=spec.scale,
+                        table_offset=spec.group(layer) * table_width)
             o_lat = att_ref[...][:, :, :r]  # [N, heads, r]: the values are c_kv, the keys' first r dims
 
             def expand(w, tile):  # a tile of whole heads of W_UV [heads x dv, r]: o[h] = W_UV[h] o_lat[h]
@@ -706,13 +777,16 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 linear_attention(layer, y)
             else:
                 (mla_attention if spec.mla else gqa_attention)(layer, y)
-            residual_add()
+            residual_add(row("post_attn_norm", layer) if spec.sandwich_norms else None)
             y = rms_norm(x_ref[...], row("mlp_norm", layer))
             (sparse_mlp if layer in sparse else dense_mlp)(layer, y)
-            residual_add()
+            residual_add(row("post_mlp_norm", layer) if spec.sandwich_norms else None)
             if layer in capture_layers:
                 cap_refs[capture_layers.index(layer)][...] = x_ref[...]
         gemv(-1, "lm_head", rms_norm(x_ref[...], vec["final_norm"][...]), into(logits_ref))
+        if spec.logit_softcap:
+            cap = spec.logit_softcap
+            logits_ref[...] = cap * jnp.tanh(logits_ref[...] / cap)
         if cursor[0] != len(tiles):
             raise AssertionError(f"{len(tiles) - cursor[0]} weight tiles were never computed")
         if _bug == "skip_wait":  # drain the semaphores so the kernel still ends cleanly
@@ -757,6 +831,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             pltpu.VMEM((n_pairs, spec.expert_intermediate), f32),  # each pair's expert gate
             pltpu.VMEM((n_pairs, spec.expert_intermediate), f32),  # and up
         ]
+        if n_bias:  # each pair's bias rows and their semaphore
+            scratch += [pltpu.VMEM((n_pairs, spec.expert_intermediate), f32)] * 2 + [
+                pltpu.VMEM((n_pairs, d), f32), pltpu.SemaphoreType.DMA((1,))]
         if spec.shared_intermediate:
             scratch += [pltpu.VMEM((n_tok, spec.shared_intermediate), f32)] * 2  # the shared expert's gate, up
     if lin_layers:
@@ -766,13 +843,13 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     if shards > 1:
         scratch += [pltpu.VMEM((gather_rows, spec.routed_experts), f32)] * 2 + collectives.all_reduce_scratch(
             gather_rows, spec.routed_experts, tp_size)
-    n_in = n_vec + 1 + n_mat + n_scale + n_group + n_router + n_conv
+    n_in = n_vec + 1 + n_mat + n_scale + n_group + n_router + n_bias + n_conv
     first_pool = 4 + n_in  # operand indices count the four scalar-prefetch operands
     aliases = {first_pool + i: 2 + i for i in range(n_pools)}
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         in_specs=[pl.BlockSpec(memory_space=vmem)] * n_vec + [pl.BlockSpec(memory_space=pl.ANY)] * (
-            1 + n_mat + n_scale + n_group + n_router + n_conv + n_pools),
+            1 + n_mat + n_scale + n_group + n_router + n_bias + n_conv + n_pools),
         out_specs=[pl.BlockSpec(memory_space=vmem)] * 2 + [pl.BlockSpec(memory_space=pl.ANY)] * n_pools
         + [pl.BlockSpec(memory_space=vmem)] * n_cap,
         scratch_shapes=scratch,
@@ -791,7 +868,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         compiler_params=compiler_params,
         interpret=interpret,
     )(tokens.reshape(-1).astype(jnp.int32), positions.reshape(-1).astype(jnp.int32), block_tables.astype(jnp.int32),
-      jnp.asarray(state_slots, jnp.int32), *vectors, params["embed"], *weight_ops, *scale_ops, *group_ops, *routers, *convs,
+      jnp.asarray(state_slots, jnp.int32), *vectors, params["embed"], *weight_ops, *scale_ops, *group_ops, *routers, *biases, *convs,
       *pool_list)
     pools, hidden = rest[:n_pools], [hs.reshape(b, t, d) for hs in rest[n_pools:]]
     n_kv = n_attn if spec.mla else 2 * n_attn

@@ -96,7 +96,7 @@ class MegakernelSpec:
     o_bias: bool = False
     qk_norm: bool = False
     rms_norm_eps: float = 1e-6
-    rope_mscale: float = 1.0  # factor on cos / sin (yarn); 1 otherwise
+    rope_mscale: tuple[float, ...] = ()  # per rotary table, a factor on its cos / sin (yarn); empty: 1
     # mixture of experts: the sparse layers' routed experts (stacks [E, out, in]), each token
     # choosing top_k of num_experts, and a shared expert of shared_intermediate (0: none)
     sparse_layers: tuple[int, ...] = ()
@@ -135,6 +135,40 @@ class MegakernelSpec:
     linear_norm_eps: float = 1e-6  # of the gated output norm
     gate_lower_bound: float = 0.0  # KDA's floor (< 0) on the log-decay; 0: none
     tiled_v_heads: bool = False  # value head p is served by key head p mod Hk (else p // (Hv / Hk))
+    # sliding windows and page groups: per layer, its window (0: the whole context) and the page
+    # group whose block table it reads (the block tables hold page_groups tables side by side,
+    # `weld.models.common.cache.CacheSpec.page_groups`); empty: no windows, one group
+    layer_windows: tuple[int, ...] = ()
+    layer_groups: tuple[int, ...] = ()
+    page_groups: int = 1
+    # rotary tables: per layer, which of rope_tables inverse-frequency rows it rotates with
+    # (Gemma 3: local and global bases); empty: table 0 everywhere
+    layer_rope: tuple[int, ...] = ()
+    rope_tables: int = 1
+    # Gemma 3's switches: a norm on each sub-layer's output before the residual add (sandwich
+    # norms), the dense MLP's activation, a factor on the embedding rows, a soft cap on the logits
+    sandwich_norms: bool = False
+    mlp_activation: str = "silu"  # or "gelu_tanh"
+    embed_scale: float = 1.0
+    logit_softcap: float = 0.0  # 0: none; else cap tanh(logits / cap)
+    # gpt-oss's switches: a learned sink logit per head in every softmax's denominator; routed
+    # experts with biases (gate, up, down) and the clamped SwiGLU
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    expert_activation: str = "swiglu"  # or "clamped_swiglu": min(g, limit), clip(u, +-limit), (u + 1) g sigmoid(alpha g)
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it sees the whole context)."""
+        return (self.layer_windows[layer] or None) if self.layer_windows else None
+
+    def group(self, layer: int) -> int:
+        """The page group whose block table `layer` reads."""
+        return self.layer_groups[layer] if self.layer_groups else 0
+
+    def rope_table(self, layer: int) -> int:
+        return self.layer_rope[layer] if self.layer_rope else 0
 
     def _positive(self, names: tuple[str, ...], when: str = "") -> None:
         """Raises ValueError naming the first of `names` that is not a positive int."""
@@ -174,6 +208,24 @@ class MegakernelSpec:
                              f"only, got {self.rotary_dim!r}")
         if self.output_gate and self.mla:
             raise ValueError("an output gate is GQA's (MLA has none)")
+        self._positive(("page_groups", "rope_tables"))
+        for name, bound in (("layer_windows", None), ("layer_groups", self.page_groups),
+                            ("layer_rope", self.rope_tables)):
+            values = getattr(self, name)
+            if values and (len(values) != self.num_layers or any(
+                    not isinstance(v, int) or v < 0 or (bound is not None and v >= bound) for v in values)):
+                raise ValueError(f"MegakernelSpec.{name} must be empty or one int per layer ({self.num_layers}) in "
+                                 f"[0, {bound if bound is not None else 'inf'}), got {values!r}")
+        if self.rope_mscale and len(self.rope_mscale) != self.rope_tables:
+            raise ValueError(f"MegakernelSpec.rope_mscale must be empty or one factor per rotary table "
+                             f"({self.rope_tables}), got {self.rope_mscale!r}")
+        if self.mlp_activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"MegakernelSpec.mlp_activation must be 'silu' or 'gelu_tanh', got {self.mlp_activation!r}")
+        if self.expert_activation not in ("swiglu", "clamped_swiglu"):
+            raise ValueError(f"MegakernelSpec.expert_activation must be 'swiglu' or 'clamped_swiglu', got "
+                             f"{self.expert_activation!r}")
+        if self.logit_softcap < 0:
+            raise ValueError(f"MegakernelSpec.logit_softcap must be >= 0 (0: none), got {self.logit_softcap}")
         if self.linear_layers:
             if not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.linear_layers):
                 raise ValueError(f"linear_layers {self.linear_layers} must lie in [0, {self.num_layers})")
@@ -365,8 +417,12 @@ class MegakernelSpec:
         return 4 * self.conv_channels * self.conv_width if self.linear_layers else 0
 
     def router_bytes(self) -> int:
-        """A sparse layer's router [E, hidden], read whole into VMEM (f32) beside the stream."""
-        return 4 * self.num_experts * self.hidden if self.sparse_layers else 0
+        """A sparse layer's router [E, hidden], read whole into VMEM (f32) beside the stream, and
+        with expert biases each routed pair's bias rows (gate, up, down; f32)."""
+        if not self.sparse_layers:
+            return 0
+        biases = self.pairs * 4 * (2 * self.expert_intermediate + self.hidden) if self.expert_bias else 0
+        return 4 * self.num_experts * self.hidden + biases
 
     def lm_head_bytes(self) -> int:
         return self.vocab * (self.hidden * self.weight_bytes + self.scale_bytes)
@@ -467,7 +523,8 @@ def activation_bytes(spec: MegakernelSpec) -> int:
     a = spec.act_bytes
     per_row = (a * (3 * d + spec.q_proj_dim + 2 * q + 2 * kv + 2 * spec.intermediate + spec.vocab) + 4
                + d * spec.weight_bytes + 2 * kv * spec.kv_bytes)
-    vectors = spec.num_layers * 2 * d + d + (spec.rope_dims // 2 if spec.rope else 0)
+    vectors = spec.num_layers * (4 if spec.sandwich_norms else 2) * d + d
+    vectors += spec.rope_tables * spec.rope_dims // 2 if spec.rope else 0
     fixed = 0
     if spec.qkv_bias:
         vectors += spec.num_layers * (spec.q_proj_dim + 2 * kv)
@@ -475,6 +532,8 @@ def activation_bytes(spec: MegakernelSpec) -> int:
         vectors += spec.num_layers * d
     if spec.qk_norm:
         vectors += spec.num_layers * 2 * e
+    if spec.attention_sinks:
+        vectors += spec.num_layers * spec.num_heads
     if spec.mla:  # per row: the q LoRA's output, the latent output's values; per layer: two norms
         per_row += a * (spec.q_lora_rank + spec.num_heads * spec.v_dim)
         vectors += spec.num_layers * (spec.kv_lora_rank + spec.q_lora_rank)
@@ -492,9 +551,11 @@ def activation_bytes(spec: MegakernelSpec) -> int:
         # up; the shared expert's gate and up; the chosen experts' ids (SMEM) and the router
         per_row += a * (spec.num_experts + spec.top_k + 2 * spec.shared_intermediate)
         per_row += spec.top_k * (a * 2 * spec.expert_intermediate + 4)
+        if spec.expert_bias:  # each pair's bias rows (gate, up, down)
+            per_row += spec.top_k * a * (2 * spec.expert_intermediate + d)
         vectors += spec.num_layers * ((spec.num_experts if spec.router_bias else 0)
                                       + (d if spec.shared_expert_gate else 0))
-        vectors += spec.router_bytes() // 4
+        vectors += spec.num_experts * d  # the router, read whole (the pairs' bias rows are counted per row)
     return spec.tokens * per_row + 4 * vectors + fixed
 
 
@@ -549,11 +610,15 @@ def step_bytes(spec: MegakernelSpec, context_len: int) -> int:
     its latent) up to `context_len` tokens in every attention layer (whole pages), the new K/V
     written, each row's recurrent state read and written in every linear layer, the routers and
     convs, the embedding rows read and the f32 logits written."""
-    pages = math.ceil(context_len / spec.page_size)
     pools = 1 if spec.mla else 2
     attending = len(spec.attention_layers)
     kv_token = spec.num_kv_heads * spec.head_dim * spec.kv_bytes
-    kv_read = spec.batch * attending * pools * pages * spec.page_size * kv_token
+
+    def pages(layer):  # a window's keys span at most window - 1 + page_size slots of whole pages
+        window = spec.window(layer)
+        seen = context_len if window is None else min(context_len, window + spec.page_size - 1)
+        return math.ceil(seen / spec.page_size)
+    kv_read = spec.batch * pools * spec.page_size * kv_token * sum(pages(i) for i in spec.attention_layers)
     kv_write = spec.tokens * attending * pools * kv_token
     states = 2 * spec.batch * len(spec.linear_layers) * spec.state_bytes() if spec.linear_layers else 0
     io = spec.tokens * (spec.hidden * spec.weight_bytes + spec.vocab * 4)
