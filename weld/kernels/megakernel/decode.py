@@ -388,7 +388,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         if spec.mla:
             ov_ref, qlo_ref = take(2) if spec.q_lora else (take(1)[0], None)
         if sparse:
-            router_buf, router_sem, scores_ref, choice_ref, weight_ref, chosen, chosen_sem, eg_ref, eu_ref = take(9)
+            router_buf, router_sem, scores_ref, choice_ref, weight_ref, chosen, chosen_sem, eg_ref, eu_ref, pair_x = take(10)
             pair_bias = take(4) if n_bias else None  # each pair's gate, up, down bias rows; their semaphore
             sg_ref, su_ref = take(2) if spec.shared_intermediate else (None, None)
         lin = dict(zip(linear.SCRATCH, take(len(linear.SCRATCH)))) if lin_layers else None
@@ -424,24 +424,30 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 out = rms_norm(out, post_norm)
             x_ref[...] = x_ref[...] + out
 
-        def tile_expert(tile):
-            """A routed expert's tile: (whether this device holds the expert its pair chose, None when
-            every device does; its local index), read from SMEM since routing. (None, None) otherwise."""
-            if tile.pair < 0:
+        def pair_expert(pair):
+            """A routed pair's expert (pair: an int or traced): (whether this device holds it, None
+            when every device does; its local index), read from SMEM since routing. (None, None)
+            for a static tile's pair -1."""
+            if isinstance(pair, int) and pair < 0:
                 return None, None
-            expert = chosen[tile.pair // top_k, tile.pair % top_k]
+            expert = chosen[pair // top_k, pair % top_k]
             if _bug == "wrong_expert":
                 expert = (expert + 1) % spec.routed_experts
             return is_local(expert)
 
         def tile_copies(i):
-            tile = tiles[i]
-            m, slot, rows = index[(tile.layer, tile.matrix)], i % depth, pl.ds(0, tile.rows)
+            return tile_dmas(tiles[i], i % depth, tiles[i].pair)
+
+        def tile_dmas(tile, slot, pair):
+            """The DMAs of `tile` into ring slot `slot`, reading pair `pair`'s expert (for a routed
+            expert's tile: `tile` is then any pair's tile of that place, pair and slot may be
+            traced), and whether this device holds that expert."""
+            m, rows = index[(tile.layer, tile.matrix)], pl.ds(0, tile.rows)
             kind = kind_of[m]
             src_w = w_refs[m]
             src_s = s_refs[scale_of[m]] if kind == "int8" else None
             src_g = [g_refs[2 * group_of[m]], g_refs[2 * group_of[m] + 1]] if kind == "int4" else []
-            held, expert = tile_expert(tile)
+            held, expert = pair_expert(pair)
             if tile.pair >= 0:
                 src_w = src_w.at[expert]
                 src_s = src_s.at[expert] if src_s is not None else None
@@ -457,10 +463,11 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                                                     ring.at[slot, rows, pl.ds(0, src.shape[-1])], ring_sems.at[slot]))
             return copies, held
 
-        def copies_do(i, op):
-            """Starts ("start") or waits for ("wait") tile i's DMAs; an expert another device holds
-            is not fetched (its pair's product is then dropped, `sparse_mlp`)."""
-            copies, held = tile_copies(i)
+        def copies_do(i, op, dmas=None):
+            """Starts ("start") or waits for ("wait") tile i's DMAs (or `dmas`, `tile_dmas`' result);
+            an expert another device holds is not fetched (its pair's product is then dropped,
+            `sparse_mlp`)."""
+            copies, held = tile_copies(i) if dmas is None else dmas
 
             def do():
                 for c in copies:
@@ -485,56 +492,117 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 copies_do(started[0], "start")
                 started[0] += 1
 
-        def gemv(layer, name, x, write, pair=-1, compute=None):
-            """x [rows, in] f32 @ the matrix^T, tile by tile; write(first_row, rows, y [rows, tile rows]).
-            compute(w [tile rows, in] f32, tile) replaces the product (MLA's per-head forms)."""
+        def compute_tile(tile, slot, pair, x, write, compute=None):
+            """write(first_row, rows, y) of x [rows, in] f32 @ the tile's rows^T, from ring slot
+            `slot` (for a routed expert's tile, pair `pair`'s: made only where this device holds
+            its expert). compute(w [tile rows, in] f32, tile) replaces the product (MLA's per-head
+            forms)."""
+            kind = kind_of[index[(tile.layer, tile.matrix)]]
+
+            def product():
+                if kind == "int4":  # unpacked and dequantized in VMEM: f32 [rows, in]
+                    groups = -(-tile.cols // INT4_GROUP)
+                    w = _unpack_int4(rings[kind][slot, :tile.rows, :groups * INT4_GROUP // 2],
+                                     *(ring[slot, :tile.rows, :groups] for ring in group_rings), tile.cols)
+                else:
+                    w = rings[kind][slot, :tile.rows, :tile.cols]  # [rows, in]
+                if compute is not None:  # per-row scales applied to the weights first
+                    w = w.astype(jnp.float32)
+                    y = compute(w * scale_ring[slot, 0, :tile.rows][:, None] if kind == "int8" else w, tile)
+                else:
+                    if kind == "float":
+                        lhs = x.astype(w.dtype)
+                    else:
+                        w, lhs = w.astype(jnp.float32), x
+                    y = jax.lax.dot_general(lhs, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                            precision=jax.lax.Precision.HIGHEST)  # [N, rows]
+                    if kind == "int8":
+                        y = y * scale_ring[slot, :, :tile.rows]  # [1, rows]
+                write(tile.row_start, tile.rows, y)
+
+            held = pair_expert(pair)[0]
+            if held is None or _bug == "every_pair_computed":
+                product()
+            else:  # an expert another device holds: its tile was never fetched, its product is not made
+                pl.when(held)(product)
+
+        def gemv(layer, name, x, write, compute=None):
+            """A static matrix: x [rows, in] f32 @ the matrix^T, tile by tile (`compute_tile`)."""
             i = first = cursor[0]
-            while i < len(tiles) and tiles[i].key == (layer, name, pair):
-                tile = tiles[i]
+            while i < len(tiles) and tiles[i].key == (layer, name, -1):
                 pump()  # starts up to tile i + depth - 1 (into the slot tile i - 1 freed)
                 if _bug != "skip_wait":
                     copies_do(i, "wait")
-                slot = (i + 1) % depth if _bug == "wrong_slot" else i % depth
-                kind = kind_of[index[(layer, name)]]
-
-                def product(tile=tile, slot=slot, kind=kind):
-                    if kind == "int4":  # unpacked and dequantized in VMEM: f32 [rows, in]
-                        groups = -(-tile.cols // INT4_GROUP)
-                        w = _unpack_int4(rings[kind][slot, :tile.rows, :groups * INT4_GROUP // 2],
-                                         *(ring[slot, :tile.rows, :groups] for ring in group_rings), tile.cols)
-                    else:
-                        w = rings[kind][slot, :tile.rows, :tile.cols]  # [rows, in]
-                    if compute is not None:  # per-row scales applied to the weights first
-                        w = w.astype(jnp.float32)
-                        y = compute(w * scale_ring[slot, 0, :tile.rows][:, None] if kind == "int8" else w, tile)
-                    else:
-                        if kind == "float":
-                            lhs = x.astype(w.dtype)
-                        else:
-                            w, lhs = w.astype(jnp.float32), x
-                        y = jax.lax.dot_general(lhs, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                                precision=jax.lax.Precision.HIGHEST)  # [N, rows]
-                        if kind == "int8":
-                            y = y * scale_ring[slot, :, :tile.rows]  # [1, rows]
-                    write(tile.row_start, tile.rows, y)
-
-                held = tile_expert(tile)[0]
-                if held is None or _bug == "every_pair_computed":
-                    product()
-                else:  # an expert another device holds: its tile was never fetched, its product is not made
-                    pl.when(held)(product)
+                compute_tile(tiles[i], (i + 1) % depth if _bug == "wrong_slot" else i % depth, -1, x, write, compute)
                 i += 1
                 cursor[0] = i
             if i == first:
-                raise AssertionError(f"schedule out of order: wanted {(layer, name, pair)}, next tile is {tiles[first]}")
+                raise AssertionError(f"schedule out of order: wanted {(layer, name)}, next tile is {tiles[first]}")
+
+        def routed_pairs(layer, body):
+            """The routed pairs' expert tiles of `layer`, as one loop over the pairs (the tiles of a
+            pair are alike for every pair: `plan.stream_schedule`), so the program does not grow
+            with the batch. body(pair, run) computes pair `pair` (traced); run(name, x, write)
+            streams the pair's tiles of matrix `name` through `compute_tile`. The stream runs on as
+            in `gemv`: computing tile i starts tile i + depth - 1, which may be a later pair's
+            (its expert read from SMEM) or, past the last pair, the static tiles that follow."""
+            base = cursor[0]
+            per = 0  # tiles per pair
+            while base + per < len(tiles) and tiles[base + per].layer == layer and tiles[base + per].pair == 0:
+                per += 1
+            template = tiles[base:base + per]
+            if not template:
+                raise AssertionError(f"schedule out of order: wanted layer {layer}'s routed pairs, next tile is "
+                                     f"{tiles[base]}")
+            end = base + n_pairs * per
+            stop = end  # the first tile past the pairs that may not start inside the loop (an unrouted pair's)
+            while stop < len(tiles) and not (tiles[stop].pair >= 0 and tiles[stop].layer not in routed):
+                stop += 1
+            begun = started[0]  # tiles before this one are in flight already
+
+            def start_ahead(pair, j):
+                """Computing the pair's tile j starts tile i + depth - 1 (i = base + pair x per + j)."""
+                ahead = j + depth - 1
+                lead, offset = divmod(ahead, per)  # that tile: pair + lead's tile `offset`
+                a = base + pair * per + ahead
+
+                @pl.when((pair + lead < n_pairs) & (a >= begun))
+                def _():
+                    copies_do(None, "start", tile_dmas(template[offset], a % depth, pair + lead))
+                for q in range(lead):  # past the last pair: the static tiles after the loop
+                    if end + q * per + offset < stop:
+                        pl.when((pair == n_pairs - lead + q) & (a >= begun))(
+                            lambda q=q: copies_do(end + q * per + offset, "start"))
+
+            def run_for(pair):
+                first = {}
+                for j, t in enumerate(template):
+                    first.setdefault(t.matrix, j)
+
+                def run(name, x, write):
+                    j = first[name]
+                    while j < per and template[j].matrix == name:
+                        i = base + pair * per + j
+                        start_ahead(pair, j)
+                        if _bug != "skip_wait":
+                            copies_do(None, "wait", tile_dmas(template[j], i % depth, pair))
+                        compute_tile(template[j], (i + 1) % depth if _bug == "wrong_slot" else i % depth, pair, x,
+                                     write)
+                        j += 1
+                return run
+
+            jax.lax.fori_loop(0, n_pairs, lambda pair, carry: body(pair, run_for(pair)) or carry, None)
+            cursor[0] = end
+            started[0] = max(begun, min(end + depth - 1, stop))
 
         def into(ref, row=None, col=0):
-            """Writes a product's tiles into ref's columns from `col` on (one row of it: `row`)."""
+            """Writes a product's tiles into ref's columns from `col` on (one row of it: `row`, an int
+            or traced)."""
             def write(start, rows, y):
                 if row is None:
                     ref[:, col + start:col + start + rows] = y
                 else:
-                    ref[row:row + 1, col + start:col + start + rows] = y
+                    ref[pl.ds(row, 1), col + start:col + start + rows] = y
             return write
 
         def rms_norm(x, weight, eps=spec.rms_norm_eps):  # x [N, w] f32, weight [1, w]
@@ -597,28 +665,33 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 delta_ref[...] = jnp.zeros_like(delta_ref)
             for c in bias_copies:
                 c.wait()
-            for pair in range(n_pairs):
-                n, choice = divmod(pair, top_k)
-                x_row = y[n:n + 1]
-                gemv(layer, "gate", x_row, into(eg_ref, pair), pair)
-                gemv(layer, "up", x_row, into(eu_ref, pair), pair)
-                gate, up = eg_ref[pair:pair + 1, :], eu_ref[pair:pair + 1, :]
-                if pair_bias is not None:
-                    gate, up = gate + bias_bufs[0][pair:pair + 1, :], up + bias_bufs[1][pair:pair + 1, :]
-                h = expert_activation(gate, up)
-                weight = weight_ref[n:n + 1, choice:choice + 1]  # [1, 1]
+            pair_x[...] = y  # the pairs read their token's row
 
-                def add_row(start, rows, out, n=n, weight=weight):  # (only for an expert this device holds)
-                    delta_ref[n:n + 1, start:start + rows] = delta_ref[n:n + 1, start:start + rows] + weight * out
-                gemv(layer, "down", h, add_row, pair)
+            def pair_body(pair, run):  # pair: traced
+                n, choice = pair // top_k, pair % top_k
+                x_row = pair_x[pl.ds(n, 1), :]
+                run("gate", x_row, into(eg_ref, pair))
+                run("up", x_row, into(eu_ref, pair))
+                gate, up = eg_ref[pl.ds(pair, 1), :], eu_ref[pl.ds(pair, 1), :]
+                if pair_bias is not None:
+                    gate, up = gate + bias_bufs[0][pl.ds(pair, 1), :], up + bias_bufs[1][pl.ds(pair, 1), :]
+                h = expert_activation(gate, up)
+                choices = jax.lax.broadcasted_iota(jnp.int32, (1, top_k), 1)
+                weight = jnp.sum(jnp.where(choices == choice, weight_ref[pl.ds(n, 1), :], 0.0), axis=1,
+                                 keepdims=True)  # [1, 1]
+
+                def add_row(start, rows, out):  # (only for an expert this device holds)
+                    delta_ref[pl.ds(n, 1), start:start + rows] = delta_ref[pl.ds(n, 1), start:start + rows] + weight * out
+                run("down", h, add_row)
                 if pair_bias is not None:  # the down bias, once per pair: by a device that holds the expert,
                     # the first of those that split its FFN
                     held = is_local(chosen[n, choice])[0]
                     adds = True if held is None else held
                     if tp_size > 1:
                         adds = adds & expert_shard()[1]
-                    bias = jnp.where(adds, weight * bias_bufs[2][pair:pair + 1, :], 0.0)
-                    delta_ref[n:n + 1, :] = delta_ref[n:n + 1, :] + bias
+                    bias = jnp.where(adds, weight * bias_bufs[2][pl.ds(pair, 1), :], 0.0)
+                    delta_ref[pl.ds(n, 1), :] = delta_ref[pl.ds(n, 1), :] + bias
+            routed_pairs(layer, pair_body)
 
         # The stream starts first: its prologue is in flight while the embedding rows land.
         pump()
@@ -830,6 +903,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             pltpu.SemaphoreType.DMA((1,)),
             pltpu.VMEM((n_pairs, spec.expert_intermediate), f32),  # each pair's expert gate
             pltpu.VMEM((n_pairs, spec.expert_intermediate), f32),  # and up
+            pltpu.VMEM((n_tok, d), f32),  # the layer's normed input, rows read by pair
         ]
         if n_bias:  # each pair's bias rows and their semaphore
             scratch += [pltpu.VMEM((n_pairs, spec.expert_intermediate), f32)] * 2 + [

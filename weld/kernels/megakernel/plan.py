@@ -547,9 +547,10 @@ def activation_bytes(spec: MegakernelSpec) -> int:
         vectors += spec.num_layers * (hv + (vd if spec.linear_kind == "kda" else hv) + spec.linear_v_dim)
         fixed += spec.conv_bytes() + 2 * spec.state_bytes()
     if spec.sparse_layers:
-        # per row: the router's scores and the routing weights; per pair: the expert's gate and
-        # up; the shared expert's gate and up; the chosen experts' ids (SMEM) and the router
-        per_row += a * (spec.num_experts + spec.top_k + 2 * spec.shared_intermediate)
+        # per row: the router's scores and the routing weights, the normed input the pairs read;
+        # per pair: the expert's gate and up; the shared expert's gate and up; the chosen experts'
+        # ids (SMEM) and the router
+        per_row += a * (spec.num_experts + spec.top_k + 2 * spec.shared_intermediate + d)  # (+ the pairs' input)
         per_row += spec.top_k * (a * 2 * spec.expert_intermediate + 4)
         if spec.expert_bias:  # each pair's bias rows (gate, up, down)
             per_row += spec.top_k * a * (2 * spec.expert_intermediate + d)
