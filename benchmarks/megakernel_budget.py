@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from weld.kernels.megakernel import plan
+from weld.kernels.megakernel import collectives, plan
 
 MIB = 1 << 20
 # Qwen3-30B-A3B (Qwen3-MoE): 48 sparse layers, 128 experts, top-8, no shared expert
@@ -66,10 +66,12 @@ def unquantized(spec: plan.MegakernelSpec) -> tuple[str, ...]:
 
 def ici_bytes(spec: plan.MegakernelSpec, devices: int) -> int:
     """Bytes one device sends per step over ICI in a tensor-parallel kernel: the all-reduce of the
-    embedding rows and of every layer's two partial outputs (f32 [N, d] to each peer), and under
-    expert parallelism each sparse layer's gathered scores (f32 [N (+1), E] to each peer)."""
-    reduce = (1 + 2 * spec.num_layers) * (devices - 1) * spec.tokens * spec.hidden * 4
-    scores = len(spec.sparse_layers) * (devices - 1) * (spec.tokens + 1) * spec.routed_experts * 4
+    embedding rows and of every layer's two partial outputs (f32 [N, d]), and under expert
+    parallelism each sparse layer's gathered scores (f32 [N (+1), E]), each as
+    `collectives.all_reduce_rows` sends it (reduce-scatter + all-gather past 2 devices)."""
+    reduce = (1 + 2 * spec.num_layers) * collectives.sent_bytes(spec.tokens, spec.hidden, devices)
+    rows = spec.tokens + (1 if spec.router_bias else 0)
+    scores = len(spec.sparse_layers) * collectives.sent_bytes(rows, spec.routed_experts, devices)
     return reduce + (scores if spec.expert_shards > 1 else 0)
 
 

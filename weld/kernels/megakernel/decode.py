@@ -342,6 +342,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         raise ValueError(f"{shards} expert shards must divide the {tp_size} tensor-parallel devices")
     gather_rows = n_tok + (1 if spec.router_bias else 0)  # the router scores gathered over the shards (and bias)
     table_width = block_tables.shape[1] // spec.page_groups  # each page group's table, side by side
+    n_reduce_scratch = len(collectives.all_reduce_scratch(n_tok, d, tp_size)) if tp_size > 1 else 0
+    n_gather_scratch = len(collectives.all_reduce_scratch(gather_rows, spec.routed_experts, tp_size)) if shards > 1 else 0
     if spec.expert_activation == "clamped_swiglu":  # gpt-oss
         def expert_activation(gate, up):
             gate = jnp.minimum(gate, spec.swiglu_limit)
@@ -392,8 +394,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             pair_bias = take(4) if n_bias else None  # each pair's gate, up, down bias rows; their semaphore
             sg_ref, su_ref = take(2) if spec.shared_intermediate else (None, None)
         lin = dict(zip(linear.SCRATCH, take(len(linear.SCRATCH)))) if lin_layers else None
-        reduce_scratch = take(4) if tp_size > 1 else None  # the summed rows, the peers' slots, semaphores
-        gather_scratch = take(5) if shards > 1 else None  # the scores' rows in and out, slots, semaphores
+        # the summed rows and `collectives.all_reduce_scratch`; the scores' rows in and out and theirs
+        reduce_scratch = take(1 + n_reduce_scratch) if tp_size > 1 else None
+        gather_scratch = take(2 + n_gather_scratch) if shards > 1 else None
 
         def expert_shard():
             """(this device's expert shard, whether it leads the shard's devices): the tensor devices
