@@ -99,6 +99,9 @@ CONFIGS = {"dense": (DENSE, None), "moe": (MOE, None), "dense_without_all_reduce
            "gdn_flat_channels": (NEXT, None),
            # data parallel: 2 ranks, each its own row over its own pages, tensor parallel within
            "moe_dp": (GROUPED, {"dp": 2}), "mla_dp": (MLA_MOE, {"dp": 2}), "gemma3": (GEMMA, None),
+           # KV heads fewer than the devices: whole pools and k / v weights on every device
+           "dense_kv2": (dataclasses.replace(DENSE, num_kv_heads=2), None),
+           "gdn_kv2": (dataclasses.replace(NEXT, num_kv_heads=2), None),
            "gpt_oss": (GPT_OSS, None), "gpt_oss_ep": (GPT_OSS, (2, DEVICES // 2))}
 PAGE, PAGES = 4, 16
 ALL_REDUCE_ROWS, DECODE_STEP = collectives.all_reduce_rows, megakernel.decode_step

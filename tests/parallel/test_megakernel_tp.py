@@ -29,8 +29,11 @@ def _run(devices: int, configs: list[str]) -> dict:
 @pytest.mark.parametrize("devices,configs", [
     # the default suite: each kind of layer under expert parallelism, and a planted bug (data
     # parallelism runs in the default suite through the engine, test_sharded_engine.py)
-    (4, ["moe_ep", "mla_ep", "gdn_ep", "kda_ep", "gemma3", "gpt_oss_ep", "moe_ep_wrong_expert"]),
-    pytest.param(4, ["dense", "moe", "mla", "gdn", "gpt_oss", "moe_dp", "mla_dp", "dense_without_all_reduce",
+    # (KDA stands for Gated DeltaNet's grouped channels here; Gemma 3 under TP runs in the slow set)
+    # and KV heads fewer than the devices (whole on each)
+    (4, ["moe_ep", "mla_ep", "kda_ep", "gpt_oss_ep", "dense_kv2", "moe_ep_wrong_expert"]),
+    pytest.param(4, ["dense", "moe", "mla", "gdn", "gdn_ep", "gdn_kv2", "gemma3", "gpt_oss", "moe_dp", "mla_dp",
+                     "dense_without_all_reduce",
                      "moe_ep_every_pair_computed", "gdn_flat_channels"], marks=pytest.mark.slow),
     pytest.param(8, ["dense", "moe_ep", "moe_ep_only", "mla", "mla_ep", "mla_without_all_reduce"],
                  marks=pytest.mark.slow)])
@@ -68,8 +71,10 @@ def test_layouts_the_kernel_cannot_split_are_refused_in_one_line():
     # expert's FFN over 2 devices; the experts stay counted whole (the router sees them all)
     assert (local.num_heads, local.num_kv_heads, local.moe.num_experts, local.moe.intermediate_size,
             local.vocab_size) == (1, 1, 6, 8, 32)
-    with pytest.raises(ValueError, match=r"do not split: num_kv_heads 2 over 4 devices$"):
-        megakernel.check_mesh(cfg, mesh((1, 2, 2), ("dp", "ep", "tp")))
+    megakernel.check_mesh(cfg, mesh((1, 2, 2), ("dp", "ep", "tp")))  # 2 KV heads over 4 devices: whole on each
+    assert megakernel.local_config(cfg, 4, 2).num_kv_heads == 1  # each device attends with one of them
+    with pytest.raises(ValueError, match=r"do not split: 3 KV heads \(whole on every device\) into 4 devices$"):
+        megakernel.check_mesh(dataclasses.replace(cfg, num_heads=12, num_kv_heads=3), mesh((1, 2, 2), ("dp", "ep", "tp")))
     with pytest.raises(ValueError, match=r"num_experts 6 over 4 devices"):
         megakernel.check_mesh(dataclasses.replace(cfg, num_kv_heads=4), mesh((1, 4, 1), ("dp", "ep", "tp")))
     megakernel.check_mesh(cfg, mesh((2, 2), ("dp", "tp")))  # data parallel: each rank its own rows
@@ -102,10 +107,12 @@ def test_layouts_the_kernel_cannot_split_are_refused_in_one_line():
         megakernel.check_mesh(hybrid, mesh((2, 2), ("dp", "tp")))
     # the budget's rule in the kernel's terms (`MegakernelSpec.shard`) is local_config's
     for model, tensor, shards in ((cfg, 2, 1), (dataclasses.replace(cfg, num_kv_heads=4), 4, 2), (mla, 4, 2),
-                                  (mla, 8, 8), (hybrid, 2, 1)):
+                                  (mla, 8, 8), (hybrid, 2, 1), (cfg, 4, 2),
+                                  (dataclasses.replace(hybrid, num_kv_heads=1), 2, 1)):
         local = megakernel.local_config(model, tensor, shards)
+        whole_kv = model.num_kv_heads if not getattr(model, "mla", None) and model.num_kv_heads < tensor else 0
         want = megakernel.spec_for(local, batch=2, page_size=4, weight_dtype=jnp.float32, kv_dtype=jnp.float32,
-                                   expert_shards=shards if model.moe else 1)
+                                   expert_shards=shards if model.moe else 1, kv_pool_heads=whole_kv)
         whole = megakernel.spec_for(model, batch=2, page_size=4, weight_dtype=jnp.float32, kv_dtype=jnp.float32)
         assert whole.shard(tensor, shards) == want, (model.architecture, tensor, shards)
     tiled = dataclasses.replace(hybrid, linear=dataclasses.replace(hybrid.linear, tiled_v_heads=True))

@@ -39,6 +39,7 @@ _WEIGHT_NAMES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "
                  "q_a": "wq_a", "q_b": "wq_b", "kv_a": "wkv_a", "w_uk": "w_uk", "w_uv": "w_uv"}
 LINEAR_MATRICES = (*la.INPUT_NAMES, "w_fb", "w_gb", "w_out")  # a linear layer's, under the family's names
 _SHARED_NAMES = {"shared_gate": "w_gate", "shared_up": "w_up", "shared_down": "w_down"}
+KV_WEIGHTS = ("wk", "wv", "bk", "bv")  # whole on every tensor-parallel device when KV heads are fewer
 
 
 def _mla(cfg):
@@ -108,9 +109,12 @@ def _gemma(cfg, weight_dtype) -> dict:
 
 def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight_dtype, kv_dtype,
              pages_per_kv_tile: int = 8, int8: bool = False, float_matrices: tuple[str, ...] = (),
-             float_dtype=jnp.float32, int4_experts: bool = False, expert_shards: int = 1) -> MegakernelSpec:
+             float_dtype=jnp.float32, int4_experts: bool = False, expert_shards: int = 1,
+             kv_pool_heads: int = 0) -> MegakernelSpec:
     """The kernel's spec for `cfg` at this batch shape (`float_matrices`: those that stay
-    float_dtype in an int8 model; `expert_shards`: expert parallelism, this device holding
+    float_dtype in an int8 model; `kv_pool_heads`: a tensor-parallel device's pools hold that
+    many KV heads whole, cfg's being the ones it attends with; `expert_shards`: expert
+    parallelism, this device holding
     1/expert_shards of cfg's routed experts)."""
     check_supported(cfg)
     mla = _mla(cfg)
@@ -134,7 +138,7 @@ def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight
         g = cfg.attention
         attention = dict(num_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
                          qkv_bias=g.qkv_bias, o_bias=g.o_bias, qk_norm=g.qk_norm, output_gate=g.output_gate,
-                         attention_sinks=g.sinks,
+                         attention_sinks=g.sinks, kv_pool_heads=kv_pool_heads,
                          rotary_dim=rope.dim if rope.dim < g.head_dim else 0, attn_scale=float(g.scale or 0.0))
     linear_layers = _linear_layers(cfg)
     linear = {} if not linear_layers else dict(
@@ -296,7 +300,8 @@ class KernelOptions:
 def local_config(cfg, tensor: int, expert_shards: int = 1):
     """cfg as one of `tensor` tensor-parallel devices sees it (the shapes `sharding.weight_shardings`
     gives a device): its attention heads (GQA: and KV heads; MLA: the query heads, the latent and
-    its rotary key stay whole, computed alike on every device), its linear-attention key and
+    its rotary key stay whole, computed alike on every device; KV heads fewer than the devices
+    whole on every device, each attending with one: `kv_pool_heads`), its linear-attention key and
     value heads (the q/k/v channels grouped per device: `tensor_parallel_config`), its slice of
     every MLP's intermediate and of the vocabulary, and of each routed expert's intermediate
     (split over tensor / expert_shards devices: expert parallelism puts 1/expert_shards of the
@@ -307,8 +312,10 @@ def local_config(cfg, tensor: int, expert_shards: int = 1):
     check_supported(cfg)
     mla, net = _mla(cfg), getattr(cfg, "linear", None) if _linear_layers(cfg) else None
     expert_tp = tensor // expert_shards
-    split = {"num_heads": (mla.num_heads, tensor)} if mla else \
-        {"num_heads": (cfg.num_heads, tensor), "num_kv_heads": (cfg.num_kv_heads, tensor)}
+    whole_kv = not mla and cfg.num_kv_heads < tensor  # every device holds them all, attends with one
+    split = {"num_heads": (mla.num_heads, tensor)} if mla else {"num_heads": (cfg.num_heads, tensor)}
+    if not mla and not whole_kv:
+        split["num_kv_heads"] = (cfg.num_kv_heads, tensor)
     if net is not None:
         split.update(linear_key_heads=(net.num_k_heads, tensor), linear_value_heads=(net.num_v_heads, tensor))
     split["vocab_size"] = (cfg.vocab_size, tensor)
@@ -320,6 +327,8 @@ def local_config(cfg, tensor: int, expert_shards: int = 1):
                      expert_intermediate=(cfg.moe.intermediate_size, expert_tp),
                      shared_intermediate=(cfg.moe.shared_intermediate_size, tensor))
     bad = [f"{name} {n} over {k} devices" for name, (n, k) in split.items() if n % k]
+    if whole_kv and tensor % cfg.num_kv_heads:
+        bad.append(f"{cfg.num_kv_heads} KV heads (whole on every device) into {tensor} devices")
     if net is not None and net.tiled_v_heads and net.num_v_heads != net.num_k_heads:
         bad.append("tiled value heads")
     if bad:
@@ -336,7 +345,7 @@ def local_config(cfg, tensor: int, expert_shards: int = 1):
     if mla:
         local["mla"] = dataclasses.replace(mla, num_heads=mla.num_heads // tensor)
     else:
-        local.update(num_heads=cfg.num_heads // tensor, num_kv_heads=cfg.num_kv_heads // tensor)
+        local.update(num_heads=cfg.num_heads // tensor, num_kv_heads=1 if whole_kv else cfg.num_kv_heads // tensor)
     return dataclasses.replace(cfg, **local)
 
 
@@ -407,6 +416,14 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
     family = next(f for f in FAMILIES if isinstance(cfg, f.Config))
     weight_specs = jax.tree_util.tree_map(lambda s: s.spec, sharding.weight_shardings(weights, family.weight_specs(cfg),
                                                                                       mesh))
+    kv_pool_heads = 0
+    if not _mla(cfg) and cfg.num_kv_heads < tensor:  # KV heads fewer than the devices: every device
+        # projects them all (its k / v weights whole: gathered here, in the step's program, from
+        # the layout that splits their rows) into whole pools (`sharding.kv_pool_axes`)
+        kv_pool_heads = cfg.num_kv_heads
+        whole = jax.sharding.PartitionSpec()
+        weight_specs = jax.tree_util.tree_map_with_path(
+            lambda path, s: whole if any(getattr(k, "key", None) in KV_WEIGHTS for k in path) else s, weight_specs)
     cache_specs = jax.tree_util.tree_map(lambda s: s.spec, sharding.cache_shardings(cache, mesh))
     ranks = "dp" if sharding.data_parallel_size(mesh) > 1 else None  # each rank its own rows
     rows = jax.sharding.PartitionSpec(ranks)
@@ -414,7 +431,7 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
 
     def step(w, t, p, c, bt, s):
         logits, hidden, c = forward(w, local, t, p, c, AttentionBatch(bt, s), None, capture_layers, options=options,
-                                    tp=(axis, tensor), expert_shards=shards)
+                                    tp=(axis, tensor), expert_shards=shards, kv_pool_heads=kv_pool_heads)
         return (logits, c) if hidden is None else (logits, c, hidden)
 
     out_specs = (jax.sharding.PartitionSpec(ranks, None, axis), cache_specs) + ((rows,) if capture_layers else ())
@@ -428,7 +445,7 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
 
 def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: AttentionBatch, logits_indices=None,
             capture_layers: tuple[int, ...] = (), *, options: KernelOptions = KernelOptions(),
-            tp: tuple[str | tuple[str, ...], int] = (None, 1), expert_shards: int = 1):
+            tp: tuple[str | tuple[str, ...], int] = (None, 1), expert_shards: int = 1, kv_pool_heads: int = 0):
     """The family's forward contract for one group of rows with few tokens each, on the megakernel
     (K/V pages, or latent pages, for the attention layers; a recurrent-state slot per row,
     `batch.state_slots`, for the linear ones).
@@ -461,7 +478,8 @@ def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: Attentio
     spec = spec_for(cfg, batch=b, tokens_per_row=t, page_size=cache.page_size, weight_dtype=params["embed"].dtype,
                     kv_dtype=k_pools[0].dtype, pages_per_kv_tile=options.pages_per_kv_tile,
                     int8=isinstance(params["lm_head"], Int8Matrix), float_matrices=float_matrices(params),
-                    float_dtype=params["embed"].dtype, int4_experts=int4_experts(params), expert_shards=expert_shards)
+                    float_dtype=params["embed"].dtype, int4_experts=int4_experts(params), expert_shards=expert_shards,
+                    kv_pool_heads=kv_pool_heads)
     logits, _, k, v, hidden, states = decode_step(
         spec, params, tokens, positions, batch.block_tables, k_pools, v_pools, linear_states=states,
         state_slots=batch.state_slots, tile_rows=options.tile_rows, vocab_tile_rows=options.vocab_tile_rows,

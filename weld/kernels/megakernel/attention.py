@@ -88,20 +88,23 @@ def kv_scratch(pages_per_tile: int, page_size: int, kv_heads: int, head_dim: int
 
 def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref, k_buf, v_buf, sems, write_sems,
                 *, rows: int, tokens: int, pages_per_tile: int, scale: float, window: int | None = None,
-                table_offset: int = 0, sinks=None, bug: str | None = None):
+                table_offset: int = 0, sinks=None, kv_start=None, kv_count: int = 0, bug: str | None = None):
     """The tile loop, called inside a Pallas TPU kernel (see the module docstring).
 
     pos_ref [B * T] and bt_ref [B, M']: SMEM; the row's table is bt_ref[b, table_offset:] (a page
     group's, when several sit side by side). q_ref [B * T, H, E], kn_ref / vn_ref [B * T, KV, E]
     (the pools' dtype) and out_ref [B * T, H, E]: VMEM. sinks: None, or f32 [1, H], a logit per
     head that joins every softmax's denominator and weighs no value (gpt-oss): the running max
-    starts at it and the denominator at exp(0) = 1. k_pool / v_pool [P, page, KV, E]: HBM,
+    starts at it and the denominator at exp(0) = 1. kv_start (traced) and kv_count: the query heads
+    read the pools' KV heads kv_start .. kv_start + kv_count - 1 only (whole pools replicated over
+    tensor-parallel devices when the KV heads are fewer than they); None: all of them. k_pool / v_pool [P, page, KV, E]: HBM,
     written in place. k_buf, v_buf, sems, write_sems: `kv_scratch(...)`. vn_ref and v_pool None:
     the values are the keys themselves (MLA's latent pool: the caller keeps the first dims).
     """
     pools = ((k_pool, k_buf, 0),) if v_pool is None else ((k_pool, k_buf, 0), (v_pool, v_buf, 1))
     news = ((kn_ref, k_pool),) if v_pool is None else ((kn_ref, k_pool), (vn_ref, v_pool))
-    _, page_size, kv_heads, e = k_pool.shape
+    _, page_size, pool_heads, e = k_pool.shape
+    kv_heads = pool_heads if kv_start is None else kv_count
     h = q_ref.shape[1]
     g = h // kv_heads
     tile_tokens = pages_per_tile * page_size
@@ -169,8 +172,10 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
                     for c in page_copies(row, tile, slot, last_page):
                         c.wait()
                 read = 1 - slot if bug == "wrong_slot" else slot
-                keys = k_buf[read].reshape(tile_tokens, kv_heads, e).astype(jnp.float32)  # [s, k, e]
-                values = keys if v_pool is None else v_buf[read].reshape(tile_tokens, kv_heads, e).astype(jnp.float32)
+                heads = slice(None) if kv_start is None else pl.ds(kv_start, kv_count)
+                keys = k_buf[read, :, :, heads].reshape(tile_tokens, kv_heads, e).astype(jnp.float32)  # [s, k, e]
+                values = keys if v_pool is None else \
+                    v_buf[read, :, :, heads].reshape(tile_tokens, kv_heads, e).astype(jnp.float32)
                 kv_pos = tile * tile_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, tile_tokens), 3)
                 visible = kv_pos <= q_pos_col  # [t, 1, 1, s]
                 if window is not None and bug != "full_window":

@@ -128,7 +128,7 @@ def _vector_names(spec: MegakernelSpec) -> list[str]:
 
 def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, linear_states, state_slots):
     b, t = spec.batch, spec.tokens_per_row
-    kv, d, e = spec.num_kv_heads * spec.head_dim, spec.hidden, spec.head_dim
+    kv, d, e = spec.pool_kv_heads * spec.head_dim, spec.hidden, spec.head_dim
     n_layers, attending = spec.num_layers, spec.attention_layers
     for name, a in (("tokens", tokens), ("positions", positions)):
         if a.shape != (b, t):
@@ -144,7 +144,7 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, l
     if len(params["layers"]) != n_layers or len(k_pools) != len(attending) or len(v_pools) != len(attending):
         raise ValueError(f"spec.num_layers is {n_layers} with {len(attending)} attention layers, but got "
                          f"{len(params['layers'])} weight layers, {len(k_pools)} K pools and {len(v_pools)} V pools")
-    pool_shape = (spec.page_size, spec.num_kv_heads, e)  # a page group's pools may hold their own number of pages
+    pool_shape = (spec.page_size, spec.pool_kv_heads, e)  # a page group's pools may hold their own number of pages
     for i, (kp, vp) in zip(attending, zip(k_pools, v_pools)):
         if kp.shape[1:] != pool_shape or vp.shape != kp.shape:
             raise ValueError(f"pools of layer {i} must be [P, page, KV, E] = [P, *{pool_shape}], got {kp.shape} and "
@@ -273,7 +273,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                   make_plan(spec, ring_depth=ring_depth, tile_rows=tile_rows, vocab_tile_rows=vocab_tile_rows))
     depth, tiles = plan.ring_depth, plan.tiles
     b, t, n_tok = spec.batch, spec.tokens_per_row, spec.tokens
-    h, kvh, e, d, n_layers = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden, spec.num_layers
+    h, kvh, e, d, n_layers = spec.num_heads, spec.pool_kv_heads, spec.head_dim, spec.hidden, spec.num_layers
     q_dim, kv_dim = h * e, kvh * e  # attention's query width; the new K (MLA: c_kv | k_pe) per token
     q_proj = spec.q_proj_dim  # the query projection's width
     attending, lin_layers = spec.attention_layers, spec.linear_layers
@@ -342,6 +342,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         raise ValueError(f"{shards} expert shards must divide the {tp_size} tensor-parallel devices")
     gather_rows = n_tok + (1 if spec.router_bias else 0)  # the router scores gathered over the shards (and bias)
     table_width = block_tables.shape[1] // spec.page_groups  # each page group's table, side by side
+    if spec.kv_pool_heads and tp_size == 1:
+        raise ValueError("kv_pool_heads (whole KV heads on every device) is a tensor-parallel layout: give tp_axis")
     n_reduce_scratch = len(collectives.all_reduce_scratch(n_tok, d, tp_size)) if tp_size > 1 else 0
     n_gather_scratch = len(collectives.all_reduce_scratch(gather_rows, spec.routed_experts, tp_size)) if shards > 1 else 0
     if spec.expert_activation == "clamped_swiglu":  # gpt-oss
@@ -714,6 +716,11 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             x_ref[...] = jnp.zeros_like(x_ref)
             residual_add()
 
+        # KV heads fewer than the devices: this device's query heads read KV head kv_start
+        kv_start = None
+        if spec.kv_pool_heads:
+            kv_start = jax.lax.axis_index(tp_axis) * spec.kv_pool_heads // tp_size
+
         # Rotary tables for the N tokens, as the XLA path computes them (rotate-half layout): one
         # (cos, sin) pair [N, 1, rope dims / 2] per table of inverse frequencies.
         tables = []
@@ -764,7 +771,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             attend_rows(pos_ref, bt_ref, q_heads, kn_ref, vn_ref, k_out[pools], v_out[pools], att_ref, *attn_scratch,
                         rows=b, tokens=t, pages_per_tile=spec.pages_per_kv_tile, scale=spec.scale,
                         window=spec.window(layer), table_offset=spec.group(layer) * table_width,
-                        sinks=row("sinks", layer) if spec.attention_sinks else None,
+                        sinks=row("sinks", layer) if spec.attention_sinks else None, kv_start=kv_start,
+                        kv_count=spec.num_kv_heads,
                         bug=_bug if _bug == "full_window" else None)
             out = att_ref[...]
             if gate is not None:

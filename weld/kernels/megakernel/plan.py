@@ -135,6 +135,11 @@ class MegakernelSpec:
     linear_norm_eps: float = 1e-6  # of the gated output norm
     gate_lower_bound: float = 0.0  # KDA's floor (< 0) on the log-decay; 0: none
     tiled_v_heads: bool = False  # value head p is served by key head p mod Hk (else p // (Hv / Hk))
+    # KV heads fewer than the tensor-parallel devices (GQA): the pools hold all kv_pool_heads KV
+    # heads on every device (replicated), every device projects and writes all of them (the
+    # replicas stay equal) and attends its query heads over its num_kv_heads of them, from head
+    # (tensor index x kv_pool_heads / devices); 0: the pools hold num_kv_heads
+    kv_pool_heads: int = 0
     # sliding windows and page groups: per layer, its window (0: the whole context) and the page
     # group whose block table it reads (the block tables hold page_groups tables side by side,
     # `weld.models.common.cache.CacheSpec.page_groups`); empty: no windows, one group
@@ -186,6 +191,9 @@ class MegakernelSpec:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
+        if self.kv_pool_heads and (self.kv_pool_heads % self.num_kv_heads or self.attention != "gqa"):
+            raise ValueError(f"kv_pool_heads ({self.kv_pool_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads}), with GQA")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.attention not in ("gqa", "mla"):
@@ -241,6 +249,11 @@ class MegakernelSpec:
                 raise ValueError("KDA has as many key as value heads, of one size")
             if self.gate_lower_bound > 0 or (self.gate_lower_bound and self.linear_kind != "kda"):
                 raise ValueError(f"a gate lower bound ({self.gate_lower_bound}) must be < 0, and only KDA has one")
+
+    @property
+    def pool_kv_heads(self) -> int:
+        """KV heads the pools hold and the k / v projections make (`kv_pool_heads`)."""
+        return self.kv_pool_heads or self.num_kv_heads
 
     @property
     def tokens(self) -> int:
@@ -323,7 +336,7 @@ class MegakernelSpec:
         v, latent] (applied to the attention's latent output), the output projection."""
         d = self.hidden
         if not self.mla:
-            q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, kv = self.num_heads * self.head_dim, self.pool_kv_heads * self.head_dim
             return [("q", self.q_proj_dim, d), ("k", kv, d), ("v", kv, d), ("o", d, q)]
         nh, r = self.num_heads, self.kv_lora_rank
         q_out = self.q_proj_dim
@@ -344,15 +357,19 @@ class MegakernelSpec:
     def shard(self, tensor: int, expert_shards: int = 1) -> "MegakernelSpec":
         """This spec as one of `tensor` tensor-parallel devices runs it (`weld.models.megakernel`'s
         `local_config`, in the kernel's terms): heads (GQA: and KV heads; MLA: query heads, the
-        latent whole), linear-attention heads, the dense MLP's intermediate (where a layer is
-        dense), the vocabulary and the shared expert split `tensor` ways; the routed experts
+        latent whole; KV heads fewer than `tensor` whole on every device, each attending with one),
+        linear-attention heads, the dense MLP's intermediate (where a layer is dense), the
+        vocabulary and the shared expert split `tensor` ways; the routed experts
         `expert_shards` ways, each expert's FFN over the tensor / expert_shards devices of a
         shard. ValueError naming what does not split."""
         if tensor == 1:
             return self
         dense = len(self.sparse_layers) < self.num_layers
         split = {"num_heads": tensor, "vocab": tensor}
-        if not self.mla:
+        whole_kv = {}
+        if not self.mla and self.num_kv_heads < tensor and not tensor % self.num_kv_heads:
+            whole_kv = dict(kv_pool_heads=self.num_kv_heads, num_kv_heads=1)
+        elif not self.mla:
             split["num_kv_heads"] = tensor
         if dense:
             split["intermediate"] = tensor
@@ -366,7 +383,7 @@ class MegakernelSpec:
         bad = [f"{name} {getattr(self, name)} over {k}" for name, k in split.items() if getattr(self, name) % k]
         if bad:
             raise ValueError(f"this spec does not split over {tensor} devices: {', '.join(bad)}")
-        return dataclasses.replace(self, expert_shards=expert_shards if self.sparse_layers else 1,
+        return dataclasses.replace(self, expert_shards=expert_shards if self.sparse_layers else 1, **whole_kv,
                                    **{name: getattr(self, name) // k for name, k in split.items()})
 
     def matrices(self, layer: int = 0) -> list[tuple[str, int, int]]:
@@ -503,7 +520,7 @@ def stream_schedule(spec: MegakernelSpec, *, tile_rows: int = 256, vocab_tile_ro
 
 def kv_tile_bytes(spec: MegakernelSpec) -> int:
     """K and V tiles of `pages_per_kv_tile` pages, double buffered (one row at a time)."""
-    tile = spec.pages_per_kv_tile * spec.page_size * spec.num_kv_heads * spec.head_dim * spec.kv_bytes
+    tile = spec.pages_per_kv_tile * spec.page_size * spec.pool_kv_heads * spec.head_dim * spec.kv_bytes
     return 2 * 2 * tile
 
 
@@ -519,7 +536,7 @@ def activation_bytes(spec: MegakernelSpec) -> int:
     them. Linear-attention layers add their projections' outputs per row, the conv weights of a
     layer and two rows' recurrent states (double buffered).
     """
-    q, kv, d, e = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden, spec.head_dim
+    q, kv, d, e = spec.num_heads * spec.head_dim, spec.pool_kv_heads * spec.head_dim, spec.hidden, spec.head_dim
     a = spec.act_bytes
     per_row = (a * (3 * d + spec.q_proj_dim + 2 * q + 2 * kv + 2 * spec.intermediate + spec.vocab) + 4
                + d * spec.weight_bytes + 2 * kv * spec.kv_bytes)
@@ -613,7 +630,7 @@ def step_bytes(spec: MegakernelSpec, context_len: int) -> int:
     convs, the embedding rows read and the f32 logits written."""
     pools = 1 if spec.mla else 2
     attending = len(spec.attention_layers)
-    kv_token = spec.num_kv_heads * spec.head_dim * spec.kv_bytes
+    kv_token = spec.pool_kv_heads * spec.head_dim * spec.kv_bytes
 
     def pages(layer):  # a window's keys span at most window - 1 + page_size slots of whole pages
         window = spec.window(layer)
