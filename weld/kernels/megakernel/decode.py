@@ -50,7 +50,8 @@ from weld.kernels.megakernel.attention import attend_rows, kv_scratch
 from weld.kernels.megakernel.plan import INT4_GROUP, MegakernelSpec, Plan, fit_plan, make_plan
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a dense layer's, in stream order (plan.matrices)
-EXPERT_BIASES = ("b_gate", "b_up", "b_down")  # a sparse layer's expert biases [E, out] (spec.expert_bias)
+EXPERT_BIASES = ("b_gate", "b_up", "b_down")
+LOOP_TILES = 4  # a matrix of this many equal row tiles or more streams them in one loop (`gemv`)  # a sparse layer's expert biases [E, out] (spec.expert_bias)
 BUGS = (None, "skip_wait", "wrong_slot", "wrong_expert", "global_expert_ids", "every_pair_computed",
         "full_window") + linear.BUGS[1:]  # planted bugs, for the tests
 # the per-layer vectors a spec's switch asks for: (name, the switch)
@@ -443,11 +444,13 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         def tile_copies(i):
             return tile_dmas(tiles[i], i % depth, tiles[i].pair)
 
-        def tile_dmas(tile, slot, pair):
+        def tile_dmas(tile, slot, pair, row_start=None):
             """The DMAs of `tile` into ring slot `slot`, reading pair `pair`'s expert (for a routed
-            expert's tile: `tile` is then any pair's tile of that place, pair and slot may be
-            traced), and whether this device holds that expert."""
+            expert's tile: `tile` is then any pair's tile of that place), or rows from `row_start`
+            (a tile as tall as `tile`; None: the tile's own); pair, slot and row_start may be
+            traced. Also whether this device holds that expert."""
             m, rows = index[(tile.layer, tile.matrix)], pl.ds(0, tile.rows)
+            first = tile.row_start if row_start is None else row_start
             kind = kind_of[m]
             src_w = w_refs[m]
             src_s = s_refs[scale_of[m]] if kind == "int8" else None
@@ -458,13 +461,13 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 src_s = src_s.at[expert] if src_s is not None else None
                 src_g = [g.at[expert] for g in src_g]
             width = src_w.shape[-1]  # int4: the packed bytes of a row
-            copies = [pltpu.make_async_copy(src_w.at[pl.ds(tile.row_start, tile.rows)],
+            copies = [pltpu.make_async_copy(src_w.at[pl.ds(first, tile.rows)],
                                             rings[kind].at[slot, rows, pl.ds(0, width)], ring_sems.at[slot])]
             if src_s is not None:  # the tile's scales ride on the same semaphore
-                copies.append(pltpu.make_async_copy(src_s.at[pl.ds(0, 1), pl.ds(tile.row_start, tile.rows)],
+                copies.append(pltpu.make_async_copy(src_s.at[pl.ds(0, 1), pl.ds(first, tile.rows)],
                                                     scale_ring.at[slot, pl.ds(0, 1), rows], ring_sems.at[slot]))
             for src, ring in zip(src_g, group_rings or []):  # and the int4 tile's scales and mins
-                copies.append(pltpu.make_async_copy(src.at[pl.ds(tile.row_start, tile.rows)],
+                copies.append(pltpu.make_async_copy(src.at[pl.ds(first, tile.rows)],
                                                     ring.at[slot, rows, pl.ds(0, src.shape[-1])], ring_sems.at[slot]))
             return copies, held
 
@@ -497,12 +500,13 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 copies_do(started[0], "start")
                 started[0] += 1
 
-        def compute_tile(tile, slot, pair, x, write, compute=None):
+        def compute_tile(tile, slot, pair, x, write, compute=None, row_start=None):
             """write(first_row, rows, y) of x [rows, in] f32 @ the tile's rows^T, from ring slot
             `slot` (for a routed expert's tile, pair `pair`'s: made only where this device holds
-            its expert). compute(w [tile rows, in] f32, tile) replaces the product (MLA's per-head
-            forms)."""
+            its expert; first_row: `row_start` when given, as in `tile_dmas`). compute(w [tile
+            rows, in] f32, tile, first_row) replaces the product (MLA's per-head forms)."""
             kind = kind_of[index[(tile.layer, tile.matrix)]]
+            first_row = tile.row_start if row_start is None else row_start
 
             def product():
                 if kind == "int4":  # unpacked and dequantized in VMEM: f32 [rows, in]
@@ -513,7 +517,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                     w = rings[kind][slot, :tile.rows, :tile.cols]  # [rows, in]
                 if compute is not None:  # per-row scales applied to the weights first
                     w = w.astype(jnp.float32)
-                    y = compute(w * scale_ring[slot, 0, :tile.rows][:, None] if kind == "int8" else w, tile)
+                    y = compute(w * scale_ring[slot, 0, :tile.rows][:, None] if kind == "int8" else w, tile, first_row)
                 else:
                     if kind == "float":
                         lhs = x.astype(w.dtype)
@@ -523,7 +527,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                                             precision=jax.lax.Precision.HIGHEST)  # [N, rows]
                     if kind == "int8":
                         y = y * scale_ring[slot, :, :tile.rows]  # [1, rows]
-                write(tile.row_start, tile.rows, y)
+                write(first_row, tile.rows, y)
 
             held = pair_expert(pair)[0]
             if held is None or _bug == "every_pair_computed":
@@ -531,26 +535,69 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             else:  # an expert another device holds: its tile was never fetched, its product is not made
                 pl.when(held)(product)
 
+        def stream_loop(count, per, dmas, body):
+            """The next count x per tiles of the schedule as `count` alike units of `per` tiles (a
+            routed pair's expert tiles; a matrix's equal row tiles), one `fori_loop` over the units,
+            so the program does not grow with them. dmas(u, j, slot): unit u's tile j's DMAs into
+            ring slot `slot` (`tile_dmas`); body(u, run) computes unit u (traced), run(j, fn) doing
+            its tile j: it starts tile i + depth - 1 as `pump` would (a later unit's, or past the
+            last unit the static tiles that follow, `pl.when` on u picking which), waits for tile j
+            and calls fn(slot). The ring slot of a tile is then dynamic."""
+            pump()
+            base = cursor[0]
+            end = base + count * per
+            stop = end  # the first tile past the loop that may not start inside it (an unrouted pair's)
+            while stop < len(tiles) and not (tiles[stop].pair >= 0 and tiles[stop].layer not in routed):
+                stop += 1
+            begun = started[0]  # tiles before this one are in flight already
+
+            def run(u, j, fn):
+                i = base + u * per + j
+                a = i + depth - 1
+                lead, offset = divmod(j + depth - 1, per)  # tile a is unit u + lead's tile `offset`
+                pl.when((u + lead < count) & (a >= begun))(
+                    lambda: copies_do(None, "start", dmas(u + lead, offset, a % depth)))
+                for q in range(max(0, lead - count), lead):  # past the last unit: static tile end + q per + offset
+                    if end + q * per + offset < stop:
+                        pl.when((u == count - lead + q) & (a >= begun))(
+                            lambda q=q: copies_do(end + q * per + offset, "start"))
+                if _bug != "skip_wait":
+                    copies_do(None, "wait", dmas(u, j, i % depth))
+                fn((i + 1) % depth if _bug == "wrong_slot" else i % depth)
+
+            jax.lax.fori_loop(0, count, lambda u, carry: body(u, functools.partial(run, u)) or carry, None)
+            cursor[0] = end
+            started[0] = max(begun, min(end + depth - 1, stop))
+
         def gemv(layer, name, x, write, compute=None):
-            """A static matrix: x [rows, in] f32 @ the matrix^T, tile by tile (`compute_tile`)."""
-            i = first = cursor[0]
-            while i < len(tiles) and tiles[i].key == (layer, name, -1):
+            """A static matrix: x [rows, in] f32 @ the matrix^T, tile by tile (`compute_tile`); its
+            run of equal tiles as one `stream_loop` when there are LOOP_TILES or more of them."""
+            first = last = cursor[0]
+            while last < len(tiles) and tiles[last].key == (layer, name, -1):
+                last += 1
+            if last == first:
+                raise AssertionError(f"schedule out of order: wanted {(layer, name)}, next tile is {tiles[first]}")
+            head = tiles[first]
+            equal = next((i for i in range(first, last) if tiles[i].rows != head.rows), last) - first
+            if equal >= LOOP_TILES:
+                def rows_of(u):
+                    return pl.multiple_of(head.row_start + u * head.rows, head.rows)
+
+                stream_loop(equal, 1, lambda u, j, slot: tile_dmas(head, slot, -1, rows_of(u)),
+                            lambda u, run: run(0, lambda slot: compute_tile(head, slot, -1, x, write, compute,
+                                                                              row_start=rows_of(u))))
+            for i in range(cursor[0], last):
                 pump()  # starts up to tile i + depth - 1 (into the slot tile i - 1 freed)
                 if _bug != "skip_wait":
                     copies_do(i, "wait")
                 compute_tile(tiles[i], (i + 1) % depth if _bug == "wrong_slot" else i % depth, -1, x, write, compute)
-                i += 1
-                cursor[0] = i
-            if i == first:
-                raise AssertionError(f"schedule out of order: wanted {(layer, name)}, next tile is {tiles[first]}")
+                cursor[0] = i + 1
 
         def routed_pairs(layer, body):
-            """The routed pairs' expert tiles of `layer`, as one loop over the pairs (the tiles of a
-            pair are alike for every pair: `plan.stream_schedule`), so the program does not grow
-            with the batch. body(pair, run) computes pair `pair` (traced); run(name, x, write)
-            streams the pair's tiles of matrix `name` through `compute_tile`. The stream runs on as
-            in `gemv`: computing tile i starts tile i + depth - 1, which may be a later pair's
-            (its expert read from SMEM) or, past the last pair, the static tiles that follow."""
+            """The routed pairs' expert tiles of `layer`, as one `stream_loop` over the pairs (the
+            tiles of a pair are alike for every pair, `plan.stream_schedule`, only the expert
+            differs: read from SMEM). body(pair, run) computes pair `pair` (traced); run(name, x,
+            write) streams the pair's tiles of matrix `name` through `compute_tile`."""
             base = cursor[0]
             per = 0  # tiles per pair
             while base + per < len(tiles) and tiles[base + per].layer == layer and tiles[base + per].pair == 0:
@@ -559,55 +606,28 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             if not template:
                 raise AssertionError(f"schedule out of order: wanted layer {layer}'s routed pairs, next tile is "
                                      f"{tiles[base]}")
-            end = base + n_pairs * per
-            stop = end  # the first tile past the pairs that may not start inside the loop (an unrouted pair's)
-            while stop < len(tiles) and not (tiles[stop].pair >= 0 and tiles[stop].layer not in routed):
-                stop += 1
-            begun = started[0]  # tiles before this one are in flight already
+            first = {}
+            for j, t in enumerate(template):
+                first.setdefault(t.matrix, j)
 
-            def start_ahead(pair, j):
-                """Computing the pair's tile j starts tile i + depth - 1 (i = base + pair x per + j)."""
-                ahead = j + depth - 1
-                lead, offset = divmod(ahead, per)  # that tile: pair + lead's tile `offset`
-                a = base + pair * per + ahead
-
-                @pl.when((pair + lead < n_pairs) & (a >= begun))
-                def _():
-                    copies_do(None, "start", tile_dmas(template[offset], a % depth, pair + lead))
-                for q in range(lead):  # past the last pair: the static tiles after the loop
-                    if end + q * per + offset < stop:
-                        pl.when((pair == n_pairs - lead + q) & (a >= begun))(
-                            lambda q=q: copies_do(end + q * per + offset, "start"))
-
-            def run_for(pair):
-                first = {}
-                for j, t in enumerate(template):
-                    first.setdefault(t.matrix, j)
-
+            def unit(pair, run_tile):
                 def run(name, x, write):
                     j = first[name]
                     while j < per and template[j].matrix == name:
-                        i = base + pair * per + j
-                        start_ahead(pair, j)
-                        if _bug != "skip_wait":
-                            copies_do(None, "wait", tile_dmas(template[j], i % depth, pair))
-                        compute_tile(template[j], (i + 1) % depth if _bug == "wrong_slot" else i % depth, pair, x,
-                                     write)
+                        run_tile(j, lambda slot, j=j: compute_tile(template[j], slot, pair, x, write))
                         j += 1
-                return run
+                body(pair, run)
 
-            jax.lax.fori_loop(0, n_pairs, lambda pair, carry: body(pair, run_for(pair)) or carry, None)
-            cursor[0] = end
-            started[0] = max(begun, min(end + depth - 1, stop))
+            stream_loop(n_pairs, per, lambda pair, j, slot: tile_dmas(template[j], slot, pair), unit)
 
         def into(ref, row=None, col=0):
             """Writes a product's tiles into ref's columns from `col` on (one row of it: `row`, an int
             or traced)."""
-            def write(start, rows, y):
+            def write(start, rows, y):  # start: an int or traced
                 if row is None:
-                    ref[:, col + start:col + start + rows] = y
+                    ref[:, pl.ds(col + start, rows)] = y
                 else:
-                    ref[pl.ds(row, 1), col + start:col + start + rows] = y
+                    ref[pl.ds(row, 1), pl.ds(col + start, rows)] = y
             return write
 
         def rms_norm(x, weight, eps=spec.rms_norm_eps):  # x [N, w] f32, weight [1, w]
@@ -800,25 +820,23 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             kn_ref[...] = jnp.concatenate([c_kv[:, None, :], rope(kv[:, None, r:], layer)], axis=-1).astype(kv_dtype)
             q = qa_ref[...].reshape(n_tok, h, dn + dr)
             q_heads[:, :, r:] = rope(q[:, :, dn:], layer)
-            q_nope = q[:, :, :dn]
 
-            def absorb(w, tile):  # a tile of whole heads of W_UK [heads x dn, r]: q_abs = W_UK[h]^T q_nope[h]
-                h0, hh = tile.row_start // dn, tile.rows // dn
-                return jnp.einsum("nhe,her->nhr", q_nope[:, h0:h0 + hh], w.reshape(hh, dn, r),
-                                  precision=jax.lax.Precision.HIGHEST)
+            def absorb(w, tile, start):  # a tile of whole heads of W_UK [heads x dn, r] from row `start`
+                # (traced in a loop): q_abs = W_UK[h]^T q_nope[h], q_nope read from the projection's heads
+                hh, width = tile.rows // dn, dn + dr
+                q_nope = qa_ref[:, pl.ds(start // dn * width, hh * width)].reshape(n_tok, hh, width)[:, :, :dn]
+                return jnp.einsum("nhe,her->nhr", q_nope, w.reshape(hh, dn, r), precision=jax.lax.Precision.HIGHEST)
 
             def into_heads(start, rows, y):
-                q_heads[:, start // dn:(start + rows) // dn, :r] = y
+                q_heads[:, pl.ds(start // dn, rows // dn), :r] = y
             gemv(layer, "w_uk", None, into_heads, compute=absorb)
             attend_rows(pos_ref, bt_ref, q_heads, kn_ref, None, k_out[pool_of[layer]], None, att_ref, *attn_scratch,
                         rows=b, tokens=t, pages_per_tile=spec.pages_per_kv_tile, scale=spec.scale,
                         table_offset=spec.group(layer) * table_width)
-            o_lat = att_ref[...][:, :, :r]  # [N, heads, r]: the values are c_kv, the keys' first r dims
-
-            def expand(w, tile):  # a tile of whole heads of W_UV [heads x dv, r]: o[h] = W_UV[h] o_lat[h]
-                h0, hh = tile.row_start // dv, tile.rows // dv
-                out = jnp.einsum("nhr,hvr->nhv", o_lat[:, h0:h0 + hh], w.reshape(hh, dv, r),
-                                 precision=jax.lax.Precision.HIGHEST)
+            def expand(w, tile, start):  # a tile of whole heads of W_UV [heads x dv, r]: o[h] = W_UV[h] o_lat[h]
+                hh = tile.rows // dv
+                o_lat = att_ref[:, pl.ds(start // dv, hh), :r]  # the values are c_kv, the keys' first r dims
+                out = jnp.einsum("nhr,hvr->nhv", o_lat, w.reshape(hh, dv, r), precision=jax.lax.Precision.HIGHEST)
                 return out.reshape(n_tok, tile.rows)
             gemv(layer, "w_uv", None, into(ov_ref), compute=expand)
             gemv(layer, "o", ov_ref[...], into(delta_ref))
