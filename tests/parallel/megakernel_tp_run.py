@@ -98,7 +98,10 @@ CONFIGS = {"dense": (DENSE, None), "moe": (MOE, None), "dense_without_all_reduce
            "gdn": (NEXT, None), "gdn_ep": (NEXT, (2, DEVICES // 2)), "kda_ep": (KIMI, (2, DEVICES // 2)),
            "gdn_flat_channels": (NEXT, None),
            # data parallel: 2 ranks, each its own row over its own pages, tensor parallel within
-           "moe_dp": (GROUPED, {"dp": 2}), "mla_dp": (MLA_MOE, {"dp": 2}), "gemma3": (GEMMA, None),
+           "moe_dp": (GROUPED, {"dp": 2}), "mla_dp": (MLA_MOE, {"dp": 2}),
+           # experts over the data-parallel ranks too (expert parallelism under DP): 2 ranks x 2 expert
+           # shards, each rank's tokens routed to the experts of both ranks
+           "moe_ep_dp": (GROUPED, {"dp": 2, "ep": 2}), "mla_ep_dp": (MLA_MOE, {"dp": 2, "ep": 2}), "gemma3": (GEMMA, None),
            # KV heads fewer than the devices: whole pools and k / v weights on every device
            "dense_kv2": (dataclasses.replace(DENSE, num_kv_heads=2), None),
            "gdn_kv2": (dataclasses.replace(NEXT, num_kv_heads=2), None),
@@ -129,8 +132,12 @@ def run(name):
     pltpu.reset_tpu_interpret_mode_state()
     devices = np.array(jax.devices()[:DEVICES])
     ranks = ep_tp["dp"] if isinstance(ep_tp, dict) else 1
-    mesh = Mesh(devices.reshape(ranks, DEVICES // ranks), ("dp", "tp")) if ep_tp is None or ranks > 1 else \
-        Mesh(devices.reshape(1, *ep_tp), ("dp", "ep", "tp"))
+    if isinstance(ep_tp, dict) and "ep" in ep_tp:
+        mesh = Mesh(devices.reshape(ranks, ep_tp["ep"], DEVICES // (ranks * ep_tp["ep"])), ("dp", "ep", "tp"))
+    elif ep_tp is None or ranks > 1:
+        mesh = Mesh(devices.reshape(ranks, DEVICES // ranks), ("dp", "tp"))
+    else:
+        mesh = Mesh(devices.reshape(1, *ep_tp), ("dp", "ep", "tp"))
     family = next(f for f in FAMILIES if isinstance(cfg, f.Config))
     weights = random_weights(family.weight_specs(cfg), seed=0)
     for i, lw in enumerate(weights["layers"]):  # biases whose declared init is zeros: the o bias, and a

@@ -31,8 +31,9 @@ def _run(devices: int, configs: list[str]) -> dict:
     # parallelism runs in the default suite through the engine, test_sharded_engine.py)
     # (KDA stands for Gated DeltaNet's grouped channels here; Gemma 3 under TP runs in the slow set)
     # and KV heads fewer than the devices (whole on each)
-    (4, ["moe_ep", "mla_ep", "kda_ep", "gpt_oss_ep", "dense_kv2", "moe_ep_wrong_expert"]),
-    pytest.param(4, ["dense", "moe", "mla", "gdn", "gdn_ep", "gdn_kv2", "gemma3", "gpt_oss", "moe_dp", "mla_dp",
+    # (and experts over the data-parallel ranks)
+    (4, ["moe_ep", "mla_ep", "kda_ep", "gpt_oss_ep", "dense_kv2", "moe_ep_dp", "moe_ep_wrong_expert"]),
+    pytest.param(4, ["dense", "moe", "mla", "gdn", "gdn_ep", "gdn_kv2", "gemma3", "gpt_oss", "moe_dp", "mla_dp", "mla_ep_dp",
                      "dense_without_all_reduce",
                      "moe_ep_every_pair_computed", "gdn_flat_channels"], marks=pytest.mark.slow),
     pytest.param(8, ["dense", "moe_ep", "moe_ep_only", "mla", "mla_ep", "mla_without_all_reduce"],
@@ -79,7 +80,13 @@ def test_layouts_the_kernel_cannot_split_are_refused_in_one_line():
         megakernel.check_mesh(dataclasses.replace(cfg, num_kv_heads=4), mesh((1, 4, 1), ("dp", "ep", "tp")))
     megakernel.check_mesh(cfg, mesh((2, 2), ("dp", "tp")))  # data parallel: each rank its own rows
     assert megakernel.tensor_layout(mesh((4, 1), ("dp", "tp"))) == (None, 1, 1)
-    with pytest.raises(ValueError, match=r"data parallelism \(2 ranks\) without expert parallelism"):
+    # expert parallelism under data parallelism: the experts over the ranks too (8 = 2 ranks x 2 shards x 2)
+    eight = dataclasses.replace(cfg, num_kv_heads=4, moe=dataclasses.replace(cfg.moe, num_experts=8))
+    megakernel.check_mesh(eight, mesh((2, 2, 1), ("dp", "ep", "tp")))
+    assert megakernel.expert_ranks(eight, mesh((2, 2, 1), ("dp", "ep", "tp"))) == 2
+    assert megakernel.expert_ranks(eight, mesh((2, 2), ("dp", "tp"))) == 1  # no expert parallelism: no split
+    assert megakernel.local_config(eight, 2, 2, 2).moe.num_experts == 8  # counted whole; the spec takes 1/4
+    with pytest.raises(ValueError, match=r"num_experts 6 over 4 devices"):
         megakernel.check_mesh(dataclasses.replace(cfg, num_kv_heads=4), mesh((2, 2, 1), ("dp", "ep", "tp")))
     from weld.models import deepseek, qwen3_next
     from weld.models.common import linear_attention as la
@@ -106,15 +113,17 @@ def test_layouts_the_kernel_cannot_split_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"for attention layers only, not qwen3_next's linear-attention layers"):
         megakernel.check_mesh(hybrid, mesh((2, 2), ("dp", "tp")))
     # the budget's rule in the kernel's terms (`MegakernelSpec.shard`) is local_config's
-    for model, tensor, shards in ((cfg, 2, 1), (dataclasses.replace(cfg, num_kv_heads=4), 4, 2), (mla, 4, 2),
-                                  (mla, 8, 8), (hybrid, 2, 1), (cfg, 4, 2),
-                                  (dataclasses.replace(hybrid, num_kv_heads=1), 2, 1)):
-        local = megakernel.local_config(model, tensor, shards)
+    for model, tensor, shards, ranks in ((cfg, 2, 1, 1), (dataclasses.replace(cfg, num_kv_heads=4), 4, 2, 1),
+                                         (mla, 4, 2, 1), (mla, 8, 8, 1), (hybrid, 2, 1, 1), (cfg, 4, 2, 1),
+                                         (dataclasses.replace(hybrid, num_kv_heads=1), 2, 1, 1), (eight, 2, 2, 2),
+                                         (mla, 2, 2, 2)):
+        local = megakernel.local_config(model, tensor, shards, ranks)
         whole_kv = model.num_kv_heads if not getattr(model, "mla", None) and model.num_kv_heads < tensor else 0
         want = megakernel.spec_for(local, batch=2, page_size=4, weight_dtype=jnp.float32, kv_dtype=jnp.float32,
-                                   expert_shards=shards if model.moe else 1, kv_pool_heads=whole_kv)
+                                   expert_shards=shards * ranks if model.moe else 1, moe_ranks=ranks,
+                                   kv_pool_heads=whole_kv)
         whole = megakernel.spec_for(model, batch=2, page_size=4, weight_dtype=jnp.float32, kv_dtype=jnp.float32)
-        assert whole.shard(tensor, shards) == want, (model.architecture, tensor, shards)
+        assert whole.shard(tensor, shards, ranks) == want, (model.architecture, tensor, shards, ranks)
     tiled = dataclasses.replace(hybrid, linear=dataclasses.replace(hybrid.linear, tiled_v_heads=True))
     with pytest.raises(ValueError, match=r"do not split: tiled value heads$"):
         megakernel.check_mesh(tiled, mesh((1, 2), ("dp", "tp")))

@@ -110,7 +110,7 @@ def _gemma(cfg, weight_dtype) -> dict:
 def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight_dtype, kv_dtype,
              pages_per_kv_tile: int = 8, int8: bool = False, float_matrices: tuple[str, ...] = (),
              float_dtype=jnp.float32, int4_experts: bool = False, expert_shards: int = 1,
-             kv_pool_heads: int = 0) -> MegakernelSpec:
+             kv_pool_heads: int = 0, moe_ranks: int = 1) -> MegakernelSpec:
     """The kernel's spec for `cfg` at this batch shape (`float_matrices`: those that stay
     float_dtype in an int8 model; `kv_pool_heads`: a tensor-parallel device's pools hold that
     many KV heads whole, cfg's being the ones it attends with; `expert_shards`: expert
@@ -123,7 +123,7 @@ def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight
     moe = cfg.moe
     experts = {} if moe is None or not cfg.sparse_layers else dict(
         sparse_layers=tuple(cfg.sparse_layers), num_experts=moe.num_experts // expert_shards,
-        expert_shards=expert_shards, top_k=moe.top_k,
+        expert_shards=expert_shards, moe_ranks=moe_ranks, top_k=moe.top_k,
         expert_intermediate=moe.intermediate_size, shared_intermediate=moe.shared_intermediate_size,
         shared_expert_gate=moe.shared_gate, router_bias=moe.router_bias or moe.score_bias,
         expert_bias=moe.expert_bias, expert_activation=moe.activation, swiglu_limit=float(moe.swiglu_limit),
@@ -297,7 +297,7 @@ class KernelOptions:
     interpret: object = None  # None: interpret mode (default InterpretParams) unless on a TPU
 
 
-def local_config(cfg, tensor: int, expert_shards: int = 1):
+def local_config(cfg, tensor: int, expert_shards: int = 1, expert_ranks: int = 1):
     """cfg as one of `tensor` tensor-parallel devices sees it (the shapes `sharding.weight_shardings`
     gives a device): its attention heads (GQA: and KV heads; MLA: the query heads, the latent and
     its rotary key stay whole, computed alike on every device; KV heads fewer than the devices
@@ -305,9 +305,10 @@ def local_config(cfg, tensor: int, expert_shards: int = 1):
     value heads (the q/k/v channels grouped per device: `tensor_parallel_config`), its slice of
     every MLP's intermediate and of the vocabulary, and of each routed expert's intermediate
     (split over tensor / expert_shards devices: expert parallelism puts 1/expert_shards of the
-    experts on each group of them). The experts stay counted whole: the router chooses among all
-    of them (`spec_for(expert_shards=)` takes the device's share)."""
-    if tensor == 1:
+    experts on each group of them; x `expert_ranks` when the experts are split over the
+    data-parallel ranks too). The experts stay counted whole: the router chooses among all of
+    them (`spec_for(expert_shards=)` takes the device's share)."""
+    if tensor == 1 and expert_ranks == 1:
         return cfg
     check_supported(cfg)
     mla, net = _mla(cfg), getattr(cfg, "linear", None) if _linear_layers(cfg) else None
@@ -323,7 +324,7 @@ def local_config(cfg, tensor: int, expert_shards: int = 1):
     if dense:
         split["intermediate_size"] = (cfg.intermediate_size, tensor)
     if cfg.moe is not None:
-        split.update(num_experts=(cfg.moe.num_experts, expert_shards),
+        split.update(num_experts=(cfg.moe.num_experts, expert_shards * expert_ranks),
                      expert_intermediate=(cfg.moe.intermediate_size, expert_tp),
                      shared_intermediate=(cfg.moe.shared_intermediate_size, tensor))
     bad = [f"{name} {n} over {k} devices" for name, (n, k) in split.items() if n % k]
@@ -381,13 +382,20 @@ def check_mesh(cfg, mesh) -> None:
 
     _, tensor, shards = tensor_layout(mesh)
     ranks = sharding.data_parallel_size(mesh)
-    if ranks > 1 and cfg.moe is not None and "ep" in mesh.axis_names:
-        raise ValueError(f"the megakernel runs data parallelism ({ranks} ranks) without expert parallelism (which "
-                         "splits the experts over the ranks): drop enable_expert_parallel or use backend 'xla'")
     if ranks > 1 and _linear_layers(cfg):
         raise ValueError(f"the megakernel runs data parallelism ({ranks} ranks) for attention layers only, not "
                          f"{cfg.architecture}'s linear-attention layers; use backend 'xla'")
-    local_config(cfg, tensor, shards)
+    local_config(cfg, tensor, shards, expert_ranks(cfg, mesh))
+
+
+def expert_ranks(cfg, mesh) -> int:
+    """The data-parallel ranks the routed experts are split over as well (`sharding.RULES`:
+    experts over ("dp", "ep") under expert parallelism), 1 when they are not."""
+    from weld.models.common import sharding
+
+    if getattr(cfg, "moe", None) is None or "dp" not in sharding.mesh_axes(mesh, "experts"):
+        return 1
+    return sharding.data_parallel_size(mesh)
 
 
 def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: AttentionBatch, logits_indices=None,
@@ -407,12 +415,13 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
 
     check_mesh(cfg, mesh)
     axis, tensor, shards = tensor_layout(mesh)
+    moe_ranks = expert_ranks(cfg, mesh)
     net = getattr(cfg, "linear", None)
     if _linear_layers(cfg) and tensor > 1 and net.shards != tensor:
         raise ValueError(f"the linear layers' q/k/v channels are in {net.shards} groups, not one per each of the "
                          f"{tensor} tensor-parallel devices: run cfg through `tensor_parallel_config` before "
                          "`prepare_weights`")
-    local = local_config(cfg, tensor, shards)
+    local = local_config(cfg, tensor, shards, moe_ranks)
     family = next(f for f in FAMILIES if isinstance(cfg, f.Config))
     weight_specs = jax.tree_util.tree_map(lambda s: s.spec, sharding.weight_shardings(weights, family.weight_specs(cfg),
                                                                                       mesh))
@@ -431,7 +440,8 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
 
     def step(w, t, p, c, bt, s):
         logits, hidden, c = forward(w, local, t, p, c, AttentionBatch(bt, s), None, capture_layers, options=options,
-                                    tp=(axis, tensor), expert_shards=shards, kv_pool_heads=kv_pool_heads)
+                                    tp=(axis, tensor), expert_shards=shards, kv_pool_heads=kv_pool_heads,
+                                    moe_ranks=moe_ranks)
         return (logits, c) if hidden is None else (logits, c, hidden)
 
     out_specs = (jax.sharding.PartitionSpec(ranks, None, axis), cache_specs) + ((rows,) if capture_layers else ())
@@ -445,7 +455,8 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
 
 def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: AttentionBatch, logits_indices=None,
             capture_layers: tuple[int, ...] = (), *, options: KernelOptions = KernelOptions(),
-            tp: tuple[str | tuple[str, ...], int] = (None, 1), expert_shards: int = 1, kv_pool_heads: int = 0):
+            tp: tuple[str | tuple[str, ...], int] = (None, 1), expert_shards: int = 1, kv_pool_heads: int = 0,
+            moe_ranks: int = 1):
     """The family's forward contract for one group of rows with few tokens each, on the megakernel
     (K/V pages, or latent pages, for the attention layers; a recurrent-state slot per row,
     `batch.state_slots`, for the linear ones).
@@ -478,13 +489,13 @@ def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: Attentio
     spec = spec_for(cfg, batch=b, tokens_per_row=t, page_size=cache.page_size, weight_dtype=params["embed"].dtype,
                     kv_dtype=k_pools[0].dtype, pages_per_kv_tile=options.pages_per_kv_tile,
                     int8=isinstance(params["lm_head"], Int8Matrix), float_matrices=float_matrices(params),
-                    float_dtype=params["embed"].dtype, int4_experts=int4_experts(params), expert_shards=expert_shards,
-                    kv_pool_heads=kv_pool_heads)
+                    float_dtype=params["embed"].dtype, int4_experts=int4_experts(params),
+                    expert_shards=expert_shards * moe_ranks, moe_ranks=moe_ranks, kv_pool_heads=kv_pool_heads)
     logits, _, k, v, hidden, states = decode_step(
         spec, params, tokens, positions, batch.block_tables, k_pools, v_pools, linear_states=states,
         state_slots=batch.state_slots, tile_rows=options.tile_rows, vocab_tile_rows=options.vocab_tile_rows,
         ring_depth=options.ring_depth, generation=options.generation, interpret=interpret, route=router(cfg),
-        capture_layers=tuple(capture_layers), tp_axis=tp[0], tp_size=tp[1])
+        capture_layers=tuple(capture_layers), tp_axis=tp[0], tp_size=tp[1], dp_axis="dp" if moe_ranks > 1 else None)
     if logits_indices is not None:
         logits = jnp.take_along_axis(logits, logits_indices[:, :, None], axis=1)
     pages = iter([LatentPages(kp) for kp in k] if latent else [KVPages(kp, vp) for kp, vp in zip(k, v)])

@@ -70,8 +70,16 @@ def all_reduce_scratch(rows: int, cols: int, devices: int, dtype=jnp.float32) ->
             pltpu.SemaphoreType.DMA((devices,)), pltpu.SemaphoreType.DMA((devices,))]
 
 
-def _barrier(axis, devices, peers):
-    barrier = pltpu.get_barrier_semaphore()
+def barrier(axis, devices, semaphore=None) -> None:
+    """Every device of `axis` signals every peer and waits for them all (`semaphore`: a REGULAR
+    semaphore of the kernel's scratch, once every device is inside the kernel; None: the
+    kernel's barrier semaphore)."""
+    me = jax.lax.axis_index(axis)
+    _barrier(axis, devices, [(me + step) % devices for step in range(1, devices)], semaphore)
+
+
+def _barrier(axis, devices, peers, semaphore=None):
+    barrier = pltpu.get_barrier_semaphore() if semaphore is None else semaphore
     for peer in peers:
         pl.semaphore_signal(barrier, 1, device_id={axis: peer}, device_id_type=pltpu.DeviceIdType.MESH)
     pl.semaphore_wait(barrier, devices - 1)
@@ -82,12 +90,16 @@ def _remote(src, dst, send_sem, recv_sem, axis, peer):
                                         device_id_type=pltpu.DeviceIdType.MESH)
 
 
-def all_reduce_rows(x_ref, out_ref, *scratch, axis: str, devices: int, bug: str | None = None) -> None:
+def all_reduce_rows(x_ref, out_ref, *scratch, axis: str, devices: int, barrier_semaphore=None,
+                    bug: str | None = None) -> None:
     """out_ref = the sum over the `axis` devices of their x_ref ([rows, cols] VMEM), inside a
-    Pallas TPU kernel; scratch: `all_reduce_scratch(...)`."""
+    Pallas TPU kernel; scratch: `all_reduce_scratch(...)`. A kernel whose collectives run over
+    different groups of devices gives each group its own `barrier_semaphore` (a REGULAR one,
+    after a `barrier` of every device on the kernel's own): the groups' signals would otherwise
+    count towards each other's barriers."""
     me = jax.lax.axis_index(axis)
     peers = [(me + step) % devices for step in range(1, devices)]
-    _barrier(axis, devices, peers)
+    _barrier(axis, devices, peers, barrier_semaphore)
     if chunked(devices):
         _reduce_scatter_gather(x_ref, out_ref, *scratch, axis=axis, devices=devices, me=me, peers=peers, bug=bug)
         return

@@ -212,7 +212,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 linear_states=None, state_slots=None, tile_rows: int = 256, vocab_tile_rows: int = 256,
                 ring_depth: int = 4, generation: str | None = None, interpret=False, route=None,
                 capture_layers: tuple[int, ...] = (), tp_axis: str | None = None, tp_size: int = 1,
-                _bug: str | None = None):
+                dp_axis: str | None = None, _bug: str | None = None):
     """One call of the megakernel.
 
     spec: the model's shapes and switches, `batch` = B rows of `tokens_per_row` = T tokens.
@@ -256,6 +256,11 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
       (`collectives.all_reduce_rows`) the embedding rows, and the partial outputs of every
       attention's o projection and every MLP (experts and shared expert included), and returns
       this device's slice of the logits (the greedy ids are then the slice's).
+    dp_axis: with `spec.moe_ranks` > 1 (the experts split over that many data-parallel ranks as
+      well), the ranks' mesh axis: a sparse layer gathers every rank's normed rows (an all-reduce
+      of zero-padded blocks over dp_axis), routes them all, computes the pairs whose expert this
+      device holds, and one all-reduce over the ranks and the tensor devices sums the experts'
+      outputs with each rank's shared expert; each rank keeps its own rows.
     Returns (logits f32 [B, T, V], greedy ids int32 [B, T], k_pools, v_pools, hidden states: one
     f32 [B, T, d] per capture layer, in their order, linear_states).
     """
@@ -339,14 +344,22 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     if tp_size > 1 and tp_axis is None:
         raise ValueError("the tensor-parallel megakernel runs inside shard_map over tp_axis")
     shards = spec.expert_shards if sparse else 1  # expert parallelism: this device's experts are one shard
-    if shards > 1 and (tp_size % shards or tp_axis is None):
-        raise ValueError(f"{shards} expert shards must divide the {tp_size} tensor-parallel devices")
-    gather_rows = n_tok + (1 if spec.router_bias else 0)  # the router scores gathered over the shards (and bias)
+    ranks = spec.moe_ranks if sparse else 1  # the experts over data-parallel ranks too
+    if ranks > 1 and dp_axis is None:
+        raise ValueError(f"experts over {ranks} data-parallel ranks need dp_axis")
+    if shards > 1 and (tp_size % (shards // ranks) or tp_axis is None):
+        raise ValueError(f"{shards // ranks} expert shards must divide the {tp_size} tensor-parallel devices")
+    n_moe = n_tok * ranks  # the rows a sparse layer routes
+    everyone = ((dp_axis,) + (tp_axis if isinstance(tp_axis, tuple) else (tp_axis,))) if ranks > 1 else tp_axis
+    group = tp_size * ranks  # the devices that hold the experts
+    gather_rows = n_moe + (1 if spec.router_bias else 0)  # the router scores gathered over the shards (and bias)
     table_width = block_tables.shape[1] // spec.page_groups  # each page group's table, side by side
     if spec.kv_pool_heads and tp_size == 1:
         raise ValueError("kv_pool_heads (whole KV heads on every device) is a tensor-parallel layout: give tp_axis")
     n_reduce_scratch = len(collectives.all_reduce_scratch(n_tok, d, tp_size)) if tp_size > 1 else 0
-    n_gather_scratch = len(collectives.all_reduce_scratch(gather_rows, spec.routed_experts, tp_size)) if shards > 1 else 0
+    n_gather_scratch = len(collectives.all_reduce_scratch(gather_rows, spec.routed_experts, group)) if shards > 1 else 0
+    n_rank_scratch = len(collectives.all_reduce_scratch(n_moe, d, ranks)) if ranks > 1 else 0
+    n_combine_scratch = len(collectives.all_reduce_scratch(n_moe, d, group)) if ranks > 1 else 0
     if spec.expert_activation == "clamped_swiglu":  # gpt-oss
         def expert_activation(gate, up):
             gate = jnp.minimum(gate, spec.swiglu_limit)
@@ -400,13 +413,22 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         # the summed rows and `collectives.all_reduce_scratch`; the scores' rows in and out and theirs
         reduce_scratch = take(1 + n_reduce_scratch) if tp_size > 1 else None
         gather_scratch = take(2 + n_gather_scratch) if shards > 1 else None
+        # experts over the ranks: every rank's rows gathered (in, out, scratch), the routed outputs
+        # and their sum over every device (in, out, scratch)
+        rank_scratch = take(2 + n_rank_scratch) if ranks > 1 else None
+        combine_scratch = take(2 + n_combine_scratch) if ranks > 1 else None
+        # three groups of devices talk (a rank's tensor devices, the ranks, all of them): a barrier
+        # semaphore of each, after one barrier of every device on the kernel's own
+        group_sems = dict(zip(("tensor", "ranks", "all"), take(3))) if ranks > 1 else {}
 
         def expert_shard():
             """(this device's expert shard, whether it leads the shard's devices): the tensor devices
             are shard-major (`sharding.RULES`: experts over "ep", then each expert's FFN over "tp")."""
             me = jax.lax.axis_index(tp_axis)
-            per = tp_size // shards
-            return me // per, me % per == 0
+            local = shards // ranks  # a rank's shards (its "ep" devices)
+            per = tp_size // local
+            rank = jax.lax.axis_index(dp_axis) if ranks > 1 else 0  # experts over ("dp", "ep"): rank-major
+            return rank * local + me // per, me % per == 0
 
         def is_local(expert):
             """Whether this device holds the routed expert `expert` (a global id), and its local index."""
@@ -416,15 +438,16 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             index = expert if _bug == "global_expert_ids" else expert - first
             return (expert >= first) & (expert < first + spec.num_experts), jnp.clip(index, 0, spec.num_experts - 1)
 
-        def residual_add(post_norm=None):
+        def residual_add(post_norm=None, summed=False):
             """x += this layer part's output: with tensor parallelism, the sum of every device's
-            partial output (an all-reduce by remote DMA); with sandwich norms, normed by the
-            [1, d] weight `post_norm` (after the sum: the norm is not linear)."""
-            if reduce_scratch is None:
+            partial output (an all-reduce by remote DMA; `summed`: already made); with sandwich
+            norms, normed by the [1, d] weight `post_norm` (after the sum: the norm is not linear)."""
+            if reduce_scratch is None or summed:
                 out = delta_ref[...]
             else:
                 reduced, *scratch_ = reduce_scratch
-                collectives.all_reduce_rows(delta_ref, reduced, *scratch_, axis=tp_axis, devices=tp_size)
+                collectives.all_reduce_rows(delta_ref, reduced, *scratch_, axis=tp_axis, devices=tp_size,
+                                            barrier_semaphore=group_sems.get("tensor"))
                 out = reduced[...]
             if post_norm is not None:
                 out = rms_norm(out, post_norm)
@@ -645,9 +668,21 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             gemv(layer, "down", activation(gate_ref[...]) * up_ref[...], into(delta_ref))
 
         def sparse_mlp(layer, y):
-            """The router, the shared expert, then each routed pair's expert on its token's row."""
+            """The router, the shared expert, then each routed pair's expert on its token's row.
+            Returns whether the output in delta_ref is already summed over the devices (experts
+            over the data-parallel ranks: one all-reduce over them all)."""
             router_copy(layer).wait()
-            scores = jax.lax.dot_general(y, router_buf[...].astype(jnp.float32), (((1,), (1,)), ((), ())),
+            rank = jax.lax.axis_index(dp_axis) if ranks > 1 else 0
+            if ranks > 1:  # every rank's normed rows, as a sum of zero-padded blocks over the ranks
+                rows_in, rows_out, *scratch_ = rank_scratch
+                rows_in[...] = jnp.zeros_like(rows_in)
+                rows_in[pl.ds(rank * n_tok, n_tok), :] = y
+                collectives.all_reduce_rows(rows_in, rows_out, *scratch_, axis=dp_axis, devices=ranks,
+                                            barrier_semaphore=group_sems["ranks"])
+                pair_x[...] = rows_out[...]
+            else:
+                pair_x[...] = y  # the pairs read their token's row
+            scores = jax.lax.dot_general(pair_x[...], router_buf[...].astype(jnp.float32), (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32,
                                          precision=jax.lax.Precision.HIGHEST)  # [N, E] (this shard's experts)
             bias = row("router_bias", layer) if spec.router_bias else None
@@ -657,9 +692,10 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 local = scores if bias is None else jnp.concatenate([scores, bias], axis=0)
                 gather_in[...] = jnp.concatenate([jnp.where(lead & (shard == j), local, 0.0) for j in range(shards)],
                                                  axis=1)
-                collectives.all_reduce_rows(gather_in, gather_out, *scratch_, axis=tp_axis, devices=tp_size)
-                scores = gather_out[:n_tok, :]
-                bias = None if bias is None else gather_out[n_tok:, :]
+                collectives.all_reduce_rows(gather_in, gather_out, *scratch_, axis=everyone, devices=group,
+                                            barrier_semaphore=group_sems.get("all"))
+                scores = gather_out[:n_moe, :]
+                bias = None if bias is None else gather_out[n_moe:, :]
             scores_ref[...] = scores
             weights, experts = route(scores_ref[...], bias)
             weight_ref[...] = weights.astype(jnp.float32)
@@ -690,7 +726,10 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 delta_ref[...] = jnp.zeros_like(delta_ref)
             for c in bias_copies:
                 c.wait()
-            pair_x[...] = y  # the pairs read their token's row
+            out_ref = delta_ref  # the routed outputs: with experts over the ranks, every rank's rows
+            if ranks > 1:
+                out_ref = combine_scratch[0]
+                out_ref[...] = jnp.zeros_like(out_ref)
 
             def pair_body(pair, run):  # pair: traced
                 n, choice = pair // top_k, pair % top_k
@@ -706,7 +745,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                                  keepdims=True)  # [1, 1]
 
                 def add_row(start, rows, out):  # (only for an expert this device holds)
-                    delta_ref[pl.ds(n, 1), start:start + rows] = delta_ref[pl.ds(n, 1), start:start + rows] + weight * out
+                    out_ref[pl.ds(n, 1), start:start + rows] = out_ref[pl.ds(n, 1), start:start + rows] + weight * out
                 run("down", h, add_row)
                 if pair_bias is not None:  # the down bias, once per pair: by a device that holds the expert,
                     # the first of those that split its FFN
@@ -715,9 +754,21 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                     if tp_size > 1:
                         adds = adds & expert_shard()[1]
                     bias = jnp.where(adds, weight * bias_bufs[2][pl.ds(pair, 1), :], 0.0)
-                    delta_ref[pl.ds(n, 1), :] = delta_ref[pl.ds(n, 1), :] + bias
+                    out_ref[pl.ds(n, 1), :] = out_ref[pl.ds(n, 1), :] + bias
             routed_pairs(layer, pair_body)
+            if ranks == 1:
+                return False
+            # this rank's rows take its shared expert's partial; one sum over every device
+            combine_in, combine_out, *scratch_ = combine_scratch
+            mine = pl.ds(rank * n_tok, n_tok)
+            combine_in[mine, :] = combine_in[mine, :] + delta_ref[...]
+            collectives.all_reduce_rows(combine_in, combine_out, *scratch_, axis=everyone, devices=group,
+                                        barrier_semaphore=group_sems["all"])
+            delta_ref[...] = combine_out[mine, :]
+            return True
 
+        if ranks > 1:  # every device inside the kernel before the groups signal their own semaphores
+            collectives.barrier(everyone, group)
         # The stream starts first: its prologue is in flight while the embedding rows land.
         pump()
         first_id = jax.lax.axis_index(tp_axis) * spec.vocab if tp_size > 1 else 0  # of this device's vocab slice
@@ -881,8 +932,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 (mla_attention if spec.mla else gqa_attention)(layer, y)
             residual_add(row("post_attn_norm", layer) if spec.sandwich_norms else None)
             y = rms_norm(x_ref[...], row("mlp_norm", layer))
-            (sparse_mlp if layer in sparse else dense_mlp)(layer, y)
-            residual_add(row("post_mlp_norm", layer) if spec.sandwich_norms else None)
+            summed = (sparse_mlp if layer in sparse else dense_mlp)(layer, y)
+            residual_add(row("post_mlp_norm", layer) if spec.sandwich_norms else None, summed=bool(summed))
             if layer in capture_layers:
                 cap_refs[capture_layers.index(layer)][...] = x_ref[...]
         gemv(-1, "lm_head", rms_norm(x_ref[...], vec["final_norm"][...]), into(logits_ref))
@@ -925,14 +976,14 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         scratch += [
             pltpu.VMEM((spec.num_experts, d), routers[0].dtype),  # the layer's router, read whole
             pltpu.SemaphoreType.DMA((1,)),
-            pltpu.VMEM((n_tok, spec.routed_experts), f32),  # router scores (every shard's)
-            pltpu.VMEM((n_tok, top_k), jnp.int32),  # the chosen experts (VMEM) ...
-            pltpu.VMEM((n_tok, top_k), f32),  # ... and their weights
-            pltpu.SMEM((n_tok, top_k), jnp.int32),  # the chosen experts as DMA addresses
+            pltpu.VMEM((n_moe, spec.routed_experts), f32),  # router scores (every shard's)
+            pltpu.VMEM((n_moe, top_k), jnp.int32),  # the chosen experts (VMEM) ...
+            pltpu.VMEM((n_moe, top_k), f32),  # ... and their weights
+            pltpu.SMEM((n_moe, top_k), jnp.int32),  # the chosen experts as DMA addresses
             pltpu.SemaphoreType.DMA((1,)),
             pltpu.VMEM((n_pairs, spec.expert_intermediate), f32),  # each pair's expert gate
             pltpu.VMEM((n_pairs, spec.expert_intermediate), f32),  # and up
-            pltpu.VMEM((n_tok, d), f32),  # the layer's normed input, rows read by pair
+            pltpu.VMEM((n_moe, d), f32),  # the layer's normed input (every rank's), rows read by pair
         ]
         if n_bias:  # each pair's bias rows and their semaphore
             scratch += [pltpu.VMEM((n_pairs, spec.expert_intermediate), f32)] * 2 + [
@@ -945,7 +996,11 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         scratch += [pltpu.VMEM((n_tok, d), f32)] + collectives.all_reduce_scratch(n_tok, d, tp_size)
     if shards > 1:
         scratch += [pltpu.VMEM((gather_rows, spec.routed_experts), f32)] * 2 + collectives.all_reduce_scratch(
-            gather_rows, spec.routed_experts, tp_size)
+            gather_rows, spec.routed_experts, group)
+    if ranks > 1:  # every rank's rows gathered; the routed outputs summed over every device
+        scratch += [pltpu.VMEM((n_moe, d), f32)] * 2 + collectives.all_reduce_scratch(n_moe, d, ranks)
+        scratch += [pltpu.VMEM((n_moe, d), f32)] * 2 + collectives.all_reduce_scratch(n_moe, d, group)
+        scratch += [pltpu.SemaphoreType.REGULAR] * 3  # the groups' barrier semaphores
     n_in = n_vec + 1 + n_mat + n_scale + n_group + n_router + n_bias + n_conv
     first_pool = 4 + n_in  # operand indices count the four scalar-prefetch operands
     aliases = {first_pool + i: 2 + i for i in range(n_pools)}

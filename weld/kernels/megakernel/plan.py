@@ -109,6 +109,9 @@ class MegakernelSpec:
     # expert parallelism: this device holds num_experts of the num_experts x expert_shards routed
     # experts (shard s: experts [s E, (s + 1) E)), its router rows and bias those experts'
     expert_shards: int = 1
+    # experts over data-parallel ranks too: a sparse layer routes the tokens of all moe_ranks ranks
+    # (each device holding 1 / expert_shards of the experts, expert_shards counting every rank's)
+    moe_ranks: int = 1
     # multi-head latent attention (DeepSeek, Kimi K2), absorbed: attention="mla", then num_kv_heads
     # is 1 and head_dim is kv_lora_rank + rope_dim (the latent cache's width: c_kv | k_pe); the
     # query is q (or q_a -> norm -> q_b when q_lora_rank > 0) of num_heads x (nope_dim + rope_dim)
@@ -207,7 +210,11 @@ class MegakernelSpec:
         if self.sparse_layers:
             if not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.sparse_layers):
                 raise ValueError(f"sparse_layers {self.sparse_layers} must lie in [0, {self.num_layers})")
-            self._positive(("num_experts", "top_k", "expert_intermediate", "expert_shards"), " with sparse layers")
+            self._positive(("num_experts", "top_k", "expert_intermediate", "expert_shards", "moe_ranks"),
+                           " with sparse layers")
+            if self.expert_shards % self.moe_ranks:
+                raise ValueError(f"expert_shards ({self.expert_shards}) must count every one of the {self.moe_ranks} "
+                                 "ranks' shards")
             if self.top_k > self.routed_experts:
                 raise ValueError(f"top_k ({self.top_k}) exceeds the routed experts ({self.routed_experts})")
         if not isinstance(self.rotary_dim, int) or self.rotary_dim < 0 or self.rotary_dim % 2 \
@@ -350,19 +357,25 @@ class MegakernelSpec:
         return self.num_experts * self.expert_shards
 
     @property
+    def moe_tokens(self) -> int:
+        """Rows a sparse layer routes: every data-parallel rank's tokens (`moe_ranks`)."""
+        return self.tokens * self.moe_ranks
+
+    @property
     def pairs(self) -> int:
         """Routed (token, choice) pairs of one call in a sparse layer."""
-        return self.tokens * self.top_k
+        return self.moe_tokens * self.top_k
 
-    def shard(self, tensor: int, expert_shards: int = 1) -> "MegakernelSpec":
+    def shard(self, tensor: int, expert_shards: int = 1, expert_ranks: int = 1) -> "MegakernelSpec":
         """This spec as one of `tensor` tensor-parallel devices runs it (`weld.models.megakernel`'s
         `local_config`, in the kernel's terms): heads (GQA: and KV heads; MLA: query heads, the
         latent whole; KV heads fewer than `tensor` whole on every device, each attending with one),
         linear-attention heads, the dense MLP's intermediate (where a layer is dense), the
         vocabulary and the shared expert split `tensor` ways; the routed experts
-        `expert_shards` ways, each expert's FFN over the tensor / expert_shards devices of a
-        shard. ValueError naming what does not split."""
-        if tensor == 1:
+        `expert_shards` ways (x `expert_ranks` data-parallel ranks when the experts are split
+        over them too: the sparse layers then route every rank's tokens), each expert's FFN over
+        the tensor / expert_shards devices of a shard. ValueError naming what does not split."""
+        if tensor == 1 and expert_ranks == 1:
             return self
         dense = len(self.sparse_layers) < self.num_layers
         split = {"num_heads": tensor, "vocab": tensor}
@@ -376,14 +389,15 @@ class MegakernelSpec:
         if self.linear_layers:
             split.update(linear_k_heads=tensor, linear_v_heads=tensor)
         if self.sparse_layers:
-            split.update(num_experts=expert_shards, expert_intermediate=tensor // expert_shards,
+            split.update(num_experts=expert_shards * expert_ranks, expert_intermediate=tensor // expert_shards,
                          shared_intermediate=tensor)
         if tensor % expert_shards:
             raise ValueError(f"{expert_shards} expert shards do not divide {tensor} tensor-parallel devices")
         bad = [f"{name} {getattr(self, name)} over {k}" for name, k in split.items() if getattr(self, name) % k]
         if bad:
             raise ValueError(f"this spec does not split over {tensor} devices: {', '.join(bad)}")
-        return dataclasses.replace(self, expert_shards=expert_shards if self.sparse_layers else 1, **whole_kv,
+        moe = dict(expert_shards=expert_shards * expert_ranks, moe_ranks=expert_ranks) if self.sparse_layers else {}
+        return dataclasses.replace(self, **moe, **whole_kv,
                                    **{name: getattr(self, name) // k for name, k in split.items()})
 
     def matrices(self, layer: int = 0) -> list[tuple[str, int, int]]:
@@ -567,10 +581,13 @@ def activation_bytes(spec: MegakernelSpec) -> int:
         # per row: the router's scores and the routing weights, the normed input the pairs read;
         # per pair: the expert's gate and up; the shared expert's gate and up; the chosen experts'
         # ids (SMEM) and the router
-        per_row += a * (spec.num_experts + spec.top_k + 2 * spec.shared_intermediate + d)  # (+ the pairs' input)
-        per_row += spec.top_k * (a * 2 * spec.expert_intermediate + 4)
+        # (experts over data-parallel ranks: per row of every rank, its scores, input and output)
+        per_row += a * 2 * spec.shared_intermediate
+        per_moe_row = a * (spec.routed_experts + spec.top_k + d) + 4 * spec.top_k \
+            + spec.top_k * a * 2 * spec.expert_intermediate + (a * d if spec.moe_ranks > 1 else 0)
         if spec.expert_bias:  # each pair's bias rows (gate, up, down)
-            per_row += spec.top_k * a * (2 * spec.expert_intermediate + d)
+            per_moe_row += spec.top_k * a * (2 * spec.expert_intermediate + d)
+        fixed += spec.moe_tokens * per_moe_row
         vectors += spec.num_layers * ((spec.num_experts if spec.router_bias else 0)
                                       + (d if spec.shared_expert_gate else 0))
         vectors += spec.num_experts * d  # the router, read whole (the pairs' bias rows are counted per row)
