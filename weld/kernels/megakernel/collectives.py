@@ -103,22 +103,28 @@ def all_reduce_rows(x_ref, out_ref, *scratch, axis: str, devices: int, barrier_s
     if chunked(devices):
         _reduce_scatter_gather(x_ref, out_ref, *scratch, axis=axis, devices=devices, me=me, peers=peers, bug=bug)
         return
-    slots, send_sems, recv_sems = scratch
-    # my partial goes into slot `me` on every peer; the receive semaphore of that slot counts it
-    sends = [_remote(x_ref, slots.at[peer if bug == "same_slot" else me], send_sems.at[peer], recv_sems.at[me], axis,
-                     peer) for peer in peers]
+    out_ref[...] = _sum_from_peers(lambda peer: x_ref, *scratch, axis=axis, devices=devices, me=me, peers=peers,
+                                   bug=bug).astype(out_ref.dtype)
+
+
+def _sum_from_peers(part, slots, send_sems, recv_sems, *, axis, devices, me, peers, bug):
+    """The sum, in device order (the same on every device), of every device's part(me): each
+    device sends part(peer) into slot `me` of each peer (so no slot is written twice; the receive
+    semaphore of that slot counts it) and keeps part(me) in its own."""
+    sends = [_remote(part(peer), slots.at[peer if bug == "same_slot" else me], send_sems.at[peer], recv_sems.at[me],
+                     axis, peer) for peer in peers]
     for copy in sends:
         copy.start()
-    slots[me] = x_ref[...]  # my own slot, locally
+    slots[me] = part(me)[...]
     for copy in sends:
         copy.wait_send()
     if bug != "skip_recv_wait":
-        for peer in peers:  # what peer sent me landed in slot `peer` (same shape as mine)
-            _remote(x_ref, slots.at[peer], send_sems.at[peer], recv_sems.at[peer], axis, peer).wait_recv()
+        for peer in peers:  # what peer sent me landed in slot `peer` (the shape of mine)
+            _remote(part(peer), slots.at[peer], send_sems.at[peer], recv_sems.at[peer], axis, peer).wait_recv()
     total = slots[0]
-    for j in range(1, devices):  # in device order, the same on every device
+    for j in range(1, devices):
         total = total + slots[j]
-    out_ref[...] = total.astype(out_ref.dtype)
+    return total
 
 
 def _reduce_scatter_gather(x_ref, out_ref, slots, send_sems, recv_sems, stage, gathered, gather_send, gather_recv, *,
@@ -132,21 +138,10 @@ def _reduce_scatter_gather(x_ref, out_ref, slots, send_sems, recv_sems, stage, g
     stage[:, :cols] = x_ref[...].astype(stage.dtype)
     if stage.shape[1] > cols:
         stage[:, cols:] = jnp.zeros((rows, stage.shape[1] - cols), stage.dtype)
-    # reduce-scatter: my partial's chunk p goes into slot `me` of peer p
-    sends = [_remote(chunk(stage, peer), slots.at[peer if bug == "same_slot" else me], send_sems.at[peer],
-                     recv_sems.at[me], axis, peer) for peer in peers]
-    for copy in sends:
-        copy.start()
-    slots[me] = chunk(stage, me)[...]
-    for copy in sends:
-        copy.wait_send()
-    if bug != "skip_recv_wait":
-        for peer in peers:
-            _remote(chunk(stage, peer), slots.at[peer], send_sems.at[peer], recv_sems.at[peer], axis, peer).wait_recv()
-    total = slots[0]
-    for j in range(1, devices):  # in device order: the same sum the one-round algorithm makes
-        total = total + slots[j]
-    chunk(gathered, me)[...] = total
+    # reduce-scatter: my partial's chunk p goes to peer p, who sums chunk p in device order (the
+    # same sum the one-round algorithm makes)
+    chunk(gathered, me)[...] = _sum_from_peers(lambda peer: chunk(stage, peer), slots, send_sems, recv_sems, axis=axis,
+                                               devices=devices, me=me, peers=peers, bug=bug)
     # all-gather: my chunk's sum into the same columns of every peer's gathered buffer
     sends = [_remote(chunk(gathered, me), chunk(gathered, me), gather_send.at[peer], gather_recv.at[me], axis, peer)
              for peer in peers]
