@@ -47,7 +47,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from weld.kernels.megakernel import collectives, linear
 from weld.kernels.megakernel.attention import attend_rows, kv_scratch
-from weld.kernels.megakernel.plan import INT4_GROUP, MegakernelSpec, Plan, fit_plan, make_plan
+from weld.kernels.megakernel.plan import (EMBED_SLABS, INT4_GROUP, MegakernelSpec, Plan, embed_slab_rows, fit_plan,
+                                          make_plan)
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a dense layer's, in stream order (plan.matrices)
 EXPERT_BIASES = ("b_gate", "b_up", "b_down")
@@ -111,6 +112,19 @@ def _unpack_int4(codes, scale, minimum, cols):
     rows, kp = c.shape
     c = c.reshape(rows, kp // INT4_GROUP, INT4_GROUP)
     return (c * scale[:, :, None] + minimum[:, :, None]).reshape(rows, kp)[:, :cols]
+
+
+def _aligned(offset, multiple: int):
+    """`offset`, and where it is traced (a loop's tile), Mosaic told it is a multiple of
+    `multiple` (a tile of whole heads starts at a multiple of its own heads): without the hint
+    Mosaic refuses a dynamic offset it cannot prove aligned."""
+    return offset if isinstance(offset, int) else pl.multiple_of(offset, multiple)
+
+
+def _precision(dtype):
+    """A product's precision: f32 operands at full precision (Mosaic's multi-pass f32), narrower
+    ones at the MXU's own (Mosaic rejects fp32 contract precision on bf16 operands)."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
 def tpu_generation(device_kind: str) -> str:
@@ -177,6 +191,10 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, l
             raise ValueError(f"params has no {name!r} (the spec's switches need it)")
         if tuple(params[name].shape) != expected[name]:
             raise ValueError(f"params[{name!r}] must be {expected[name]}, got {tuple(params[name].shape)}")
+    slab = embed_slab_rows(params["embed"].dtype.itemsize, spec.vocab)
+    if spec.vocab % slab:
+        raise ValueError(f"the vocabulary ({spec.vocab} rows) must be a multiple of {slab}: the kernel fetches "
+                         f"embedding rows in tile-aligned blocks of {slab} ({params['embed'].dtype})")
     int8 = isinstance(params["lm_head"], Int8Matrix)
     if int8 != bool(spec.scale_bytes):
         raise ValueError(f"the LM head is {'int8' if int8 else 'float'} but spec.scale_bytes is {spec.scale_bytes} "
@@ -278,6 +296,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                   if generation else
                   make_plan(spec, ring_depth=ring_depth, tile_rows=tile_rows, vocab_tile_rows=vocab_tile_rows))
     depth, tiles = plan.ring_depth, plan.tiles
+    # what the MXU takes beside int8 codes: the model's float type (bf16 models: one bf16 pass
+    # with f32 accumulation; f32 ones: f32 at full precision)
+    mxu_dtype = jnp.bfloat16 if params["embed"].dtype == jnp.bfloat16 else jnp.float32
     b, t, n_tok = spec.batch, spec.tokens_per_row, spec.tokens
     h, kvh, e, d, n_layers = spec.num_heads, spec.pool_kv_heads, spec.head_dim, spec.hidden, spec.num_layers
     q_dim, kv_dim = h * e, kvh * e  # attention's query width; the new K (MLA: c_kv | k_pe) per token
@@ -542,12 +563,11 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                     w = w.astype(jnp.float32)
                     y = compute(w * scale_ring[slot, 0, :tile.rows][:, None] if kind == "int8" else w, tile, first_row)
                 else:
-                    if kind == "float":
-                        lhs = x.astype(w.dtype)
-                    else:
-                        w, lhs = w.astype(jnp.float32), x
+                    if kind == "int8":  # the codes are exact in the model's float type
+                        w = w.astype(mxu_dtype)
+                    lhs = x.astype(w.dtype) if kind == "float" else x.astype(mxu_dtype)
                     y = jax.lax.dot_general(lhs, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                            precision=jax.lax.Precision.HIGHEST)  # [N, rows]
+                                            precision=_precision(lhs.dtype))  # [N, rows]
                     if kind == "int8":
                         y = y * scale_ring[slot, :, :tile.rows]  # [1, rows]
                 write(first_row, tile.rows, y)
@@ -772,13 +792,25 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         # The stream starts first: its prologue is in flight while the embedding rows land.
         pump()
         first_id = jax.lax.axis_index(tp_axis) * spec.vocab if tp_size > 1 else 0  # of this device's vocab slice
-        emb_copies = [pltpu.make_async_copy(embed_ref.at[pl.ds(jnp.clip(tok_ref[n] - first_id, 0, spec.vocab - 1), 1)],
-                                            emb_buf.at[pl.ds(n, 1)], emb_sems.at[n]) for n in range(n_tok)]
-        for c in emb_copies:
+        # each row arrives inside its tile-aligned block of `slab` rows (a DMA's offset and size
+        # along a tiled dimension must be whole tiles on a TPU), through `slabs` buffers in turn
+        slabs, slab = emb_buf.shape[0], emb_buf.shape[1]
+        emb_copies, emb_offsets = [], []
+        for n in range(n_tok):
+            token_row = jnp.clip(tok_ref[n] - first_id, 0, spec.vocab - 1)
+            start = pl.multiple_of(token_row // slab * slab, slab)
+            emb_copies.append(pltpu.make_async_copy(embed_ref.at[pl.ds(start, slab)], emb_buf.at[n % slabs],
+                                                    emb_sems.at[n % slabs]))
+            emb_offsets.append(token_row - start)
+        for c in emb_copies[:slabs]:
             c.start()
-        for c in emb_copies:
+        in_slab = jax.lax.broadcasted_iota(jnp.int32, (slab, 1), 0)
+        for n, (c, offset) in enumerate(zip(emb_copies, emb_offsets)):
             c.wait()
-        x_ref[...] = emb_buf[...].astype(jnp.float32)
+            block = emb_buf[n % slabs].astype(jnp.float32)  # [slab, d]
+            x_ref[pl.ds(n, 1), :] = jnp.sum(jnp.where(in_slab == offset, block, 0.0), axis=0, keepdims=True)
+            if n + slabs < n_tok:
+                emb_copies[n + slabs].start()
         if spec.embed_scale != 1.0:
             x_ref[...] = x_ref[...] * spec.embed_scale
         if tp_size > 1:  # each device holds the rows of its vocabulary slice: the others' are zeros, then summed
@@ -875,18 +907,19 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             def absorb(w, tile, start):  # a tile of whole heads of W_UK [heads x dn, r] from row `start`
                 # (traced in a loop): q_abs = W_UK[h]^T q_nope[h], q_nope read from the projection's heads
                 hh, width = tile.rows // dn, dn + dr
-                q_nope = qa_ref[:, pl.ds(start // dn * width, hh * width)].reshape(n_tok, hh, width)[:, :, :dn]
+                q_nope = qa_ref[:, pl.ds(_aligned(start // dn * width, hh * width), hh * width)]
+                q_nope = q_nope.reshape(n_tok, hh, width)[:, :, :dn]
                 return jnp.einsum("nhe,her->nhr", q_nope, w.reshape(hh, dn, r), precision=jax.lax.Precision.HIGHEST)
 
             def into_heads(start, rows, y):
-                q_heads[:, pl.ds(start // dn, rows // dn), :r] = y
+                q_heads[:, pl.ds(_aligned(start // dn, rows // dn), rows // dn), :r] = y
             gemv(layer, "w_uk", None, into_heads, compute=absorb)
             attend_rows(pos_ref, bt_ref, q_heads, kn_ref, None, k_out[pool_of[layer]], None, att_ref, *attn_scratch,
                         rows=b, tokens=t, pages_per_tile=spec.pages_per_kv_tile, scale=spec.scale,
                         table_offset=spec.group(layer) * table_width)
             def expand(w, tile, start):  # a tile of whole heads of W_UV [heads x dv, r]: o[h] = W_UV[h] o_lat[h]
                 hh = tile.rows // dv
-                o_lat = att_ref[:, pl.ds(start // dv, hh), :r]  # the values are c_kv, the keys' first r dims
+                o_lat = att_ref[:, pl.ds(_aligned(start // dv, hh), hh), :r]  # the values: c_kv, the keys' first r dims
                 out = jnp.einsum("nhr,hvr->nhv", o_lat, w.reshape(hh, dv, r), precision=jax.lax.Precision.HIGHEST)
                 return out.reshape(n_tok, tile.rows)
             gemv(layer, "w_uv", None, into(ov_ref), compute=expand)
@@ -950,8 +983,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     vmem, f32 = pltpu.MemorySpace.VMEM, jnp.float32
     scratch = [pltpu.VMEM((depth, ring_rows[k], ring_cols[k]), ring_dtypes[k]) for k in kinds] + [  # the weight rings
         pltpu.SemaphoreType.DMA((depth,)),  # one DMA semaphore per ring slot (shared by the rings)
-        pltpu.VMEM((n_tok, d), params["embed"].dtype),  # the N embedding rows, as fetched
-        pltpu.SemaphoreType.DMA((n_tok,)),  # one per embedding row
+        pltpu.VMEM((min(n_tok, EMBED_SLABS), embed_slab_rows(params["embed"].dtype.itemsize, spec.vocab), d),
+                   params["embed"].dtype),  # the embedding rows' aligned blocks, as fetched
+        pltpu.SemaphoreType.DMA((min(n_tok, EMBED_SLABS),)),  # one per block buffer
         pltpu.VMEM((n_tok, d), f32),  # x: the residual stream
         pltpu.VMEM((n_tok, d), f32),  # the o / down projection's output, added to x
         pltpu.VMEM((n_tok, q_proj), f32),  # q, as projected

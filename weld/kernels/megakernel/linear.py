@@ -184,12 +184,14 @@ def recur_rows(spec, pos_ref, slot_ref, bufs, window_pool, state_pool, *, bug: s
             k = share(_l2norm(mixed[:, kd:2 * kd].reshape(t, hk, dk)))
             v = mixed[:, 2 * kd:].reshape(t, hv, dv)
             decay = bufs["decay"][pl.ds(first, t)]  # [T, Hv] or [T, Hv dk]
+            if per_channel:  # split by head on the whole block, as k is (Mosaic casts no lone row to 3-D)
+                decay = decay.reshape(t, hv, dk)
             beta = bufs["beta"][pl.ds(first, t)]  # [T, Hv]
             outs = []
             for j in range(t):
                 g = jnp.where(valid[j], decay[j], 0.0)
                 b = jnp.where(valid[j], beta[j], 0.0)  # [Hv]
-                state = state * (jnp.exp(g).reshape(hv, dk, 1) if per_channel else jnp.exp(g).reshape(hv, 1, 1))
+                state = state * (jnp.exp(g)[:, :, None] if per_channel else jnp.exp(g).reshape(hv, 1, 1))
                 recalled = jnp.einsum("hkv,hk->hv", state, k[j], precision=jax.lax.Precision.HIGHEST)
                 delta = (v[j] - recalled) * b[:, None]
                 state = state + k[j][:, :, None] * delta[:, None, :]
