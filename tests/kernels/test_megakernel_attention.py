@@ -103,7 +103,10 @@ def test_hand_checked_single_token():
 @pytest.mark.parametrize("bug", ["skip_wait", "wrong_slot", "skip_write_wait"])
 def test_planted_dma_bug_is_caught(interpret, bug):
     """A missing wait on a KV tile, a read of the other buffer, or streaming pages before the new
-    token's write has landed: each gives wrong output (NaN or a stale key) or a detected race."""
+    token's write has landed: each gives wrong output (NaN or a stale key) or a detected race.
+    Interpret mode only: on a chip a race may go either way, and no detector watches."""
+    if not interpret:
+        pytest.skip("a planted race is caught by interpret mode's NaN scratch and race detector, not on a chip")
     q, kn, vn, kp, vp = _problem()
     positions = jnp.asarray([4, 13, -1], jnp.int32)
     bt = jnp.asarray(BLOCK_TABLES)

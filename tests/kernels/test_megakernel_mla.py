@@ -27,10 +27,11 @@ from weld.models.common.rope import Rope, RopeScaling
 
 YARN = RopeScaling(kind="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0)
 # DeepSeek-V3 / Kimi K2 in miniature: q LoRA, interleaved YaRN RoPE, a dense first layer, then
-# sigmoid routing over 2 of 4 groups with a correction bias and a shared expert
+# sigmoid routing over 2 of 4 groups with a correction bias and a shared expert; 32 heads, so that
+# W_UK and W_UV stream as loops over tiles of 8 whole heads (`plan.HEAD_ALIGN`)
 V3 = deepseek.Config(
     architecture="deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
-    mla=MLA(num_heads=4, q_lora_rank=24, kv_lora_rank=16, nope_dim=8, rope_dim=8, v_dim=12,
+    mla=MLA(num_heads=32, q_lora_rank=24, kv_lora_rank=16, nope_dim=8, rope_dim=8, v_dim=12,
             rope=Rope(8, 1e4, YARN, 64, interleaved=True), scale=mla_scale(8, 8, YARN)),
     moe=moe_lib.MoE(num_experts=8, top_k=2, intermediate_size=16, router="sigmoid_group", n_group=4, topk_group=2,
                     score_bias=True, norm_topk_prob=True, routed_scaling_factor=2.5, shared_intermediate_size=16),
@@ -57,10 +58,14 @@ def test_mla_schedule_keeps_whole_heads_per_tile():
     assert (spec.num_kv_heads, spec.head_dim, spec.attention) == (1, 16 + 8, "mla")
     tiles = mkplan.stream_schedule(spec, tile_rows=20, vocab_tile_rows=32)
     layer0 = [(t.matrix, t.rows) for t in tiles if t.layer == 0]
-    # q_a 24 rows -> 20 + 4; q_b 4 x 16 = 64 -> 20s; kv_a 24; W_UK 4 heads x 8: tiles of 2 heads (16 rows);
-    # W_UV 4 x 12: tiles of 1 head (12 rows, 20 // 12); o 32 rows
-    assert [r for m, r in layer0 if m == "w_uk"] == [16, 16]
-    assert [r for m, r in layer0 if m == "w_uv"] == [12] * 4
+    # q_a 24 rows -> 20 + 4; q_b 32 x 16 -> 20s; kv_a 24; W_UK 32 heads x 8 and W_UV 32 x 12: whole heads,
+    # 2 and 1 of them in 20 rows, rounded up to HEAD_ALIGN = 8 per tile (so a looped tile's head offset
+    # is a multiple of 8: Mosaic must prove it aligned); o 32 rows
+    assert [r for m, r in layer0 if m == "w_uk"] == [8 * 8] * 4
+    assert [r for m, r in layer0 if m == "w_uv"] == [8 * 12] * 4
+    few = mkplan.stream_schedule(megakernel.spec_for(V2_DENSE, batch=1, page_size=PAGE, weight_dtype=jnp.float32,
+                                                     kv_dtype=jnp.float32), tile_rows=4, vocab_tile_rows=32)
+    assert [t.rows for t in few if t.layer == 0 and t.matrix == "w_uv"] == [2 * 8]  # fewer heads than 8: all
     assert [m for m, _ in layer0][:3] == ["q_a", "q_a", "q_b"]
 
 
@@ -127,4 +132,4 @@ def test_int8_with_float_latent_matrices_matches_xla(interpret):
                                float_matrices=megakernel.float_matrices(megakernel.kernel_params(V3, quantized)))
     assert spec.float_matrices == ("w_uk", "w_uv")
     tiles = mkplan.stream_schedule(spec, tile_rows=16)
-    assert {t.nbytes for t in tiles if t.matrix == "w_uk"} == {16 * 16 * 4}  # f32 rows, no scales
+    assert {t.nbytes for t in tiles if t.matrix == "w_uk"} == {8 * 8 * 16 * 4}  # 8 heads of f32 rows, no scales

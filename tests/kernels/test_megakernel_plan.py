@@ -43,9 +43,13 @@ def test_schedule_covers_every_weight_once():
 
 def test_vmem_bytes_by_hand():
     p = mk.make_plan(TINY, ring_depth=3, tile_rows=8, vocab_tile_rows=16)
-    # a slot fits any tile: the tallest (16 vocab rows) times the widest (24 inputs of `down`), f32
-    assert p.slot_bytes == 16 * 24 * 4
-    assert p.ring_bytes == 3 * 16 * 24 * 4
+    # widths off the 128-lane tiles get a ring each: the 16-input tiles' slot fits the tallest (16
+    # vocab rows), the 24-input ring holds `down`'s 8-row tiles; f32
+    assert p.slot_bytes == 16 * 16 * 4 + 8 * 24 * 4
+    assert p.ring_bytes == 3 * (16 * 16 + 8 * 24) * 4
+    wide = mk.make_plan(dataclasses.replace(TINY, hidden=128, intermediate=256, num_heads=32), ring_depth=3,
+                        tile_rows=8, vocab_tile_rows=16)
+    assert wide.slot_bytes == 16 * 256 * 4  # whole lane tiles share one ring: tallest x widest
     assert p.kv_bytes == 2 * 2 * (2 * 4 * 2 * 4 * 4)  # K+V, 2 buffers, 2 pages of 4 tokens x 2 heads x 4 dims
     # per token, f32: residual, normed, o/down output (3*16); q, roped q, attention out (3*16); k, v (2*8);
     # gate, up (2*24); the logits row (40); + the greedy id (4 B), the new K and V (2*8 x 4 B). Per token

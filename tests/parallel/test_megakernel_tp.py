@@ -43,7 +43,8 @@ def test_tensor_parallel_megakernel_equals_one_device_xla(devices, configs):
     for name in configs:
         row = result[name]
         if name.endswith(("_without_all_reduce", "_wrong_expert", "_every_pair_computed", "_flat_channels")):
-            assert row["max_rel_err"] > 1e-2 and not row["greedy_equal"], row
+            # NaN counts as wrong: a planted bug may read ring slots nothing has written yet
+            assert not row["max_rel_err"] <= 1e-2 and not row["greedy_equal"], row
         else:
             assert row["max_rel_err"] < 1e-3 and row["greedy_equal"] and row["pool_err"] < 1e-4, row
             assert not row["races"], row

@@ -24,6 +24,7 @@ from jax.experimental.pallas import tpu as pltpu
 from weld.kernels.megakernel.decode import EXPERT_BIASES, MATRICES, Int4Matrix, Int8Matrix, decode_step
 from weld.kernels.megakernel.plan import MegakernelSpec
 from weld.models import deepseek, gemma3, gpt_oss, kimi_linear, llama, qwen3_next
+from weld.models.common import decoder
 from weld.models.common import linear_attention as la
 from weld.models.common import moe as moe_lib
 from weld.models.common.cache import AttentionBatch, Cache, KVPages, LatentPages, RecurrentState
@@ -415,6 +416,12 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
 
     check_mesh(cfg, mesh)
     axis, tensor, shards = tensor_layout(mesh)
+    padded_slices = "embed_table" in weights and not isinstance(weights["embed"], QuantWeight)
+    if padded_slices:
+        # a table padded to the kernel's blocks (`decoder.megakernel_weights`) is whole, not a
+        # device's vocabulary slice: each device pads its own slice of the embedding in the step
+        # (a copy of the slice per step, only where the vocabulary is no multiple of 32 rows)
+        weights = {k: v for k, v in weights.items() if k != "embed_table"}
     moe_ranks = expert_ranks(cfg, mesh)
     net = getattr(cfg, "linear", None)
     if _linear_layers(cfg) and tensor > 1 and net.shards != tensor:
@@ -439,6 +446,8 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
     slots = jnp.arange(tokens.shape[0], dtype=jnp.int32) if batch.state_slots is None else batch.state_slots
 
     def step(w, t, p, c, bt, s):
+        if padded_slices:
+            w = dict(w, embed_table=decoder.embed_blocks(w["embed"]))
         logits, hidden, c = forward(w, local, t, p, c, AttentionBatch(bt, s), None, capture_layers, options=options,
                                     tp=(axis, tensor), expert_shards=shards, kv_pool_heads=kv_pool_heads,
                                     moe_ranks=moe_ranks)
@@ -506,6 +515,8 @@ def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: Attentio
 
 
 TPU_CHIPS = {"v5e": "TPU_V5E", "v6e": "TPU_V6E", "v7": "TPU_7X"}  # generation -> JAX's `tpu_info.ChipVersion`
+# generation -> a topology libtpu compiles for with no TPU attached (`compile_for_tpu`)
+TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v7": "tpu7x:2x2x1"}
 
 
 def lower_for_tpu(cfg, *, batch: int, generation: str = "v6e", dtype=jnp.bfloat16, page_size: int = 16,
@@ -513,37 +524,78 @@ def lower_for_tpu(cfg, *, batch: int, generation: str = "v6e", dtype=jnp.bfloat1
     """The Mosaic lowering of one decode step of cfg's megakernel for a TPU of `generation`, on
     any machine: abstract weights and cache (nothing allocated), `lowering_platforms=("tpu",)`.
     Every op of the kernel body must have a Pallas TPU lowering rule (interpret mode runs any
-    jnp, so only this catches an op Mosaic lacks); Mosaic's own passes run at compile time, on a
-    TPU. JAX asks the device for its TPU generation while lowering some ops: off a TPU the local
-    device kind is registered as `generation` (`tpu_info.registry`, a private table of JAX 0.10.2).
-    Returns the lowered module's text."""
-    from jax._src.pallas.mosaic import tpu_info
-
-    if generation not in TPU_CHIPS:
-        raise ValueError(f"generation must be one of {sorted(TPU_CHIPS)}, got {generation!r}")
-    kind = None
-    if jax.default_backend() != "tpu" and jax.devices()[0].device_kind not in tpu_info.registry:
-        kind, chip = jax.devices()[0].device_kind, getattr(tpu_info.ChipVersion, TPU_CHIPS[generation])
-        tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(chip, 1)
-    try:
-        return _lower(cfg, batch, generation, dtype, page_size, num_pages)
-    finally:
-        if kind is not None:
-            del tpu_info.registry[kind]
+    jnp, so only this catches an op Mosaic lacks); Mosaic's own passes (vector layouts, tiling,
+    alignment) run when it compiles: `compile_for_tpu`. Returns the lowered module's text."""
+    with _as_tpu(generation):
+        step, args = _step(cfg, batch, generation, dtype, page_size, num_pages)
+        return step.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
 
 
-def _lower(cfg, batch, generation, dtype, page_size, num_pages) -> str:
+def compile_for_tpu(cfg, *, batch: int, generation: str = "v5e", dtype=jnp.bfloat16, weights=None,
+                    tokens_per_row: int = 1, page_size: int = 16, num_pages: int = 64):
+    """One decode step of cfg's megakernel compiled by XLA and Mosaic for one chip of a TPU
+    `generation`, on any machine with libtpu installed (the `jax[tpu]` wheel's; no TPU needed:
+    libtpu compiles for a topology, `TPU_TOPOLOGIES`). Mosaic's passes reject what interpret
+    mode and the lowering accept (a DMA or slice off the (8, 128) tiles, an unsupported shape
+    cast or operand type): this is the check short of running on a chip. `weights`: the
+    prepared tree (e.g. quantized; only shapes and dtypes are used), else abstract `dtype`
+    weights. Returns the compiled executable. JAX_PLATFORMS=cpu keeps the process off any TPU."""
+    import importlib.util
+
+    if generation not in TPU_TOPOLOGIES:
+        raise ValueError(f"generation must be one of {sorted(TPU_TOPOLOGIES)}, got {generation!r}")
+    if importlib.util.find_spec("libtpu") is None:
+        raise RuntimeError("compile_for_tpu needs libtpu (pip install 'jax[tpu]'; `make install-test` puts it in "
+                           ".venv/libtpu: add that folder to PYTHONPATH)")
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    device = topologies.get_topology_desc(TPU_TOPOLOGIES[generation], "tpu").devices[0]
+    sharding = NamedSharding(Mesh(np.array([device]), ("one",)), PartitionSpec())
+    with _as_tpu(generation):
+        step, args = _step(cfg, batch, generation, dtype, page_size, num_pages, weights, tokens_per_row)
+        args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
+        return step.trace(*args).lower().compile()
+
+
+class _as_tpu:
+    """Off a TPU, JAX's local device kind registered as `generation` for the lowering's
+    questions about the TPU (`tpu_info.registry`, a private table of JAX 0.10.2)."""
+
+    def __init__(self, generation: str):
+        if generation not in TPU_CHIPS:
+            raise ValueError(f"generation must be one of {sorted(TPU_CHIPS)}, got {generation!r}")
+        self.generation, self.kind = generation, None
+
+    def __enter__(self):
+        from jax._src.pallas.mosaic import tpu_info
+
+        if jax.default_backend() != "tpu" and jax.devices()[0].device_kind not in tpu_info.registry:
+            self.kind, chip = jax.devices()[0].device_kind, getattr(tpu_info.ChipVersion, TPU_CHIPS[self.generation])
+            tpu_info.registry[self.kind] = lambda: tpu_info.get_tpu_info_for_chip(chip, 1)
+        return self
+
+    def __exit__(self, *exc):
+        from jax._src.pallas.mosaic import tpu_info
+
+        if self.kind is not None:
+            del tpu_info.registry[self.kind]
+
+
+def _step(cfg, batch, generation, dtype, page_size, num_pages, weights=None, tokens_per_row=1):
+    """The jitted kernel step and its abstract arguments (weights, tokens, positions, cache, tables)."""
     from weld.models import FAMILIES
     from weld.models.common.spec import abstract_weights
     from weld.models.family import WeightTarget
 
     family = next(f for f in FAMILIES if isinstance(cfg, f.Config))
-    weights = jax.eval_shape(lambda w: family.prepare_weights(w, cfg, WeightTarget(backend="megakernel")),
-                             abstract_weights(family.weight_specs(cfg), dtype))
+    if weights is None:
+        weights = jax.eval_shape(lambda w: family.prepare_weights(w, cfg, WeightTarget(backend="megakernel")),
+                                 abstract_weights(family.weight_specs(cfg), dtype))
     cache_spec = family.cache_spec(cfg)
     cache = jax.eval_shape(lambda: cache_spec.create(num_pages, page_size, dtype, num_slots=batch))
     options = KernelOptions(generation=generation, interpret=False)
-    tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((batch, tokens_per_row), jnp.int32)
     tables = jax.ShapeDtypeStruct((batch, len(cache_spec.page_groups()) * max(1, num_pages // batch)), jnp.int32)
     step = jax.jit(lambda w, t, p, c, bt: forward(w, cfg, t, p, c, AttentionBatch(bt), options=options)[0])
-    return step.trace(weights, tokens, tokens, cache, tables).lower(lowering_platforms=("tpu",)).as_text()
+    return step, (weights, tokens, tokens, cache, tables)

@@ -47,8 +47,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from weld.kernels.megakernel import collectives, linear
 from weld.kernels.megakernel.attention import attend_rows, kv_scratch
-from weld.kernels.megakernel.plan import (EMBED_SLABS, INT4_GROUP, MegakernelSpec, Plan, embed_slab_rows, fit_plan,
-                                          make_plan)
+from weld.kernels.megakernel.plan import (EMBED_ROWS_ALIGN, EMBED_SLABS, INT4_GROUP, LANES, MegakernelSpec, Plan, embed_slab_rows, fit_plan,
+                                          make_plan, ring_key, ring_width)
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a dense layer's, in stream order (plan.matrices)
 EXPERT_BIASES = ("b_gate", "b_up", "b_down")
@@ -114,6 +114,18 @@ def _unpack_int4(codes, scale, minimum, cols):
     return (c * scale[:, :, None] + minimum[:, :, None]).reshape(rows, kp)[:, :cols]
 
 
+def _lane_span(n: int) -> int:
+    """Elements a DMA of `n` f32 along the lanes moves: whole 128-lane tiles (Mosaic wants a
+    contiguous slice in multiples of 512 bytes), n itself when it is whole already."""
+    return -(-n // LANES) * LANES
+
+
+def _pad_lanes(x, length: int):
+    """x's last dimension zero-padded to `length` (x itself when it is that long already)."""
+    extra = length - x.shape[-1]
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)]) if extra > 0 else x
+
+
 def _aligned(offset, multiple: int):
     """`offset`, and where it is traced (a loop's tile), Mosaic told it is a multiple of
     `multiple` (a tile of whole heads starts at a multiple of its own heads): without the hint
@@ -177,7 +189,13 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, l
                 raise ValueError(f"the state pools of layer {i} must be f32 [slots, C, K - 1], [slots, Hv, dk, dv] = "
                                  f"{shapes}, got {[(tuple(a.shape), str(a.dtype)) for a in pair]}")
     vd = spec.linear_value_dim
-    expected = {"embed": (spec.vocab, d), "lm_head": (spec.vocab, d), "attn_norm": (n_layers, d),
+    slab = embed_slab_rows(params["embed"].dtype.itemsize, spec.vocab)
+    table_rows = params["embed"].shape[0]  # the vocabulary, or padded to whole blocks
+    if not (spec.vocab <= table_rows < spec.vocab + EMBED_ROWS_ALIGN and table_rows % slab == 0):
+        raise ValueError(f"params['embed'] has {table_rows} rows for a vocabulary of {spec.vocab}: the kernel fetches "
+                         f"embedding rows in tile-aligned blocks of {slab}, so the table must be the vocabulary padded "
+                         "to whole blocks (`decoder.megakernel_weights` pads it)")
+    expected = {"embed": (table_rows, d), "lm_head": (spec.vocab, d), "attn_norm": (n_layers, d),
                 "mlp_norm": (n_layers, d), "final_norm": (d,), "inv_freq": (spec.rope_tables, spec.rope_dims // 2),
                 "post_attn_norm": (n_layers, d), "post_mlp_norm": (n_layers, d), "sinks": (n_layers, spec.num_heads),
                 "qkv_bias": (n_layers, spec.q_proj_dim + 2 * kv), "o_bias": (n_layers, d), "q_norm": (n_layers, e),
@@ -191,10 +209,6 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, l
             raise ValueError(f"params has no {name!r} (the spec's switches need it)")
         if tuple(params[name].shape) != expected[name]:
             raise ValueError(f"params[{name!r}] must be {expected[name]}, got {tuple(params[name].shape)}")
-    slab = embed_slab_rows(params["embed"].dtype.itemsize, spec.vocab)
-    if spec.vocab % slab:
-        raise ValueError(f"the vocabulary ({spec.vocab} rows) must be a multiple of {slab}: the kernel fetches "
-                         f"embedding rows in tile-aligned blocks of {slab} ({params['embed'].dtype})")
     int8 = isinstance(params["lm_head"], Int8Matrix)
     if int8 != bool(spec.scale_bytes):
         raise ValueError(f"the LM head is {'int8' if int8 else 'float'} but spec.scale_bytes is {spec.scale_bytes} "
@@ -330,28 +344,41 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     # int8: scales [1, out], or an expert stack's [E, 1, out] (a tile's scales are one row of them);
     # int4: scales and mins [out, groups] ([E, out, groups]), a tile's are its rows of them
     scale_of = {m: j for j, m in enumerate(i for i, k in enumerate(kind_of) if k == "int8")}  # matrix -> its scales
-    scale_ops = [matrices[m].scale.astype(jnp.float32).reshape(matrices[m].scale.shape[:-1] + (1, -1))
+    # a tile's scales move in whole lane tiles (`_lane_span`): a matrix with a tile of other than
+    # whole ones (SmolLM2's 576 rows: 256, 256, 64) has its scales padded for the last one's reach
+    ragged = {index[(x.layer, x.matrix)] for x in tiles if x.rows % LANES}
+    scale_ops = [_pad_lanes(matrices[m].scale.astype(jnp.float32).reshape(matrices[m].scale.shape[:-1] + (1, -1)),
+                            _lane_span(matrices[m].scale.shape[-1]) + LANES if m in ragged else 0)
                  for m in scale_of]
     group_of = {m: j for j, m in enumerate(i for i, k in enumerate(kind_of) if k == "int4")}  # -> its (scale, min)
     group_ops = [a.astype(jnp.float32) for m in group_of for a in (matrices[m].scale, matrices[m].min)]
     # One ring of VMEM slots per weight kind present, slot for slot: tile i uses slot i % depth of
-    # its kind's ring; each ring's slot fits that kind's tallest tile and widest row.
-    tile_kind = [kind_of[index[(x.layer, x.matrix)]] for x in tiles]
-    kinds = [k for k in ("int8", "int4", "float") if k in tile_kind]
+    # its kind's ring; each ring's slot fits that kind's tallest tile and widest row (and a ring
+    # per width off the lane tiles: `plan.ring_key`).
+    ring_of = {}  # (layer, matrix) -> its ring's key
+    for x in tiles:
+        ring_of[(x.layer, x.matrix)] = ring_key(kind_of[index[(x.layer, x.matrix)]], x.cols,
+                                                spec.head_rows(x.matrix) > 1)
+    keys = sorted(set(ring_of.values()), key=lambda key: (("int8", "int4", "float").index(key[0]), key[1]))
+    kinds = {kind for kind, _ in keys}
     float_dtypes = {w.dtype for w, k in zip(weight_ops, kind_of) if k == "float"}
     if len(float_dtypes) > 1:
         raise ValueError(f"the float matrices must share one dtype, got {sorted(map(str, float_dtypes))}")
-    ring_rows, ring_cols = {}, {}
+    ring_rows, ring_cols = {}, {}  # per ring, and per kind (the scale and group rings: the kind's tallest)
+    for key in keys:
+        kept = [x for x in tiles if ring_of[(x.layer, x.matrix)] == key]
+        ring_rows[key] = max(x.rows for x in kept)
+        ring_cols[key] = max(ring_width(key[0], x.cols) for x in kept)
     for kind in kinds:
-        kept = [x for x, k in zip(tiles, tile_kind) if k == kind]
-        ring_rows[kind] = max(x.rows for x in kept)
-        ring_cols[kind] = max(-(-x.cols // INT4_GROUP) * INT4_GROUP // 2 if kind == "int4" else x.cols for x in kept)
+        ring_rows[kind] = max(ring_rows[key] for key in keys if key[0] == kind)
+        ring_cols[kind] = max(ring_cols[key] for key in keys if key[0] == kind)
     ring_dtypes = {"int8": jnp.int8, "int4": jnp.uint8, "float": next(iter(float_dtypes), jnp.float32)}
     sparse = spec.sparse_layers
     routers = [params["layers"][i]["router"] for i in sparse]  # HBM [E, d], read whole once per layer
     # HBM f32 [E, I], [E, I], [E, d] per sparse layer: the experts' biases, each pair's rows fetched
-    biases = [params["layers"][i][name].astype(jnp.float32) for i in sparse for name in EXPERT_BIASES] \
-        if spec.expert_bias else []
+    # (rows in whole lane tiles: gpt-oss's 2,880 padded to 2,944)
+    biases = [_pad_lanes(params["layers"][i][name].astype(jnp.float32), _lane_span(params["layers"][i][name].shape[-1]))
+              for i in sparse for name in EXPERT_BIASES] if spec.expert_bias else []
     convs = [params["layers"][i]["conv"] for i in lin_layers]  # HBM [C, K], read whole once per layer
     n_pairs, top_k = spec.pairs, spec.top_k
     vector_names = _vector_names(spec)
@@ -418,7 +445,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         state_out = [take(2) for _ in lin_layers]  # HBM (windows, states) per linear layer
         cap_refs = take(n_cap)  # VMEM [N, d] f32 per capture layer
         # scratch (see scratch_shapes)
-        rings = dict(zip(kinds, take(len(kinds))))  # the weight ring of each kind present
+        rings = dict(zip(keys, take(len(keys))))  # the weight rings (`plan.ring_key`)
         ring_sems, emb_buf, emb_sems, x_ref, delta_ref, qa_ref, ka_ref, va_ref = take(8)
         q_heads, kn_ref, vn_ref, att_ref, gate_ref, up_ref = take(6)
         attn_scratch = take(4)
@@ -506,10 +533,12 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 src_g = [g.at[expert] for g in src_g]
             width = src_w.shape[-1]  # int4: the packed bytes of a row
             copies = [pltpu.make_async_copy(src_w.at[pl.ds(first, tile.rows)],
-                                            rings[kind].at[slot, rows, pl.ds(0, width)], ring_sems.at[slot])]
-            if src_s is not None:  # the tile's scales ride on the same semaphore
-                copies.append(pltpu.make_async_copy(src_s.at[pl.ds(0, 1), pl.ds(first, tile.rows)],
-                                                    scale_ring.at[slot, pl.ds(0, 1), rows], ring_sems.at[slot]))
+                                            rings[ring_of[(tile.layer, tile.matrix)]].at[slot, rows, pl.ds(0, width)],
+                                            ring_sems.at[slot])]
+            if src_s is not None:  # the tile's scales ride on the same semaphore, in whole lane tiles
+                span = pl.ds(0, _lane_span(tile.rows))
+                copies.append(pltpu.make_async_copy(src_s.at[pl.ds(0, 1), pl.ds(first, span.size)],
+                                                    scale_ring.at[slot, pl.ds(0, 1), span], ring_sems.at[slot]))
             for src, ring in zip(src_g, group_rings or []):  # and the int4 tile's scales and mins
                 copies.append(pltpu.make_async_copy(src.at[pl.ds(first, tile.rows)],
                                                     ring.at[slot, rows, pl.ds(0, src.shape[-1])], ring_sems.at[slot]))
@@ -555,10 +584,10 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             def product():
                 if kind == "int4":  # unpacked and dequantized in VMEM: f32 [rows, in]
                     groups = -(-tile.cols // INT4_GROUP)
-                    w = _unpack_int4(rings[kind][slot, :tile.rows, :groups * INT4_GROUP // 2],
+                    w = _unpack_int4(rings[ring_of[(tile.layer, tile.matrix)]][slot, :tile.rows, :groups * INT4_GROUP // 2],
                                      *(ring[slot, :tile.rows, :groups] for ring in group_rings), tile.cols)
                 else:
-                    w = rings[kind][slot, :tile.rows, :tile.cols]  # [rows, in]
+                    w = rings[ring_of[(tile.layer, tile.matrix)]][slot, :tile.rows, :tile.cols]  # [rows, in]
                 if compute is not None:  # per-row scales applied to the weights first
                     w = w.astype(jnp.float32)
                     y = compute(w * scale_ring[slot, 0, :tile.rows][:, None] if kind == "int8" else w, tile, first_row)
@@ -758,7 +787,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 run("up", x_row, into(eu_ref, pair))
                 gate, up = eg_ref[pl.ds(pair, 1), :], eu_ref[pl.ds(pair, 1), :]
                 if pair_bias is not None:
-                    gate, up = gate + bias_bufs[0][pl.ds(pair, 1), :], up + bias_bufs[1][pl.ds(pair, 1), :]
+                    inter = spec.expert_intermediate
+                    gate = gate + bias_bufs[0][pl.ds(pair, 1), :inter]
+                    up = up + bias_bufs[1][pl.ds(pair, 1), :inter]
                 h = expert_activation(gate, up)
                 choices = jax.lax.broadcasted_iota(jnp.int32, (1, top_k), 1)
                 weight = jnp.sum(jnp.where(choices == choice, weight_ref[pl.ds(n, 1), :], 0.0), axis=1,
@@ -773,7 +804,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                     adds = True if held is None else held
                     if tp_size > 1:
                         adds = adds & expert_shard()[1]
-                    bias = jnp.where(adds, weight * bias_bufs[2][pl.ds(pair, 1), :], 0.0)
+                    bias = jnp.where(adds, weight * bias_bufs[2][pl.ds(pair, 1), :d], 0.0)
                     out_ref[pl.ds(n, 1), :] = out_ref[pl.ds(n, 1), :] + bias
             routed_pairs(layer, pair_body)
             if ranks == 1:
@@ -981,7 +1012,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         ids_ref[...] = jnp.argmax(logits_ref[...], axis=-1).astype(jnp.int32)[:, None]
 
     vmem, f32 = pltpu.MemorySpace.VMEM, jnp.float32
-    scratch = [pltpu.VMEM((depth, ring_rows[k], ring_cols[k]), ring_dtypes[k]) for k in kinds] + [  # the weight rings
+    scratch = [pltpu.VMEM((depth, ring_rows[k], ring_cols[k]), ring_dtypes[k[0]]) for k in keys] + [  # the weight rings
         pltpu.SemaphoreType.DMA((depth,)),  # one DMA semaphore per ring slot (shared by the rings)
         pltpu.VMEM((min(n_tok, EMBED_SLABS), embed_slab_rows(params["embed"].dtype.itemsize, spec.vocab), d),
                    params["embed"].dtype),  # the embedding rows' aligned blocks, as fetched
@@ -999,7 +1030,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         pltpu.VMEM((n_tok, spec.intermediate), f32),  # up
     ] + kv_scratch(spec.pages_per_kv_tile, spec.page_size, kvh, e, kv_dtype)  # KV tiles and their semaphores
     if int8:
-        scratch.append(pltpu.VMEM((depth, 1, ring_rows["int8"]), f32))  # the scale ring: a row per slot
+        scratch.append(pltpu.VMEM((depth, 1, _lane_span(ring_rows["int8"])), f32))  # the scale ring: a row per slot
     if "int4" in kinds:  # the int4 tiles' scales and mins, per group
         scratch += [pltpu.VMEM((depth, ring_rows["int4"], ring_cols["int4"] * 2 // INT4_GROUP), f32)] * 2
     if spec.mla:
@@ -1020,8 +1051,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             pltpu.VMEM((n_moe, d), f32),  # the layer's normed input (every rank's), rows read by pair
         ]
         if n_bias:  # each pair's bias rows and their semaphore
-            scratch += [pltpu.VMEM((n_pairs, spec.expert_intermediate), f32)] * 2 + [
-                pltpu.VMEM((n_pairs, d), f32), pltpu.SemaphoreType.DMA((1,))]
+            scratch += [pltpu.VMEM((n_pairs, _lane_span(spec.expert_intermediate)), f32)] * 2 + [
+                pltpu.VMEM((n_pairs, _lane_span(d)), f32), pltpu.SemaphoreType.DMA((1,))]
         if spec.shared_intermediate:
             scratch += [pltpu.VMEM((n_tok, spec.shared_intermediate), f32)] * 2  # the shared expert's gate, up
     if lin_layers:

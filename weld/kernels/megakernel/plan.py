@@ -58,14 +58,40 @@ TPU_GENERATIONS = {
 USABLE_VMEM_FRACTION = 0.85
 MIN_RING_DEPTH = 2  # one slot computing, one in flight: below this nothing overlaps
 INT4_GROUP = 128  # inputs per scale and min of int4 experts (`MegakernelSpec.int4_experts`)
+LANES = 128  # a TPU vreg's lanes: a VMEM slice narrower than its buffer must cover whole lane tiles
 EMBED_SLABS = 4  # buffers the embedding rows' aligned blocks land in, in turn (`embed_slab_rows`)
+
+
+def ring_width(kind: str, cols: int) -> int:
+    """The elements a ring slot holds per row of a `kind` tile of `cols` inputs (int4: packed bytes
+    of whole groups)."""
+    return -(-cols // INT4_GROUP) * INT4_GROUP // 2 if kind == "int4" else cols
+
+
+def ring_key(kind: str, cols: int, whole_heads: bool = False) -> tuple[str, int]:
+    """The weight ring a `kind` tile of `cols` inputs streams through: one ring per kind for the
+    widths of whole lane tiles (a tile takes the slot's first columns), and a ring of its own for
+    each other width, exactly that wide (Mosaic slices a VMEM buffer's last dimension only in
+    whole 128-lane tiles or whole: SmolLM2's 576 inputs beside its 1536). Tiles of whole heads
+    (MLA's W_UK / W_UV, `HEAD_ALIGN` heads tall) get a ring of their own width too: in the
+    shared one their height would multiply the widest matrix's row."""
+    width = ring_width(kind, cols)
+    return kind, 0 if width % LANES == 0 and not whole_heads else width
+
+
+HEAD_ALIGN = 8  # whole-head tiles hold a multiple of this many heads: a f32 tile's sublanes, so that a
+# looped tile's head offset into [tokens, heads, dims] buffers is provably aligned (Mosaic refuses it otherwise)
+
+
+EMBED_ROWS_ALIGN = 32  # an embedding table's rows, padded to this multiple, fit every dtype's blocks
 
 
 def embed_slab_rows(itemsize: int, vocab: int) -> int:
     """Rows of the tile-aligned block an embedding row is fetched in: a TPU tile's sublanes for
     the table's dtype (8 of f32, 16 of bf16, 32 of int8: a DMA along a tiled dimension moves
-    whole tiles), or the whole table when it is smaller."""
-    return min(32 // itemsize, vocab)
+    whole tiles), or the whole table when it is smaller. A table whose rows are no multiple of
+    it is padded once at load (`EMBED_ROWS_ALIGN`; `decoder.megakernel_weights`)."""
+    return min(EMBED_ROWS_ALIGN // itemsize, vocab)
 
 
 class VmemBudgetError(ValueError):
@@ -530,8 +556,11 @@ def stream_schedule(spec: MegakernelSpec, *, tile_rows: int = 256, vocab_tile_ro
 
     for layer in range(spec.num_layers):
         for name, rows, cols in spec.matrices(layer):
-            per_head = spec.head_rows(name)  # whole heads per tile
-            add(layer, name, rows, cols, max(1, tile_rows // per_head) * per_head)
+            per_head = spec.head_rows(name)  # whole heads per tile, HEAD_ALIGN of them or all
+            heads = max(1, tile_rows // per_head)
+            if per_head > 1:
+                heads = min(rows // per_head, -(-heads // HEAD_ALIGN) * HEAD_ALIGN)
+            add(layer, name, rows, cols, heads * per_head)
         if layer in spec.sparse_layers:
             for pair in range(spec.pairs):
                 for name, rows, cols in spec.expert_matrices():
@@ -613,13 +642,14 @@ def make_plan(spec: MegakernelSpec, *, ring_depth: int = 4, tile_rows: int = 256
     # A slot is one rectangular VMEM buffer that any tile fits (stream.py slices it per tile), so
     # it is the most rows times the most columns, not the largest tile: keep vocab tiles no taller
     # than the others or the ring grows to vocab_tile_rows x intermediate. A model with int8 and
-    # float matrices has a ring of each, slot for slot.
-    slot = 0
-    for kind in ("int8", "int4", "float"):  # a ring per kind present, slot for slot
-        kept = [t for t in tiles if spec.kind(t.matrix, t.pair >= 0) == kind]
-        if kept:
-            slot += spec.tile_bytes(kept[0].matrix, max(t.rows for t in kept), max(t.cols for t in kept),
-                                    kept[0].pair >= 0)
+    # float matrices has a ring of each, slot for slot (and a ring per width off the lane tiles:
+    # `ring_key`).
+    rings: dict[tuple[str, int], list[Tile]] = {}
+    for t in tiles:
+        rings.setdefault(ring_key(spec.kind(t.matrix, t.pair >= 0), t.cols, spec.head_rows(t.matrix) > 1),
+                         []).append(t)
+    slot = sum(spec.tile_bytes(kept[0].matrix, max(t.rows for t in kept), max(t.cols for t in kept), kept[0].pair >= 0)
+               for kept in rings.values())
     return Plan(spec, tuple(tiles), ring_depth, slot, ring_depth * slot, kv_tile_bytes(spec),
                 activation_bytes(spec))
 
