@@ -58,7 +58,13 @@ WIDE = {
         num_kv_heads=1, head_dim=256, layer_types=((shapes.gemma3.SLIDING,) * 5 + (shapes.gemma3.FULL,)) * 3),
     "Kimi-K2-like, 2 layers, 16 experts": dataclasses.replace(
         shapes.KIMI_K2, num_layers=2, moe=dataclasses.replace(shapes.KIMI_K2.moe, num_experts=16)),
+    # gpt-oss-20b's widths (2,880: no multiple of 128 lanes), 2 layers (one sliding, one full)
+    "gpt-oss-20b-like, 2 layers": dataclasses.replace(
+        shapes.GPT_OSS, vocab_size=201088, hidden_size=2880, num_heads=64, num_kv_heads=8, head_dim=64,
+        moe=dataclasses.replace(shapes.GPT_OSS.moe, num_experts=32, top_k=4, intermediate_size=2880),
+        rope=dataclasses.replace(shapes.GPT_OSS.rope, dim=64)),
 }
+INT8 = ("Llama-3-8B, 4 layers", "SmolLM2-135M, 30 layers")  # also run int8 per channel
 
 
 def family_of(cfg):
@@ -205,7 +211,7 @@ def main() -> None:
     print(f"{device.device_kind}, jax {jax.__version__}", flush=True)
     runs = [(name, cfg, jnp.float32, False) for name, cfg in TINY.items()]
     runs += [(name, cfg, jnp.bfloat16, False) for name, cfg in WIDE.items()]
-    runs += [(name + ", int8", cfg, jnp.bfloat16, True) for name, cfg in list(WIDE.items())[:1]]
+    runs += [(name + ", int8", WIDE[name], jnp.bfloat16, True) for name in INT8]
     rows = []
     for name, cfg, dtype, int8 in runs:
         if args.only and not any(part in name for part in args.only.split(",")):

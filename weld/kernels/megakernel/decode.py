@@ -48,7 +48,7 @@ from jax.experimental.pallas import tpu as pltpu
 from weld.kernels.megakernel import collectives, linear
 from weld.kernels.megakernel.attention import attend_rows, kv_scratch
 from weld.kernels.megakernel.plan import (EMBED_ROWS_ALIGN, EMBED_SLABS, INT4_GROUP, LANES, MegakernelSpec, Plan, embed_slab_rows, fit_plan,
-                                          make_plan, ring_key, ring_width)
+                                          lane_span, make_plan, pair_row_width, ring_key, ring_width, traced_row_width)
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a dense layer's, in stream order (plan.matrices)
 EXPERT_BIASES = ("b_gate", "b_up", "b_down")
@@ -114,10 +114,10 @@ def _unpack_int4(codes, scale, minimum, cols):
     return (c * scale[:, :, None] + minimum[:, :, None]).reshape(rows, kp)[:, :cols]
 
 
-def _lane_span(n: int) -> int:
-    """Elements a DMA of `n` f32 along the lanes moves: whole 128-lane tiles (Mosaic wants a
-    contiguous slice in multiples of 512 bytes), n itself when it is whole already."""
-    return -(-n // LANES) * LANES
+def _lanes_whole(y):
+    """y [1, n] widened with zeros to `traced_row_width(n)` columns (y itself when that wide)."""
+    extra = traced_row_width(y.shape[-1]) - y.shape[-1]
+    return jnp.pad(y, ((0, 0), (0, extra))) if extra else y
 
 
 def _pad_lanes(x, length: int):
@@ -344,11 +344,15 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     # int8: scales [1, out], or an expert stack's [E, 1, out] (a tile's scales are one row of them);
     # int4: scales and mins [out, groups] ([E, out, groups]), a tile's are its rows of them
     scale_of = {m: j for j, m in enumerate(i for i, k in enumerate(kind_of) if k == "int8")}  # matrix -> its scales
-    # a tile's scales move in whole lane tiles (`_lane_span`): a matrix with a tile of other than
+    # a tile's scales move in whole lane tiles (`lane_span`): a matrix with a tile of other than
     # whole ones (SmolLM2's 576 rows: 256, 256, 64) has its scales padded for the last one's reach
     ragged = {index[(x.layer, x.matrix)] for x in tiles if x.rows % LANES}
+
+    def pair_width(name: str, width: int) -> int:  # a routed pair's buffer (`plan.pair_row_width`)
+        return pair_row_width(tiles, name, width)
+
     scale_ops = [_pad_lanes(matrices[m].scale.astype(jnp.float32).reshape(matrices[m].scale.shape[:-1] + (1, -1)),
-                            _lane_span(matrices[m].scale.shape[-1]) + LANES if m in ragged else 0)
+                            lane_span(matrices[m].scale.shape[-1]) + LANES if m in ragged else 0)
                  for m in scale_of]
     group_of = {m: j for j, m in enumerate(i for i, k in enumerate(kind_of) if k == "int4")}  # -> its (scale, min)
     group_ops = [a.astype(jnp.float32) for m in group_of for a in (matrices[m].scale, matrices[m].min)]
@@ -376,8 +380,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     sparse = spec.sparse_layers
     routers = [params["layers"][i]["router"] for i in sparse]  # HBM [E, d], read whole once per layer
     # HBM f32 [E, I], [E, I], [E, d] per sparse layer: the experts' biases, each pair's rows fetched
-    # (rows in whole lane tiles: gpt-oss's 2,880 padded to 2,944)
-    biases = [_pad_lanes(params["layers"][i][name].astype(jnp.float32), _lane_span(params["layers"][i][name].shape[-1]))
+    # (a row as wide as one stored at a traced row, `traced_row_width`: gpt-oss's 2,880 padded to 2,944)
+    biases = [_pad_lanes(params["layers"][i][name].astype(jnp.float32),
+                         traced_row_width(params["layers"][i][name].shape[-1]))
               for i in sparse for name in EXPERT_BIASES] if spec.expert_bias else []
     convs = [params["layers"][i]["conv"] for i in lin_layers]  # HBM [C, K], read whole once per layer
     n_pairs, top_k = spec.pairs, spec.top_k
@@ -454,7 +459,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         if spec.mla:
             ov_ref, qlo_ref = take(2) if spec.q_lora else (take(1)[0], None)
         if sparse:
-            router_buf, router_sem, scores_ref, choice_ref, weight_ref, chosen, chosen_sem, eg_ref, eu_ref, pair_x = take(10)
+            (router_buf, router_sem, scores_ref, choice_ref, weight_ref, chosen, chosen_sem, eg_ref, eu_ref, pair_x,
+             routed_ref) = take(11)
             pair_bias = take(4) if n_bias else None  # each pair's gate, up, down bias rows; their semaphore
             sg_ref, su_ref = take(2) if spec.shared_intermediate else (None, None)
         lin = dict(zip(linear.SCRATCH, take(len(linear.SCRATCH)))) if lin_layers else None
@@ -536,7 +542,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                                             rings[ring_of[(tile.layer, tile.matrix)]].at[slot, rows, pl.ds(0, width)],
                                             ring_sems.at[slot])]
             if src_s is not None:  # the tile's scales ride on the same semaphore, in whole lane tiles
-                span = pl.ds(0, _lane_span(tile.rows))
+                span = pl.ds(0, lane_span(tile.rows))
                 copies.append(pltpu.make_async_copy(src_s.at[pl.ds(0, 1), pl.ds(first, span.size)],
                                                     scale_ring.at[slot, pl.ds(0, 1), span], ring_sems.at[slot]))
             for src, ring in zip(src_g, group_rings or []):  # and the int4 tile's scales and mins
@@ -694,12 +700,14 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
 
         def into(ref, row=None, col=0):
             """Writes a product's tiles into ref's columns from `col` on (one row of it: `row`, an int
-            or traced)."""
+            or traced; at a traced row a tile of other than whole lane tiles is written as whole
+            ones, zeros after it: `pair_width`)."""
             def write(start, rows, y):  # start: an int or traced
                 if row is None:
                     ref[:, pl.ds(col + start, rows)] = y
                 else:
-                    ref[pl.ds(row, 1), pl.ds(col + start, rows)] = y
+                    y = _lanes_whole(y)
+                    ref[pl.ds(row, 1), pl.ds(col + start, y.shape[-1])] = y
             return write
 
         def rms_norm(x, weight, eps=spec.rms_norm_eps):  # x [N, w] f32, weight [1, w]
@@ -779,24 +787,27 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             if ranks > 1:
                 out_ref = combine_scratch[0]
                 out_ref[...] = jnp.zeros_like(out_ref)
+            routed_ref[...] = jnp.zeros_like(routed_ref)  # the pairs' sums, added to out_ref after them
 
             def pair_body(pair, run):  # pair: traced
                 n, choice = pair // top_k, pair % top_k
                 x_row = pair_x[pl.ds(n, 1), :]
                 run("gate", x_row, into(eg_ref, pair))
                 run("up", x_row, into(eu_ref, pair))
-                gate, up = eg_ref[pl.ds(pair, 1), :], eu_ref[pl.ds(pair, 1), :]
+                inter = spec.expert_intermediate  # (the buffers are wider: `pair_width`)
+                gate, up = eg_ref[pl.ds(pair, 1), :][:, :inter], eu_ref[pl.ds(pair, 1), :][:, :inter]
                 if pair_bias is not None:
-                    inter = spec.expert_intermediate
-                    gate = gate + bias_bufs[0][pl.ds(pair, 1), :inter]
-                    up = up + bias_bufs[1][pl.ds(pair, 1), :inter]
+                    gate = gate + bias_bufs[0][pl.ds(pair, 1), :][:, :inter]
+                    up = up + bias_bufs[1][pl.ds(pair, 1), :][:, :inter]
                 h = expert_activation(gate, up)
                 choices = jax.lax.broadcasted_iota(jnp.int32, (1, top_k), 1)
                 weight = jnp.sum(jnp.where(choices == choice, weight_ref[pl.ds(n, 1), :], 0.0), axis=1,
                                  keepdims=True)  # [1, 1]
 
                 def add_row(start, rows, out):  # (only for an expert this device holds)
-                    out_ref[pl.ds(n, 1), start:start + rows] = out_ref[pl.ds(n, 1), start:start + rows] + weight * out
+                    out = _lanes_whole(weight * out)
+                    cols = pl.ds(start, out.shape[-1])
+                    routed_ref[pl.ds(n, 1), cols] = routed_ref[pl.ds(n, 1), cols] + out
                 run("down", h, add_row)
                 if pair_bias is not None:  # the down bias, once per pair: by a device that holds the expert,
                     # the first of those that split its FFN
@@ -804,9 +815,11 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                     adds = True if held is None else held
                     if tp_size > 1:
                         adds = adds & expert_shard()[1]
-                    bias = jnp.where(adds, weight * bias_bufs[2][pl.ds(pair, 1), :d], 0.0)
-                    out_ref[pl.ds(n, 1), :] = out_ref[pl.ds(n, 1), :] + bias
+                    bias = jnp.where(adds, weight * bias_bufs[2][pl.ds(pair, 1), :], 0.0)
+                    cols = pl.ds(0, bias.shape[-1])
+                    routed_ref[pl.ds(n, 1), cols] = routed_ref[pl.ds(n, 1), cols] + bias
             routed_pairs(layer, pair_body)
+            out_ref[...] = out_ref[...] + routed_ref[...][:, :d]
             if ranks == 1:
                 return False
             # this rank's rows take its shared expert's partial; one sum over every device
@@ -1030,7 +1043,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         pltpu.VMEM((n_tok, spec.intermediate), f32),  # up
     ] + kv_scratch(spec.pages_per_kv_tile, spec.page_size, kvh, e, kv_dtype)  # KV tiles and their semaphores
     if int8:
-        scratch.append(pltpu.VMEM((depth, 1, _lane_span(ring_rows["int8"])), f32))  # the scale ring: a row per slot
+        scratch.append(pltpu.VMEM((depth, 1, lane_span(ring_rows["int8"])), f32))  # the scale ring: a row per slot
     if "int4" in kinds:  # the int4 tiles' scales and mins, per group
         scratch += [pltpu.VMEM((depth, ring_rows["int4"], ring_cols["int4"] * 2 // INT4_GROUP), f32)] * 2
     if spec.mla:
@@ -1046,13 +1059,14 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
             pltpu.VMEM((n_moe, top_k), f32),  # ... and their weights
             pltpu.SMEM((n_moe, top_k), jnp.int32),  # the chosen experts as DMA addresses
             pltpu.SemaphoreType.DMA((1,)),
-            pltpu.VMEM((n_pairs, spec.expert_intermediate), f32),  # each pair's expert gate
-            pltpu.VMEM((n_pairs, spec.expert_intermediate), f32),  # and up
+            pltpu.VMEM((n_pairs, pair_width("gate", spec.expert_intermediate)), f32),  # each pair's expert gate
+            pltpu.VMEM((n_pairs, pair_width("up", spec.expert_intermediate)), f32),  # and up
             pltpu.VMEM((n_moe, d), f32),  # the layer's normed input (every rank's), rows read by pair
+            pltpu.VMEM((n_moe, pair_width("down", d)), f32),  # the routed outputs, summed per row
         ]
         if n_bias:  # each pair's bias rows and their semaphore
-            scratch += [pltpu.VMEM((n_pairs, _lane_span(spec.expert_intermediate)), f32)] * 2 + [
-                pltpu.VMEM((n_pairs, _lane_span(d)), f32), pltpu.SemaphoreType.DMA((1,))]
+            scratch += [pltpu.VMEM((n_pairs, traced_row_width(spec.expert_intermediate)), f32)] * 2 + [
+                pltpu.VMEM((n_pairs, traced_row_width(d)), f32), pltpu.SemaphoreType.DMA((1,))]  # padded as the biases
         if spec.shared_intermediate:
             scratch += [pltpu.VMEM((n_tok, spec.shared_intermediate), f32)] * 2  # the shared expert's gate, up
     if lin_layers:

@@ -83,6 +83,31 @@ HEAD_ALIGN = 8  # whole-head tiles hold a multiple of this many heads: a f32 til
 # looped tile's head offset into [tokens, heads, dims] buffers is provably aligned (Mosaic refuses it otherwise)
 
 
+def lane_span(n: int) -> int:
+    """`n` rounded up to whole 128-lane tiles (Mosaic moves a contiguous slice by DMA only in
+    multiples of 512 bytes: 128 f32)."""
+    return -(-n // LANES) * LANES
+
+
+TRACED_ROW_LANES = 2 * LANES  # the narrowest row Mosaic stores at a traced row index (libtpu 0.0.42:
+# a [1, 128] or [1, 64] product there is "dynamic store with unaligned indices", [1, 192] and [1, 256]
+# are taken; compiled in isolation for v5e)
+
+
+def traced_row_width(n: int) -> int:
+    """Columns a row of `n` is written as at a traced row: whole lane tiles, at least
+    `TRACED_ROW_LANES`."""
+    return max(lane_span(n), TRACED_ROW_LANES)
+
+
+def pair_row_width(tiles, name: str, width: int) -> int:
+    """Columns of a buffer that a routed pair's `name` tiles (of a `width`-row matrix) are
+    written into at the pair's traced row: each tile as `traced_row_width` of its rows, so a
+    short last tile (gpt-oss's 2,880 = 11 x 256 + 64) reaches past the matrix."""
+    return max([traced_row_width(width)] + [t.row_start + traced_row_width(t.rows) for t in tiles
+                                            if t.pair >= 0 and t.matrix == name])
+
+
 EMBED_ROWS_ALIGN = 32  # an embedding table's rows, padded to this multiple, fit every dtype's blocks
 
 
@@ -575,8 +600,9 @@ def kv_tile_bytes(spec: MegakernelSpec) -> int:
     return 2 * 2 * tile
 
 
-def activation_bytes(spec: MegakernelSpec) -> int:
-    """The kernel's VMEM besides the ring and KV tiles (decode.py allocates exactly these).
+def activation_bytes(spec: MegakernelSpec, tiles=()) -> int:
+    """The kernel's VMEM besides the ring and KV tiles (decode.py allocates exactly these;
+    `tiles`: the schedule, whose routed tiles set the pair buffers' widths, `pair_row_width`).
 
     Per activation row (batch x tokens_per_row), f32 unless noted: residual, normed input and
     the o / down output (3 x hidden), the query projection, q
@@ -622,10 +648,14 @@ def activation_bytes(spec: MegakernelSpec) -> int:
         # ids (SMEM) and the router
         # (experts over data-parallel ranks: per row of every rank, its scores, input and output)
         per_row += a * 2 * spec.shared_intermediate
+        # (per pair its gate and up, per row the routed outputs' sum: rows written at a traced
+        # row, `pair_row_width` wide)
+        inter = spec.expert_intermediate
         per_moe_row = a * (spec.routed_experts + spec.top_k + d) + 4 * spec.top_k \
-            + spec.top_k * a * 2 * spec.expert_intermediate + (a * d if spec.moe_ranks > 1 else 0)
-        if spec.expert_bias:  # each pair's bias rows (gate, up, down)
-            per_moe_row += spec.top_k * a * (2 * spec.expert_intermediate + d)
+            + spec.top_k * a * (pair_row_width(tiles, "gate", inter) + pair_row_width(tiles, "up", inter)) \
+            + a * pair_row_width(tiles, "down", d) + (a * d if spec.moe_ranks > 1 else 0)
+        if spec.expert_bias:  # each pair's bias rows (gate, up, down), as wide as rows at a traced row
+            per_moe_row += spec.top_k * a * (2 * traced_row_width(inter) + traced_row_width(d))
         fixed += spec.moe_tokens * per_moe_row
         vectors += spec.num_layers * ((spec.num_experts if spec.router_bias else 0)
                                       + (d if spec.shared_expert_gate else 0))
@@ -651,7 +681,7 @@ def make_plan(spec: MegakernelSpec, *, ring_depth: int = 4, tile_rows: int = 256
     slot = sum(spec.tile_bytes(kept[0].matrix, max(t.rows for t in kept), max(t.cols for t in kept), kept[0].pair >= 0)
                for kept in rings.values())
     return Plan(spec, tuple(tiles), ring_depth, slot, ring_depth * slot, kv_tile_bytes(spec),
-                activation_bytes(spec))
+                activation_bytes(spec, tiles))
 
 
 def vmem_limit(generation: str) -> int:
