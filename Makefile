@@ -38,7 +38,7 @@ serve: install
 	$(BIN)/weld serve --host $(HOST) --port $(PORT)
 
 test: install-test
-	$(BIN)/python -m pytest -q -m "not slow and not llamacpp" tests
+	$(BIN)/python -m pytest -q -m "not slow and not llamacpp" --durations=30 tests
 
 test-slow: install-test
 	$(BIN)/python -m pytest -q -m slow tests
