@@ -2,7 +2,7 @@
 chip against the XLA path on the same weights and cache, and both steps timed against the chip's
 HBM floor.
 
-    python benchmarks/megakernel_tpu.py [--only NAME] [--steps 12] [--context 256] [--out FILE.json]
+    python benchmarks/megakernel_tpu.py [--only 'NAME|NAME'] [--steps 12] [--context 256] [--out FILE.json]
 
 Runs on a TPU only (interpret mode never compiles the kernel: `megakernel_lowering.py` checks the
 lowering anywhere, this checks Mosaic's own passes and the numbers). Weights are random, made on
@@ -198,7 +198,9 @@ def run_case(name, cfg, *, batch, dtype, context, steps, int8=False):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=None, help="cases whose name contains one of these (comma-separated)")
+    parser.add_argument("--only", default=None,
+                        help="cases whose name contains one of these, separated by '|' (names hold commas: "
+                             "'SmolLM2-135M, 30 layers, int8')")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--batches", default="1,8")
@@ -214,7 +216,7 @@ def main() -> None:
     runs += [(name + ", int8", WIDE[name], jnp.bfloat16, True) for name in INT8]
     rows = []
     for name, cfg, dtype, int8 in runs:
-        if args.only and not any(part in name for part in args.only.split(",")):
+        if args.only and not any(part in name for part in args.only.split("|")):
             continue
         for batch in [int(b) for b in args.batches.split(",")]:
             try:
