@@ -102,3 +102,30 @@ def test_step_bytes_and_floor():
     int8 = dataclasses.replace(SMOLLM2_135M, weight_bytes=1, scale_bytes=4)
     rows = 30 * (576 + 192 + 192 + 576 + 1536 + 1536 + 576) + 49152
     assert mk.step_bytes(int8, 16) == 134_479_872 + 4 * rows + kv + 576 + 49152 * 4
+
+
+def test_routed_pairs_rows_are_whole_lane_tiles_at_least_two_wide():
+    """A routed pair's gate / up and its row's summed outputs are stored at a traced row, where
+    Mosaic takes rows of whole 128-lane tiles, two or more (`TRACED_ROW_LANES`): gpt-oss's 2,880
+    expert rows in tiles of 256 end in a tile of 64, written 256 wide from row 2,816; the buffers
+    and the VMEM budget reach that far."""
+    assert [mk.traced_row_width(n) for n in (1, 64, 128, 256, 257, 2880)] == [256, 256, 256, 256, 384, 2944]
+    gpt_oss = dataclasses.replace(TINY, hidden=2880, intermediate=2880, num_heads=64, num_kv_heads=8, head_dim=64,
+                                  sparse_layers=(0, 1), num_experts=32, top_k=4, expert_intermediate=2880)
+    tiles = mk.stream_schedule(gpt_oss, tile_rows=256)
+    gate = [t for t in tiles if t.layer == 0 and t.pair == 0 and t.matrix == "gate"]
+    assert [(t.row_start, t.rows) for t in gate][-2:] == [(2560, 256), (2816, 64)]
+    assert mk.pair_row_width(tiles, "gate", 2880) == mk.pair_row_width(tiles, "down", 2880) == 2816 + 256
+    whole = dataclasses.replace(gpt_oss, hidden=2048, intermediate=2048, expert_intermediate=2048)
+    assert mk.pair_row_width(mk.stream_schedule(whole, tile_rows=256), "up", 2048) == 2048  # nothing past it
+    # the budget counts the wider rows: per routed row, 4 pairs' gate and up and the summed outputs
+    wider = mk.activation_bytes(gpt_oss, tiles) - mk.activation_bytes(gpt_oss, [])
+    assert wider == gpt_oss.moe_tokens * 4 * (4 * 2 * (3072 - 2944) + (3072 - 2944))
+
+
+def test_whole_head_tiles_hold_eight_heads_on_a_ring_of_their_own():
+    """MLA's W_UK / W_UV stream in tiles of `HEAD_ALIGN` whole heads (a looped tile's head offset
+    then provably a multiple of a f32 tile's 8 sublanes), through a ring of their own width."""
+    assert mk.ring_key("float", 512) == ("float", 0)  # whole lane tiles: the kind's shared ring
+    assert mk.ring_key("float", 512, whole_heads=True) == ("float", 512)
+    assert mk.ring_key("float", 576) == ("float", 576)  # off the lane tiles: a ring of that width
