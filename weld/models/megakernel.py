@@ -416,11 +416,12 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
 
     check_mesh(cfg, mesh)
     axis, tensor, shards = tensor_layout(mesh)
-    padded_slices = "embed_table" in weights and not isinstance(weights["embed"], QuantWeight)
+    padded_slices = not isinstance(weights["embed"], QuantWeight)
     if padded_slices:
         # a table padded to the kernel's blocks (`decoder.megakernel_weights`) is whole, not a
         # device's vocabulary slice: each device pads its own slice of the embedding in the step
-        # (a copy of the slice per step, only where the vocabulary is no multiple of 32 rows)
+        # (a copy of the slice per step, only where the slice is no multiple of 32 rows: a
+        # vocabulary of whole blocks can still split into slices that are not)
         weights = {k: v for k, v in weights.items() if k != "embed_table"}
     moe_ranks = expert_ranks(cfg, mesh)
     net = getattr(cfg, "linear", None)
