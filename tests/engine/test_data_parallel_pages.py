@@ -106,8 +106,11 @@ def check_ranks(sched: Scheduler, bm: DataParallelBlockManager, max_per_rank: in
         held = sum(p >= 0 for s in mine for p in s.block_table)
         assert held >= sub.pools[0].num_pages - len(sub.pools[0].free)  # shared prefix pages count once
         slots = [s.state_slot for s in mine if s.state_slot >= 0]
-        live = range(r * sub.num_slots, (r + 1) * sub.num_slots)
+        # rank-major slot blocks (the state pools split over the ranks so): live, then snapshots
+        block = r * sub.num_state_slots
+        live = range(block, block + sub.num_slots)
         assert len(set(slots)) == len(slots) and all(x in live for x in slots)
+        assert set(sub._snapshots) == set(range(block + sub.num_slots, block + sub.num_state_slots))
 
 
 @pytest.mark.parametrize("hybrid", [False, True])

@@ -99,6 +99,8 @@ CONFIGS = {"dense": (DENSE, None), "moe": (MOE, None), "dense_without_all_reduce
            "gdn_flat_channels": (NEXT, None),
            # data parallel: 2 ranks, each its own row over its own pages, tensor parallel within
            "moe_dp": (GROUPED, {"dp": 2}), "mla_dp": (MLA_MOE, {"dp": 2}),
+           # and its own block of the recurrent-state slots (rank-major global ids made local)
+           "gdn_dp": (NEXT, {"dp": 2}), "kda_ep_dp": (KIMI, {"dp": 2, "ep": 2}), "gdn_dp_global_slots": (NEXT, {"dp": 2}),
            # experts over the data-parallel ranks too (expert parallelism under DP): 2 ranks x 2 expert
            # shards, each rank's tokens routed to the experts of both ranks
            "moe_ep_dp": (GROUPED, {"dp": 2, "ep": 2}), "mla_ep_dp": (MLA_MOE, {"dp": 2, "ep": 2}), "gemma3": (GEMMA, None),
@@ -107,7 +109,8 @@ CONFIGS = {"dense": (DENSE, None), "moe": (MOE, None), "dense_without_all_reduce
            "gdn_kv2": (dataclasses.replace(NEXT, num_kv_heads=2), None),
            "gpt_oss": (GPT_OSS, None), "gpt_oss_ep": (GPT_OSS, (2, DEVICES // 2))}
 PAGE, PAGES = 4, 16
-ALL_REDUCE_ROWS, DECODE_STEP = collectives.all_reduce_rows, megakernel.decode_step
+ALL_REDUCE_ROWS, DECODE_STEP, LOCAL_SLOTS = collectives.all_reduce_rows, megakernel.decode_step, sharding.local_slots
+SLOTS = 4  # 2 rows in slots 1 and 2: under 2 data-parallel ranks, the last of rank 0's block and the first of rank 1's
 
 
 
@@ -117,10 +120,13 @@ def run(name):
     "..._every_pair_computed": each device also adds the products of the pairs whose expert it
     does not hold (never fetched: the ring slot's stale tile); "..._flat_channels": the linear
     layers' q/k/v channels left flat, not grouped per device (each device's share of w_qkv is
-    then not its heads')."""
+    then not its heads'); "..._global_slots": each data-parallel rank indexes its block of the
+    state pools by the global slot ids."""
     cfg, ep_tp = CONFIGS[name]
     # each run starts from the real kernel: a planted bug lasts for its own config only
-    collectives.all_reduce_rows, megakernel.decode_step = ALL_REDUCE_ROWS, DECODE_STEP
+    collectives.all_reduce_rows, megakernel.decode_step, sharding.local_slots = ALL_REDUCE_ROWS, DECODE_STEP, LOCAL_SLOTS
+    if name.endswith("_global_slots"):
+        sharding.local_slots = lambda slots, *_: slots
     if name.endswith("_without_all_reduce"):
         def partial_only(x_ref, out_ref, *_, **__):
             out_ref[...] = x_ref[...]
@@ -157,8 +163,8 @@ def run(name):
     rng = np.random.default_rng(0)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(5), (2, 5)).astype(jnp.int32)
-    cache = family.cache_spec(cfg).create(PAGES, PAGE, jnp.float32, num_slots=2)
-    slots = jnp.arange(2, dtype=jnp.int32)
+    cache = family.cache_spec(cfg).create(PAGES, PAGE, jnp.float32, num_slots=SLOTS)
+    slots = jnp.asarray([1, 2], jnp.int32)
     xla = jax.jit(lambda w, t, p, c, bt: family.forward(w, cfg, t, p, c, AttentionBatch(bt, slots)))
     logits, _, cache = xla(weights, prompt, positions, cache, tables)
     # the kernel's model: a linear model's q/k/v channels grouped per device (weights, conv windows)
@@ -196,5 +202,18 @@ def run(name):
             "races": interpret_races_found()}
 
 
+def run_or_fail(name):
+    """run(name); a planted bug the interpreter stops (an out-of-bounds DMA: a rank's global slot
+    id past its block) reports as wrong numbers, with the error."""
+    if not name.endswith("_global_slots"):
+        return run(name)
+    try:
+        return run(name)
+    except jax.errors.JaxRuntimeError as e:
+        if "Out-of-bounds" not in str(e):
+            raise
+        return {"config": name, "max_rel_err": float("nan"), "greedy_equal": False, "error": str(e)[:200]}
+
+
 for case in json.loads(sys.argv[2]):
-    print(json.dumps(run(case)), flush=True)
+    print(json.dumps(run_or_fail(case)), flush=True)

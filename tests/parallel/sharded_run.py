@@ -38,13 +38,6 @@ def device0_share(tree) -> float:
     return held / total
 
 
-def pools(cache) -> list:
-    """The page pools of a cache (K/V and MLA latent), without the recurrent state."""
-    from weld.models.common.cache import KVPages, LatentPages
-
-    return [layer for layer in cache.layers if isinstance(layer, (KVPages, LatentPages))]
-
-
 def watch_ranks(llm) -> set[int]:
     """The data-parallel ranks sequences get placed on from now on (empty: one rank)."""
     ranks: set[int] = set()
@@ -98,10 +91,11 @@ def run(model: str, layout: dict) -> dict:
         "again_logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                            for o in again],
         "prefix_hits": bm.prefix_hits - hits,
-        "pages_freed": bm.num_free_pages == bm.num_pages and not llm.engine.requests,
+        "pages_freed": (bm.num_free_pages == bm.num_pages and bm.num_free_slots == bm.num_slots
+                        and not llm.engine.requests),
         "weight_share": device0_share(llm.engine.runner.weights),
-        "cache_share": device0_share(llm.engine.runner.cache),
-        "pool_share": device0_share(pools(llm.engine.runner.cache)),
+        # every pool: pages (K/V, MLA latent) and recurrent-state slots
+        "pool_share": device0_share(llm.engine.runner.cache),
         "ranks_used": sorted(ranks),
         "num_prompts": len(PROMPTS),
         "verified": any(key[0] == "verify" for key in llm.engine.runner._programs),

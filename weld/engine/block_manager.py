@@ -99,13 +99,14 @@ class BlockManager:
     None for the group of full-context layers). num_slots: live recurrent-state slots (slot ids
     0 .. num_slots - 1; 0: the model has no linear-attention layers); num_snapshot_slots: the
     snapshot slots after them (ids num_slots ..), used while prefix caching is on;
-    snapshot_interval: pages between the snapshots along a sequence. first_slot / first_snapshot
-    move the slot ids (`DataParallelBlockManager`: each rank's own range of one shared pool)."""
+    snapshot_interval: pages between the snapshots along a sequence. first_slot moves the slot
+    ids, live and snapshot alike (`DataParallelBlockManager`: each rank's own block of the
+    pools)."""
 
     def __init__(self, num_pages: int | list[int] | tuple[int, ...], page_size: int,
                  enable_prefix_caching: bool = True, windows: tuple[int | None, ...] = (None,),
                  num_slots: int = 0, num_snapshot_slots: int = 0, snapshot_interval: int = SNAPSHOT_INTERVAL,
-                 first_slot: int = 0, first_snapshot: int | None = None):
+                 first_slot: int = 0):
         sizes = [num_pages] if isinstance(num_pages, int) else list(num_pages)
         if len(sizes) != len(windows):
             raise ValueError(f"{len(sizes)} pool sizes for {len(windows)} page groups")
@@ -124,7 +125,7 @@ class BlockManager:
         self.num_snapshot_slots = num_snapshot_slots
         self.snapshot_interval = snapshot_interval
         # snapshot slot -> hash of the page its state ends at (None: empty), least recently used first
-        first_snapshot = first_slot + num_slots if first_snapshot is None else first_snapshot
+        first_snapshot = first_slot + num_slots
         self._snapshots: OrderedDict[int, int | None] = OrderedDict(
             (slot, None) for slot in range(first_snapshot, first_snapshot + num_snapshot_slots))
         self._snapshot_of: dict[int, int] = {}  # page hash -> the snapshot slot holding the state there
@@ -421,8 +422,11 @@ class DataParallelBlockManager:
     """Data-parallel attention's page bookkeeping: one `BlockManager` per data-parallel rank,
     each over that rank's own shard of every pool (the pools are split along their pages over
     the "dp" mesh axis, `sharding.cache_shardings`, so page ids are local: 0 .. num_pages - 1 on
-    every rank) and its own range of the recurrent-state slots (live slots r * num_slots ..,
-    snapshot slots num_ranks * num_slots + r * num_snapshot_slots ..). A sequence lives on one
+    every rank) and its own block of the recurrent-state slots, rank-major (rank r: live slots
+    r * (num_slots + num_snapshot_slots) .., then its snapshot slots), so the state pools split
+    over "dp" along their slots the same way (`sharding.cache_shardings`); the ids stay global
+    (the XLA programs index the whole pool; the megakernel makes them local,
+    `sharding.local_slots`). A sequence lives on one
     rank (`Sequence.dp_rank`) from its first page to its last: its rows of every batch are that
     rank's rows (`batch.build`), and its prefix hits come from that rank's cache.
 
@@ -439,8 +443,7 @@ class DataParallelBlockManager:
         if num_ranks < 1:
             raise ValueError(f"need at least one data-parallel rank, got {num_ranks}")
         self.ranks = [BlockManager(num_pages, page_size, enable_prefix_caching, windows, num_slots, num_snapshot_slots,
-                                   snapshot_interval, first_slot=r * num_slots,
-                                   first_snapshot=num_ranks * num_slots + r * num_snapshot_slots)
+                                   snapshot_interval, first_slot=r * (num_slots + num_snapshot_slots))
                       for r in range(num_ranks)]
         self._holders: list[set[int]] = [set() for _ in range(num_ranks)]  # seq ids holding pages or a slot
 

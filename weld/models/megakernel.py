@@ -376,16 +376,8 @@ def tensor_layout(mesh) -> tuple[str | tuple[str, ...] | None, int, int]:
 
 def check_mesh(cfg, mesh) -> None:
     """Raises ValueError when the megakernel cannot run cfg over mesh (before anything loads):
-    shards that do not divide (`local_config`); with data parallelism, experts split over the
-    ranks (expert parallelism: each rank's tokens would have to visit the others' experts) and
-    linear-attention state slots (their pools are not split over the ranks)."""
-    from weld.models.common import sharding
-
+    shards that do not divide (`local_config`)."""
     _, tensor, shards = tensor_layout(mesh)
-    ranks = sharding.data_parallel_size(mesh)
-    if ranks > 1 and _linear_layers(cfg):
-        raise ValueError(f"the megakernel runs data parallelism ({ranks} ranks) for attention layers only, not "
-                         f"{cfg.architecture}'s linear-attention layers; use backend 'xla'")
     local_config(cfg, tensor, shards, expert_ranks(cfg, mesh))
 
 
@@ -407,8 +399,9 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
     runs the megakernel on its shard of the weights and pools (laid out by the sharding rules,
     `sharding.weight_shardings` / `cache_shardings`, so nothing moves on the way in),
     all-reducing inside the kernel by remote DMA over its tensor-parallel group (the experts'
-    outputs too: the combine). Data-parallel ranks (`check_mesh` says which models) each run
-    their own rows over their own pages (`weld.engine.batch.rank_rows`, local page ids). The
+    outputs too: the combine). Data-parallel ranks each run their own rows over their own pages
+    (`weld.engine.batch.rank_rows`, local page ids) and their own block of the recurrent-state
+    slots (`sharding.local_slots`). The
     logits come back split over the vocabulary, the hidden states whole (every device of a
     group holds the summed residual stream)."""
     from weld.models import FAMILIES
@@ -445,10 +438,12 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
     ranks = "dp" if sharding.data_parallel_size(mesh) > 1 else None  # each rank its own rows
     rows = jax.sharding.PartitionSpec(ranks)
     slots = jnp.arange(tokens.shape[0], dtype=jnp.int32) if batch.state_slots is None else batch.state_slots
+    pool_slots = next((x.state.shape[0] for x in cache.layers if isinstance(x, RecurrentState)), 0)
 
     def step(w, t, p, c, bt, s):
         if padded_slices:
             w = dict(w, embed_table=decoder.embed_blocks(w["embed"]))
+        s = sharding.local_slots(s, pool_slots, mesh)  # each rank's block of the state pools
         logits, hidden, c = forward(w, local, t, p, c, AttentionBatch(bt, s), None, capture_layers, options=options,
                                     tp=(axis, tensor), expert_shards=shards, kv_pool_heads=kv_pool_heads,
                                     moe_ranks=moe_ranks)

@@ -37,6 +37,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -53,6 +54,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "expert_mlp": ("tp",),
     "batch": ("dp",),
     "pages": ("dp",),  # data-parallel attention: each dp rank its own pages of every pool
+    "slots": ("dp",),  # and its own block of the recurrent-state slots (rank-major ids)
     # replicated: "embed" (the residual stream), "latent" / "q_lora" (MLA's compressed widths,
     # shared by every head), "moe", DSpark's "markov" and "target_stack"
 }
@@ -187,6 +189,17 @@ def data_parallel_size(mesh: Any) -> int:
     return 1 if mesh is None else _count(mesh, mesh_axes(mesh, "pages"))
 
 
+def local_slots(slots: jax.Array, pool_slots: int, mesh: Any) -> jax.Array:
+    """Inside a `shard_map` over mesh: the global recurrent-state slot ids `slots` (rank-major,
+    `DataParallelBlockManager`; -1: none) as ids into this rank's block of a pool of pool_slots
+    slots split over the ranks (`cache_shardings`)."""
+    ranks = mesh_axes(mesh, "slots")
+    if not ranks:
+        return slots
+    block = pool_slots // axis_size(mesh, ranks)
+    return jnp.where(slots >= 0, slots - jax.lax.axis_index(ranks[0] if len(ranks) == 1 else ranks) * block, -1)
+
+
 def kv_pool_axes(mesh: Any, kv_heads: int) -> tuple[str, ...]:
     """The mesh axes a pool's KV-head dimension is split over: every tensor-parallel device when
     they divide the KV heads, else none (the pool is whole on each: fewer KV heads than devices,
@@ -204,17 +217,23 @@ def spec_of(*dims: tuple[str, ...] | None) -> P:
 def cache_shardings(cache: Any, mesh: Mesh) -> Any:
     """Shardings of a `cache.Cache`: K/V pools [pages, page, kv_heads, head_dim] over their pages
     (data-parallel ranks) and KV heads (`kv_pool_axes`), MLA's latent pool over its pages
-    (every head reads it), recurrent states [slots, heads, dk, dv] over their heads, the conv
-    windows [slots, channels, K - 1] over their channels (contiguous: each device its heads'
-    when the channels are grouped, `DeltaNet.shards`). A pool whose pages do not divide over the ranks is a ValueError."""
+    (every head reads it), recurrent states [slots, heads, dk, dv] over their slots (each rank
+    its own block, `DataParallelBlockManager`) and heads, the conv windows [slots, channels, K -
+    1] likewise over their slots and channels (contiguous: each device its heads' when the
+    channels are grouped, `DeltaNet.shards`). A pool whose pages or slots do not divide over the
+    ranks is a ValueError."""
     from weld.models.common.cache import KVPages, LatentPages, RecurrentState
 
     ranks = mesh_axes(mesh, "pages")
 
-    def pages(pool: Any) -> tuple[str, ...]:
+    def pages(pool: Any, what: str = "pages") -> tuple[str, ...]:
         if ranks and pool.shape[0] % axis_size(mesh, ranks):
-            raise ValueError(f"{pool.shape[0]} pages do not divide over {axis_size(mesh, ranks)} data-parallel ranks")
+            raise ValueError(f"{pool.shape[0]} {what} do not divide over {axis_size(mesh, ranks)} data-parallel ranks")
         return ranks
+
+    def slots(pool: Any, axes: tuple[str | None, ...]) -> NamedSharding:
+        heads = partition(mesh, (None,) + axes, pool.shape)[1:]
+        return NamedSharding(mesh, P(spec_of(pages(pool, "state slots"))[0], *heads))
 
     def of(layer):
         if isinstance(layer, KVPages):
@@ -223,10 +242,8 @@ def cache_shardings(cache: Any, mesh: Mesh) -> Any:
         if isinstance(layer, LatentPages):
             return LatentPages(pool=NamedSharding(mesh, spec_of(pages(layer.pool))))
         if isinstance(layer, RecurrentState):
-            axes = (None, "linear_heads") + (None,) * (layer.state.ndim - 2)
-            return RecurrentState(conv=NamedSharding(mesh, partition(mesh, (None, "linear_heads", None),
-                                                                      layer.conv.shape)),
-                                  state=NamedSharding(mesh, partition(mesh, axes, layer.state.shape)))
+            return RecurrentState(conv=slots(layer.conv, ("linear_heads", None)),
+                                  state=slots(layer.state, ("linear_heads",) + (None,) * (layer.state.ndim - 2)))
         return jax.tree_util.tree_map(lambda _: replicated(mesh), layer)
 
     return type(cache)(layers=[of(layer) for layer in cache.layers])
