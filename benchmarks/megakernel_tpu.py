@@ -3,6 +3,7 @@ chip against the XLA path on the same weights and cache, and both steps timed ag
 HBM floor.
 
     python benchmarks/megakernel_tpu.py [--only 'NAME|NAME'] [--steps 12] [--context 256] [--out FILE.json]
+        [--set 'hidden_size=3072,moe.intermediate_size=3072' ...]
 
 Runs on a TPU only (interpret mode never compiles the kernel: `megakernel_lowering.py` checks the
 lowering anywhere, this checks Mosaic's own passes and the numbers). Weights are random, made on
@@ -16,7 +17,9 @@ Cases: the tiny configs of every family at TPU-friendly widths (`megakernel_lowe
 weights, compared at the XLA path's highest matmul precision), then real models' widths at a few
 layers in bf16 (and int8 per channel, quantized at load as `--quantization int8_channel` does),
 whose step times are set against the HBM floor of the bytes the step must move
-(`plan.step_floor_seconds`).
+(`plan.step_floor_seconds`). Each `--set` runs the chosen cases once more with those config
+fields changed (`override`): which part of a case costs (a smaller vocabulary, lane-whole
+widths, another head width) is measured side by side with the case itself.
 """
 
 from __future__ import annotations
@@ -65,6 +68,31 @@ WIDE = {
         rope=dataclasses.replace(shapes.GPT_OSS.rope, dim=64)),
 }
 INT8 = ("Llama-3-8B, 4 layers", "SmolLM2-135M, 30 layers")  # also run int8 per channel
+
+
+def override(cfg, assignments: str):
+    """cfg with fields set from 'name=value,sub.name=value' (ints, floats, else strings; a dotted
+    name sets a field of a nested config, e.g. moe.num_experts)."""
+    for item in filter(None, assignments.split(",")):
+        name, _, text = item.partition("=")
+        value: object = text
+        for kind in (int, float):
+            try:
+                value = kind(text)
+                break
+            except ValueError:
+                pass
+        *outer, field = name.strip().split(".")
+        cfg = _set(cfg, outer, field, value)
+    return cfg
+
+
+def _set(cfg, outer, field, value):
+    if not outer:
+        if not any(f.name == field for f in dataclasses.fields(cfg)):
+            raise SystemExit(f"--set: {type(cfg).__name__} has no field {field!r}")
+        return dataclasses.replace(cfg, **{field: value})
+    return dataclasses.replace(cfg, **{outer[0]: _set(getattr(cfg, outer[0]), outer[1:], field, value)})
 
 
 def family_of(cfg):
@@ -206,6 +234,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--out", default=None)
     parser.add_argument("--interpret", action="store_true", help="off a TPU: interpret mode (checks this script)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE,...",
+                        help="also run the chosen cases with these config fields changed (repeatable)")
     args = parser.parse_args()
     if jax.default_backend() != "tpu" and not args.interpret:
         raise SystemExit("megakernel_tpu.py runs on a TPU (megakernel_lowering.py checks the lowering anywhere)")
@@ -214,10 +244,11 @@ def main() -> None:
     runs = [(name, cfg, jnp.float32, False) for name, cfg in TINY.items()]
     runs += [(name, cfg, jnp.bfloat16, False) for name, cfg in WIDE.items()]
     runs += [(name + ", int8", WIDE[name], jnp.bfloat16, True) for name in INT8]
+    runs = [run for run in runs if not args.only or any(part in run[0] for part in args.only.split("|"))]
+    runs += [(f"{name} [{change}]", override(cfg, change), dtype, int8) for change in args.set
+             for name, cfg, dtype, int8 in list(runs)]
     rows = []
     for name, cfg, dtype, int8 in runs:
-        if args.only and not any(part in name for part in args.only.split("|")):
-            continue
         for batch in [int(b) for b in args.batches.split(",")]:
             try:
                 with jax.default_matmul_precision("highest" if dtype == jnp.float32 else "default"):
