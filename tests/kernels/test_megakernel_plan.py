@@ -51,16 +51,14 @@ def test_vmem_bytes_by_hand():
                         tile_rows=8, vocab_tile_rows=16)
     assert wide.slot_bytes == 16 * 256 * 4  # whole lane tiles share one ring: tallest x widest
     assert p.kv_bytes == 2 * 2 * (2 * 4 * 2 * 4 * 4)  # K+V, 2 buffers, 2 pages of 4 tokens x 2 heads x 4 dims
-    # per token, f32: residual, normed, o/down output (3*16); q, roped q, attention out (3*16); k, v (2*8);
-    # gate, up (2*24); the logits row (40); + the greedy id (4 B), the new K and V (2*8 x 4 B). Per token
-    # up to 4: the embedding row's aligned block (8 f32 rows of 16). Vectors: 2 norms x 2 layers x 16
-    # + the final norm (16) + rope frequencies (2).
-    per_token = (48 + 48 + 16 + 48 + 40) * 4 + 4 + 16 * 4
-    slab = 8 * 16 * 4
-    assert p.activation_bytes == per_token + slab + (2 * 2 * 16 + 16 + 2) * 4
+    # per token, f32: residual, normed, o/down output, the embedding row (4*16); q, roped q, attention
+    # out (3*16); k, v (2*8); gate, up (2*24); the logits row (40); + the greedy id (4 B), the new K and
+    # V (2*8 x 4 B). Vectors: 2 norms x 2 layers x 16 + the final norm (16) + rope frequencies (2).
+    per_token = (64 + 48 + 16 + 48 + 40) * 4 + 4 + 16 * 4
+    assert p.activation_bytes == per_token + (2 * 2 * 16 + 16 + 2) * 4
     with_switches = mk.make_plan(dataclasses.replace(TINY, batch=2, qkv_bias=True, o_bias=True, qk_norm=True))
     # + qkv bias (32 per layer), o bias (16 per layer), q and k norms (2 * 4 per layer), two rows
-    assert with_switches.activation_bytes == 2 * (per_token + slab) + (2 * 2 * 16 + 16 + 2 + 2 * (32 + 16 + 8)) * 4
+    assert with_switches.activation_bytes == 2 * per_token + (2 * 2 * 16 + 16 + 2 + 2 * (32 + 16 + 8)) * 4
     assert p.vmem_bytes == p.ring_bytes + p.kv_bytes + p.activation_bytes
 
 

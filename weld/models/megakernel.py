@@ -24,7 +24,6 @@ from jax.experimental.pallas import tpu as pltpu
 from weld.kernels.megakernel.decode import EXPERT_BIASES, MATRICES, Int4Matrix, Int8Matrix, decode_step
 from weld.kernels.megakernel.plan import MegakernelSpec
 from weld.models import deepseek, gemma3, gpt_oss, kimi_linear, llama, qwen3_next
-from weld.models.common import decoder
 from weld.models.common import linear_attention as la
 from weld.models.common import moe as moe_lib
 from weld.models.common.cache import AttentionBatch, Cache, KVPages, LatentPages, RecurrentState
@@ -409,13 +408,6 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
 
     check_mesh(cfg, mesh)
     axis, tensor, shards = tensor_layout(mesh)
-    padded_slices = not isinstance(weights["embed"], QuantWeight)
-    if padded_slices:
-        # a table padded to the kernel's blocks (`decoder.megakernel_weights`) is whole, not a
-        # device's vocabulary slice: each device pads its own slice of the embedding in the step
-        # (a copy of the slice per step, only where the slice is no multiple of 32 rows: a
-        # vocabulary of whole blocks can still split into slices that are not)
-        weights = {k: v for k, v in weights.items() if k != "embed_table"}
     moe_ranks = expert_ranks(cfg, mesh)
     net = getattr(cfg, "linear", None)
     if _linear_layers(cfg) and tensor > 1 and net.shards != tensor:
@@ -441,8 +433,6 @@ def sharded_forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: 
     pool_slots = next((x.state.shape[0] for x in cache.layers if isinstance(x, RecurrentState)), 0)
 
     def step(w, t, p, c, bt, s):
-        if padded_slices:
-            w = dict(w, embed_table=decoder.embed_blocks(w["embed"]))
         s = sharding.local_slots(s, pool_slots, mesh)  # each rank's block of the state pools
         logits, hidden, c = forward(w, local, t, p, c, AttentionBatch(bt, s), None, capture_layers, options=options,
                                     tp=(axis, tensor), expert_shards=shards, kv_pool_heads=kv_pool_heads,

@@ -14,9 +14,11 @@ layers), each page group of layers reading its own block table.
 One `pallas_call` with no grid:
   - SMEM (scalar prefetch): token ids [N], positions [N] (N = B x T, -1 = padding), block tables
     [B, M], each row's recurrent-state slot [B] (linear layers);
-  - VMEM inputs: the small vectors (norms, biases, rope frequencies), held whole;
-  - HBM (`memory_space=pl.ANY`): the embedding table (only the N rows fetched by DMA), every
-    weight matrix, the routers and convs (each read whole into VMEM as its layer starts), the KV
+  - VMEM inputs: the small vectors (norms, biases, rope frequencies), held whole, and the N
+    tokens' embedding rows (gathered by XLA before the call: a gather reads any layout of the
+    table, and TPU keeps a [V, d] table with d off the 128 lanes column-major, which a DMA of
+    rows would make XLA copy whole on every call);
+  - HBM (`memory_space=pl.ANY`): every weight matrix, the routers and convs (each read whole into VMEM as its layer starts), the KV
     pools and the linear layers' state pools (aliased to outputs: updated in place);
   - outputs: f32 logits [N, V] and greedy ids [N] in VMEM, the pools in HBM.
 The weights flow through a ring of VMEM slots on the static schedule of `plan.stream_schedule`
@@ -47,7 +49,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from weld.kernels.megakernel import collectives, linear
 from weld.kernels.megakernel.attention import attend_rows, kv_scratch
-from weld.kernels.megakernel.plan import (EMBED_ROWS_ALIGN, EMBED_SLABS, INT4_GROUP, LANES, MegakernelSpec, Plan, embed_slab_rows, fit_plan,
+from weld.kernels.megakernel.plan import (INT4_GROUP, LANES, MegakernelSpec, Plan, fit_plan,
                                           lane_span, make_plan, pair_row_width, ring_key, ring_width, traced_row_width)
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a dense layer's, in stream order (plan.matrices)
@@ -126,6 +128,17 @@ def _pad_lanes(x, length: int):
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)]) if extra > 0 else x
 
 
+def embed_rows(table, tokens, vocab: int, tp_axis=None, tp_size: int = 1):
+    """f32 [N, d]: the embedding rows of tokens [B, T] from table [V, d] (under tensor
+    parallelism this device's slice of the vocabulary, rows [i V, (i + 1) V): zeros for the
+    tokens outside it, which the kernel's all-reduce fills)."""
+    ids = tokens.reshape(-1).astype(jnp.int32)
+    if tp_size > 1:
+        ids = ids - jax.lax.axis_index(tp_axis) * vocab
+    rows = jnp.take(table, jnp.clip(ids, 0, vocab - 1), axis=0).astype(jnp.float32)
+    return jnp.where(((ids >= 0) & (ids < vocab))[:, None], rows, 0.0) if tp_size > 1 else rows
+
+
 def _aligned(offset, multiple: int):
     """`offset`, and where it is traced (a loop's tile), Mosaic told it is a multiple of
     `multiple` (a tile of whole heads starts at a multiple of its own heads): without the hint
@@ -189,13 +202,7 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, l
                 raise ValueError(f"the state pools of layer {i} must be f32 [slots, C, K - 1], [slots, Hv, dk, dv] = "
                                  f"{shapes}, got {[(tuple(a.shape), str(a.dtype)) for a in pair]}")
     vd = spec.linear_value_dim
-    slab = embed_slab_rows(params["embed"].dtype.itemsize, spec.vocab)
-    table_rows = params["embed"].shape[0]  # the vocabulary, or padded to whole blocks
-    if not (spec.vocab <= table_rows < spec.vocab + EMBED_ROWS_ALIGN and table_rows % slab == 0):
-        raise ValueError(f"params['embed'] has {table_rows} rows for a vocabulary of {spec.vocab}: the kernel fetches "
-                         f"embedding rows in tile-aligned blocks of {slab}, so the table must be the vocabulary padded "
-                         "to whole blocks (`decoder.megakernel_weights` pads it)")
-    expected = {"embed": (table_rows, d), "lm_head": (spec.vocab, d), "attn_norm": (n_layers, d),
+    expected = {"embed": (spec.vocab, d), "lm_head": (spec.vocab, d), "attn_norm": (n_layers, d),
                 "mlp_norm": (n_layers, d), "final_norm": (d,), "inv_freq": (spec.rope_tables, spec.rope_dims // 2),
                 "post_attn_norm": (n_layers, d), "post_mlp_norm": (n_layers, d), "sinks": (n_layers, spec.num_heads),
                 "qkv_bias": (n_layers, spec.q_proj_dim + 2 * kv), "o_bias": (n_layers, d), "q_norm": (n_layers, e),
@@ -248,7 +255,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     """One call of the megakernel.
 
     spec: the model's shapes and switches, `batch` = B rows of `tokens_per_row` = T tokens.
-    params: "embed" [V, d] (HBM, rows fetched by DMA), "lm_head" [V, d] (the embedding itself
+    params: "embed" [V, d] (the N tokens' rows gathered before the call), "lm_head" [V, d] (the embedding itself
       when tied), "layers": L dicts of MATRICES, each [out, in] or an `Int8Matrix` (all or none,
       the LM head too),
       "attn_norm" / "mlp_norm" [L, d], "final_norm" [d], "inv_freq" [spec.rope_tables, rope dims /
@@ -435,7 +442,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
 
         # inputs
         vec = dict(zip(vector_names, take(n_vec)))  # VMEM, f32 [L or 1, width]
-        (embed_ref,) = take(1)  # HBM [V, d]
+        (embed_ref,) = take(1)  # VMEM [N, d] f32: the tokens' embedding rows (zeros off this device's slice)
         w_refs = take(n_mat)  # HBM [out, in] each (an expert stack: [E, out, in])
         s_refs = take(n_scale)  # HBM [1, out] each, [E, 1, out] for a stack (int8 only)
         g_refs = take(n_group)  # HBM (scales, mins) [.., out, groups] of each int4 matrix
@@ -451,7 +458,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         cap_refs = take(n_cap)  # VMEM [N, d] f32 per capture layer
         # scratch (see scratch_shapes)
         rings = dict(zip(keys, take(len(keys))))  # the weight rings (`plan.ring_key`)
-        ring_sems, emb_buf, emb_sems, x_ref, delta_ref, qa_ref, ka_ref, va_ref = take(8)
+        ring_sems, x_ref, delta_ref, qa_ref, ka_ref, va_ref = take(6)
         q_heads, kn_ref, vn_ref, att_ref, gate_ref, up_ref = take(6)
         attn_scratch = take(4)
         scale_ring = take(1)[0] if int8 else None
@@ -833,33 +840,10 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
 
         if ranks > 1:  # every device inside the kernel before the groups signal their own semaphores
             collectives.barrier(everyone, group)
-        # The stream starts first: its prologue is in flight while the embedding rows land.
-        pump()
-        first_id = jax.lax.axis_index(tp_axis) * spec.vocab if tp_size > 1 else 0  # of this device's vocab slice
-        # each row arrives inside its tile-aligned block of `slab` rows (a DMA's offset and size
-        # along a tiled dimension must be whole tiles on a TPU), through `slabs` buffers in turn
-        slabs, slab = emb_buf.shape[0], emb_buf.shape[1]
-        emb_copies, emb_offsets = [], []
-        for n in range(n_tok):
-            token_row = jnp.clip(tok_ref[n] - first_id, 0, spec.vocab - 1)
-            start = pl.multiple_of(token_row // slab * slab, slab)
-            emb_copies.append(pltpu.make_async_copy(embed_ref.at[pl.ds(start, slab)], emb_buf.at[n % slabs],
-                                                    emb_sems.at[n % slabs]))
-            emb_offsets.append(token_row - start)
-        for c in emb_copies[:slabs]:
-            c.start()
-        in_slab = jax.lax.broadcasted_iota(jnp.int32, (slab, 1), 0)
-        for n, (c, offset) in enumerate(zip(emb_copies, emb_offsets)):
-            c.wait()
-            block = emb_buf[n % slabs].astype(jnp.float32)  # [slab, d]
-            x_ref[pl.ds(n, 1), :] = jnp.sum(jnp.where(in_slab == offset, block, 0.0), axis=0, keepdims=True)
-            if n + slabs < n_tok:
-                emb_copies[n + slabs].start()
-        if spec.embed_scale != 1.0:
-            x_ref[...] = x_ref[...] * spec.embed_scale
-        if tp_size > 1:  # each device holds the rows of its vocabulary slice: the others' are zeros, then summed
-            ids = jnp.stack([tok_ref[n] for n in range(n_tok)]).reshape(n_tok, 1) - first_id
-            delta_ref[...] = jnp.where((ids >= 0) & (ids < spec.vocab), x_ref[...], 0.0)
+        pump()  # the stream's prologue in flight first
+        x_ref[...] = embed_ref[...] * spec.embed_scale if spec.embed_scale != 1.0 else embed_ref[...]
+        if tp_size > 1:  # each device holds the rows of its vocabulary slice (the others' are zeros): summed
+            delta_ref[...] = x_ref[...]
             x_ref[...] = jnp.zeros_like(x_ref)
             residual_add()
 
@@ -1027,9 +1011,6 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     vmem, f32 = pltpu.MemorySpace.VMEM, jnp.float32
     scratch = [pltpu.VMEM((depth, ring_rows[k], ring_cols[k]), ring_dtypes[k[0]]) for k in keys] + [  # the weight rings
         pltpu.SemaphoreType.DMA((depth,)),  # one DMA semaphore per ring slot (shared by the rings)
-        pltpu.VMEM((min(n_tok, EMBED_SLABS), embed_slab_rows(params["embed"].dtype.itemsize, spec.vocab), d),
-                   params["embed"].dtype),  # the embedding rows' aligned blocks, as fetched
-        pltpu.SemaphoreType.DMA((min(n_tok, EMBED_SLABS),)),  # one per block buffer
         pltpu.VMEM((n_tok, d), f32),  # x: the residual stream
         pltpu.VMEM((n_tok, d), f32),  # the o / down projection's output, added to x
         pltpu.VMEM((n_tok, q_proj), f32),  # q, as projected
@@ -1085,8 +1066,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     aliases = {first_pool + i: 2 + i for i in range(n_pools)}
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
-        in_specs=[pl.BlockSpec(memory_space=vmem)] * n_vec + [pl.BlockSpec(memory_space=pl.ANY)] * (
-            1 + n_mat + n_scale + n_group + n_router + n_bias + n_conv + n_pools),
+        in_specs=[pl.BlockSpec(memory_space=vmem)] * (n_vec + 1) + [pl.BlockSpec(memory_space=pl.ANY)] * (
+            n_mat + n_scale + n_group + n_router + n_bias + n_conv + n_pools),
         out_specs=[pl.BlockSpec(memory_space=vmem)] * 2 + [pl.BlockSpec(memory_space=pl.ANY)] * n_pools
         + [pl.BlockSpec(memory_space=vmem)] * n_cap,
         scratch_shapes=scratch,
@@ -1105,7 +1086,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         compiler_params=compiler_params,
         interpret=interpret,
     )(tokens.reshape(-1).astype(jnp.int32), positions.reshape(-1).astype(jnp.int32), block_tables.astype(jnp.int32),
-      jnp.asarray(state_slots, jnp.int32), *vectors, params["embed"], *weight_ops, *scale_ops, *group_ops, *routers, *biases, *convs,
+      jnp.asarray(state_slots, jnp.int32), *vectors, embed_rows(params["embed"], tokens, spec.vocab, tp_axis, tp_size),
+      *weight_ops, *scale_ops, *group_ops, *routers, *biases, *convs,
       *pool_list)
     pools, hidden = rest[:n_pools], [hs.reshape(b, t, d) for hs in rest[n_pools:]]
     n_kv = n_attn if spec.mla else 2 * n_attn

@@ -59,7 +59,6 @@ USABLE_VMEM_FRACTION = 0.85
 MIN_RING_DEPTH = 2  # one slot computing, one in flight: below this nothing overlaps
 INT4_GROUP = 128  # inputs per scale and min of int4 experts (`MegakernelSpec.int4_experts`)
 LANES = 128  # a TPU vreg's lanes: a VMEM slice narrower than its buffer must cover whole lane tiles
-EMBED_SLABS = 4  # buffers the embedding rows' aligned blocks land in, in turn (`embed_slab_rows`)
 
 
 def ring_width(kind: str, cols: int) -> int:
@@ -106,17 +105,6 @@ def pair_row_width(tiles, name: str, width: int) -> int:
     short last tile (gpt-oss's 2,880 = 11 x 256 + 64) reaches past the matrix."""
     return max([traced_row_width(width)] + [t.row_start + traced_row_width(t.rows) for t in tiles
                                             if t.pair >= 0 and t.matrix == name])
-
-
-EMBED_ROWS_ALIGN = 32  # an embedding table's rows, padded to this multiple, fit every dtype's blocks
-
-
-def embed_slab_rows(itemsize: int, vocab: int) -> int:
-    """Rows of the tile-aligned block an embedding row is fetched in: a TPU tile's sublanes for
-    the table's dtype (8 of f32, 16 of bf16, 32 of int8: a DMA along a tiled dimension moves
-    whole tiles), or the whole table when it is smaller. A table whose rows are no multiple of
-    it is padded once at load (`EMBED_ROWS_ALIGN`; `decoder.megakernel_weights`)."""
-    return min(EMBED_ROWS_ALIGN // itemsize, vocab)
 
 
 class VmemBudgetError(ValueError):
@@ -605,23 +593,21 @@ def activation_bytes(spec: MegakernelSpec, tiles=()) -> int:
     `tiles`: the schedule, whose routed tiles set the pair buffers' widths, `pair_row_width`).
 
     Per activation row (batch x tokens_per_row), f32 unless noted: residual, normed input and
-    the o / down output (3 x hidden), the query projection, q
+    the o / down output and the embedding row (4 x hidden), the query projection, q
     by head and the attention output (q_proj + 2 x q), k and v (2 x kv), the new K / V (cache
     dtype), gate and up (2 x intermediate), the whole row of logits (they leave VMEM once, at the
     end) and the greedy id. Plus the small per-layer vectors held whole: two norms per layer, the
     final norm, the rope frequencies, and the qkv / o biases and q / k norms where the model has
     them. Linear-attention layers add their projections' outputs per row, the conv weights of a
-    layer and two rows' recurrent states (double buffered). And the embedding rows' aligned
-    blocks (`embed_slab_rows`, `EMBED_SLABS` buffers).
+    layer and two rows' recurrent states (double buffered). And each row's embedding (an input).
     """
     q, kv, d, e = spec.num_heads * spec.head_dim, spec.pool_kv_heads * spec.head_dim, spec.hidden, spec.head_dim
     a = spec.act_bytes
-    per_row = (a * (3 * d + spec.q_proj_dim + 2 * q + 2 * kv + 2 * spec.intermediate + spec.vocab) + 4
+    per_row = (a * (4 * d + spec.q_proj_dim + 2 * q + 2 * kv + 2 * spec.intermediate + spec.vocab) + 4
                + 2 * kv * spec.kv_bytes)
     vectors = spec.num_layers * (4 if spec.sandwich_norms else 2) * d + d
     vectors += spec.rope_tables * spec.rope_dims // 2 if spec.rope else 0
-    embed_bytes = spec.float_bytes if spec.weight_bytes == 1 else spec.weight_bytes  # int8 models: a float table
-    fixed = min(spec.tokens, EMBED_SLABS) * embed_slab_rows(embed_bytes, spec.vocab) * d * embed_bytes
+    fixed = 0
     if spec.qkv_bias:
         vectors += spec.num_layers * (spec.q_proj_dim + 2 * kv)
     if spec.o_bias:

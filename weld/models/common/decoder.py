@@ -186,31 +186,16 @@ def megakernel(cfg: Any) -> Callable:
 
 def megakernel_weights(weights: dict, fuse: Callable[[dict], None] = lambda lw: None) -> dict:
     """The tree for the TPU megakernel, which streams the declared matrices themselves: fuse(layer)
-    for the few small arrays it wants whole (KDA's three convs as one), and a copy of the
-    embedding for the kernel's row lookups by DMA ("embed_table") where the embedding itself
-    will not do: a tied one quantized as the LM head (a float copy), or one whose rows are no
-    multiple of the kernel's aligned blocks (`plan.EMBED_ROWS_ALIGN`: padded with zero rows)."""
+    for the few small arrays it wants whole (KDA's three convs as one), and where a tied
+    embedding was quantized as the LM head, a float copy of it for the embedding lookups
+    ("embed_table")."""
     from weld.models.common import quant
 
     for lw in weights["layers"]:
         fuse(lw)
-    table = weights["embed"]
-    if quant.is_quantized(table):
-        table = table.unpacked().astype(weights["final_norm"].dtype)
-    table = embed_blocks(table)
-    if table is not weights["embed"]:
-        weights["embed_table"] = jax.block_until_ready(table)
+    if quant.is_quantized(weights["embed"]):
+        weights["embed_table"] = jax.block_until_ready(weights["embed"].unpacked().astype(weights["final_norm"].dtype))
     return weights
-
-
-def embed_blocks(table):
-    """A float embedding table (or a device's vocabulary slice of one) as the megakernel fetches
-    its rows: in tile-aligned blocks, so padded with zero rows to a multiple of
-    `plan.EMBED_ROWS_ALIGN` where it is not one already (then a copy; else the table itself)."""
-    from weld.kernels.megakernel.plan import EMBED_ROWS_ALIGN
-
-    extra = -table.shape[0] % EMBED_ROWS_ALIGN
-    return jnp.pad(table, ((0, extra), (0, 0))) if extra else table
 
 
 def run_layers(x: jax.Array, layers: list, cache: Cache, block: Callable) -> tuple[jax.Array, Cache, list]:
