@@ -6,9 +6,14 @@ site-packages so that every other JAX start stays quiet) and JAX must stay on th
 
 NAME is a family of benchmarks/megakernel_lowering.py's TPU-width configs ("llama",
 "deepseek_v3", ...; `megakernel.compile_for_tpu`, batch 8, bf16, v5e), "llama-verify" (a
-4-token verify block), "llama-int8" (int8 weights with a short last row tile), or "control": a kernel whose DMA writes a slice off the 128-lane tiles,
-which Mosaic rejects (the check can fail). Prints one JSON line per name: {"name", "ok",
-"seconds", "error"}.
+4-token verify block), "llama-int8" (int8 weights with a short last row tile), "gpt_oss-wide"
+(gpt-oss-20b's widths, 2,880 off the lane tiles, one layer and a 32,768-row vocabulary),
+"gpt_oss-rowmajor" (the same, every matrix streamed row-major: XLA must relayout some),
+"smollm2-int8" (SmolLM2-135M's widths, 576, two layers, int8),
+"layouts" (the layout libtpu gives plain matrices and expert stacks: `LAYOUT_SHAPES`), or
+"control": a kernel whose DMA writes a slice off the 128-lane tiles, which Mosaic rejects (the
+check can fail). Prints one JSON line per name: {"name", "ok", "seconds", "error"}, with a
+compiled step's "relayouts" (`relayouts`) and the "layouts" rows.
 """
 
 from __future__ import annotations
@@ -47,22 +52,103 @@ def control() -> None:
     jax.jit(call).trace(jax.ShapeDtypeStruct((8, 200), jnp.float32, sharding=sharding)).lower().compile()
 
 
-def compile_one(name: str) -> None:
+# [rows, cols] matrices and [experts, rows, cols] stacks, a last dimension on or off the lane tiles
+LAYOUT_SHAPES = [(4096, 2880), (128, 576), (1000, 2880), (2880, 4096), (64, 2880), (4096, 2944),
+                 (8, 768, 2880), (32, 2880, 2880), (128, 768, 2048)]
+
+
+def layouts() -> list:
+    """[generation, dtype, shape, column-major] for LAYOUT_SHAPES in bf16 and int8 on v5e and v6e:
+    whether libtpu's default layout puts the last two dimensions in the other order."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    rows = []
+    for generation in ("v5e", "v6e"):
+        device = topologies.get_topology_desc(f"{generation}:2x2", "tpu").devices[0]
+        sharding = NamedSharding(Mesh([device], ("one",)), PartitionSpec())
+        for dtype in (jnp.bfloat16, jnp.int8):
+            for shape in LAYOUT_SHAPES:
+                arg = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+                layout = jax.jit(lambda x: x + 1).trace(arg).lower().compile().input_formats[0][0].layout
+                order = tuple(layout.major_to_minor)
+                rows.append([generation, jnp.dtype(dtype).name, list(shape), order[-2:] == (len(shape) - 1, len(shape) - 2)])
+    return rows
+
+
+def relayouts(hlo: str, least_bytes: int = 1 << 20) -> list[str]:
+    """The weights (entry parameters named w[...], of at least least_bytes) that a compiled
+    step's XLA program lays out anew before the kernel reads them, every call: a weight must
+    reach the kernel's custom call through bitcasts and moves between memory spaces only (XLA
+    may stage a small operand in VMEM: slice-start / -done, copy-start / -done, ConcatBitcast),
+    never a copy, transpose or fusion. The embedding is not one: XLA gathers the tokens' rows
+    from it as it lies."""
+    import re
+
+    params = {}
+    for m in re.finditer(r"%(\S+) = (\w+)\[([\d,]*)\]\{[^}]*\} parameter\(\d+\).*?op_name=\"(w\[[^\"]*)\"", hlo):
+        size = {"bf16": 2, "f32": 4, "s8": 1, "u8": 1}.get(m.group(2), 4)
+        for dim in filter(None, m.group(3).split(",")):
+            size *= int(dim)
+        name = m.group(4).replace("\\'", "'")
+        if size >= least_bytes and not name.startswith(("w['embed']", "w['embed_table']")):
+            params[m.group(1)] = name
+    users: dict[str, list[tuple[str, str, str]]] = {}  # operand -> (user, opcode, the line)
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = .*? ([a-z][\w-]*)\((.*)", line)  # (a shape may be a tuple)
+        if m:
+            for operand in re.findall(r"%([^\s,)]+)", m.group(3)):
+                users.setdefault(operand, []).append((m.group(1), m.group(2), line))
+    moves = ("bitcast", "slice-start", "slice-done", "copy-start", "copy-done", "get-tuple-element")
+    moved = set()
+    for param, name in params.items():
+        todo, seen = [param], set()
+        while todo:
+            for user, opcode, line in users.get(todo.pop(), []):
+                if user in seen:
+                    continue
+                seen.add(user)
+                if opcode in moves or (opcode == "custom-call" and "ConcatBitcast" in line):
+                    todo.append(user)
+                elif not (opcode == "custom-call" and "tpu_custom_call" in line):
+                    moved.add(name)
+    return sorted(moved)
+
+
+def compile_one(name: str):
     from megakernel_lowering import CASES
+    from megakernel_tpu import WIDE
 
     from weld.models import megakernel
 
     if name == "control":
         return control()
     family, _, variant = name.partition("-")
-    cfg = next(c for key, (c, _) in CASES.items() if key.split(" ")[0] == family)
+    if variant == "rowmajor":  # the control of `relayouts`: every matrix streamed row-major
+        from weld.kernels.megakernel import plan
+
+        kept, plan.stored_transposed = plan.stored_transposed, lambda rows, cols: False
+        try:
+            return compile_one(f"{family}-wide")
+        finally:
+            plan.stored_transposed = kept
+    if family == "gpt_oss" and variant == "wide":  # gpt-oss-20b's widths, one layer, a smaller vocabulary
+        cfg = dataclasses.replace(WIDE["gpt-oss-20b-like, 2 layers"], num_layers=1, vocab_size=32768,
+                                  layer_types=WIDE["gpt-oss-20b-like, 2 layers"].layer_types[:1])
+    elif family == "smollm2":  # SmolLM2-135M's widths (576 off the lane tiles), two layers; int8 below
+        cfg = dataclasses.replace(WIDE["SmolLM2-135M, 30 layers"], num_layers=2)
+    else:
+        cfg = next(c for key, (c, _) in CASES.items() if key.split(" ")[0] == family)
     weights = None
-    if variant == "int8":  # int8 per channel, an MLP of 320 rows: a last row tile of 64 (its scales
-        # under one lane tile), as SmolLM2's 576 outputs make
-        cfg = dataclasses.replace(cfg, intermediate_size=320)
+    if variant == "int8":  # int8 per channel (Llama's: an MLP of 320 rows, a last row tile of 64, its
+        # scales under one lane tile, as SmolLM2's 576 outputs make)
+        if family == "llama":
+            cfg = dataclasses.replace(cfg, intermediate_size=320)
         weights = _int8_weights(cfg)
-    megakernel.compile_for_tpu(cfg, batch=8, generation="v5e", weights=weights,
-                               tokens_per_row=4 if variant == "verify" else 1)
+    return megakernel.compile_for_tpu(cfg, batch=8, generation="v5e", weights=weights,
+                                      tokens_per_row=4 if variant == "verify" else 1)
 
 
 def _int8_weights(cfg):
@@ -83,15 +169,21 @@ def _int8_weights(cfg):
 def main() -> None:
     for name in sys.argv[1:]:
         start = time.perf_counter()
+        extra = {}
         try:
-            compile_one(name)
+            if name == "layouts":
+                extra["layouts"] = layouts()
+            else:
+                compiled = compile_one(name)
+                if compiled is not None:
+                    extra["relayouts"] = relayouts(compiled.as_text())
             error = None
         except Exception as e:  # reported, not raised: the test names the family and Mosaic's message
             text = str(e)
             at = text.find("Mosaic failed")
             error = f"{type(e).__name__}: {text[at:at + 2000] if at >= 0 else text[:2000]}"
         print(json.dumps({"name": name, "ok": error is None, "seconds": round(time.perf_counter() - start, 1),
-                          "error": error}), flush=True)
+                          "error": error, **extra}), flush=True)
 
 
 if __name__ == "__main__":

@@ -33,16 +33,36 @@ def compile_all(*names: str) -> dict[str, dict]:
     return results
 
 
+COMPILED = ("llama", "llama-verify", "llama-int8", "deepseek_v3", "gpt_oss-wide", "smollm2-int8")
+
+
 def test_mosaic_compiles_the_kernel_and_rejects_an_off_tile_copy():
-    """Llama (a decode step, a 4-token verify block, int8 weights with a 64-row last tile) and
-    DeepSeek-V3 (MLA + MoE) compile; the control, a DMA into 200 of a buffer's 256 lanes, does
-    not: the check can fail."""
-    results = compile_all("control", "llama", "llama-verify", "llama-int8", "deepseek_v3")
+    """Llama (a decode step, a 4-token verify block, int8 weights with a 64-row last tile),
+    DeepSeek-V3 (MLA + MoE), gpt-oss's and SmolLM2's widths off the lane tiles (int8 for SmolLM2)
+    compile, and XLA hands the kernel every weight as it lies (`relayouts`: matrices TPU keeps
+    column-major stream from their transposes, `plan.stored_transposed`). The controls: a DMA
+    into 200 of a buffer's 256 lanes does not compile, and gpt-oss's matrices streamed
+    row-major make XLA relayout some every call: both checks can fail."""
+    results = compile_all("control", "gpt_oss-rowmajor", *COMPILED)
     control = results["control"]
     assert not control["ok"], "Mosaic compiled a DMA off the lane tiles: the check cannot fail"
     assert "Mosaic failed" in control["error"], f"the control failed before Mosaic saw it: {control['error']}"
-    for name in ("llama", "llama-verify", "llama-int8", "deepseek_v3"):
+    for name in COMPILED:
         assert results[name]["ok"], f"{name}: {results[name]['error']}"
+        assert results[name]["relayouts"] == [], name
+    assert "w['lm_head']" in results["gpt_oss-rowmajor"]["relayouts"], results["gpt_oss-rowmajor"]
+
+
+def test_the_layout_rule_is_libtpus():
+    """`plan.stored_transposed` says which matrices (and expert stacks) libtpu keeps column-major,
+    on v5e and v6e, in bf16 and int8: with a last dimension off the 128 lanes and the one before
+    it on them."""
+    from weld.kernels.megakernel import plan
+
+    rows = compile_all("layouts")["layouts"]["layouts"]
+    assert {column_major for *_, column_major in rows} == {True, False}
+    for generation, dtype, shape, column_major in rows:
+        assert plan.stored_transposed(*shape[-2:]) == column_major, (generation, dtype, shape)
 
 
 @pytest.mark.slow

@@ -30,7 +30,9 @@ NUM_PAGES = 20
 # small tiles: every matrix is several tiles, the ring wraps inside and across matrices and layers
 OPTIONS = megakernel.KernelOptions(tile_rows=16, vocab_tile_rows=32, ring_depth=3, pages_per_kv_tile=2)
 
-LLAMA = llama.Config(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
+# the LM head [128, 32] and gate / up [128, 32] are stored column-major on a TPU and stream from
+# their transposes (`plan.stored_transposed`), beside row-major q / k / v / o / down
+LLAMA = llama.Config(architecture="llama", vocab_size=128, hidden_size=32, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
                      rope_scaling=RopeScaling(kind="llama3", factor=8.0, original_max_position_embeddings=16))
 # Qwen3 switches plus Qwen2's qkv bias, an o bias, tied embeddings, head dim 64, GQA 4:1

@@ -25,10 +25,11 @@ from weld.models.common import moe as moe_lib
 from weld.models.common import quant
 from weld.models.common.rope import Rope, RopeScaling
 
-# Qwen3-MoE's shape: softmax top-2 of 6 experts, renormalised; layers 0 and 2 sparse, layer 1 dense
+# Qwen3-MoE's shape: softmax top-2 of 6 experts, renormalised; layers 0 and 2 sparse, layer 1 dense;
+# the expert stacks' gate / up [6, 128, 32] stream from their transposes (`plan.stored_transposed`)
 QWEN_MOE = llama.Config(architecture="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
                         num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, rope_theta=1e6,
-                        moe=moe_lib.MoE(num_experts=6, top_k=2, intermediate_size=16, router="softmax_topk",
+                        moe=moe_lib.MoE(num_experts=6, top_k=2, intermediate_size=128, router="softmax_topk",
                                         norm_topk_prob=True),
                         sparse_layers=(0, 2))
 # DeepSeek-V3 / Kimi routing (sigmoid scores, a correction bias for selection, the best 2 of 4
@@ -80,13 +81,15 @@ def test_schedule_streams_each_pairs_expert_after_the_static_tiles():
     spec = megakernel.spec_for(QWEN_MOE, batch=2, page_size=PAGE, weight_dtype=jnp.float32, kv_dtype=jnp.float32)
     tiles = mkplan.stream_schedule(spec, tile_rows=16, vocab_tile_rows=32)
     layer0 = [t.key for t in tiles if t.layer == 0]
-    # attention, then 2 tokens x top-2 = 4 pairs, each gate (16 rows), up (16), down (32 rows: 2 tiles)
+    # attention, then 2 tokens x top-2 = 4 pairs, each gate (128 rows: 8 tiles), up (8), down (32 rows: 2 tiles)
     assert layer0[:6] == [(0, "q", -1), (0, "q", -1), (0, "k", -1), (0, "v", -1), (0, "o", -1), (0, "o", -1)]
-    assert layer0[6:] == [(0, name, pair) for pair in range(4) for name in ("gate", "up", "down", "down")]
+    assert layer0[6:] == [(0, name, pair) for pair in range(4) for name in ("gate",) * 8 + ("up",) * 8 + ("down",) * 2]
+    # gate / up [6, 128, 32] lie column-major on a TPU: streamed from their transposes, down not
+    assert {t.matrix for t in tiles if t.transposed and t.layer == 0} == {"gate", "up"}
     assert [t.matrix for t in tiles if t.layer == 1][-3:] == ["up", "down", "down"]  # the dense layer as before
     assert all(t.pair == -1 for t in tiles if t.layer == 1)
     # bytes: the static matrices, 4 experts' worth of each sparse layer, the routers read whole
-    expert = (16 * 32) * 3 * 4
+    expert = (128 * 32) * 3 * 4
     assert spec.layer_weight_bytes(0) == (32 * 32 + 2 * 16 * 32 + 32 * 32) * 4 + 4 * expert
     assert sum(t.nbytes for t in tiles if t.layer == 0) == spec.layer_weight_bytes(0)
     assert spec.router_bytes() == 6 * 32 * 4
@@ -119,7 +122,7 @@ def test_int8_expert_stacks_match_xla_on_dequantized_weights(interpret):
     weights, cache, bt, tok, pos = _setup(QWEN_MOE, batch=2, seed=3)
     quantized = _quantized(weights, QWEN_MOE)
     stack = quantized["layers"][0]["moe"]["w_gate"]
-    assert quant.is_quantized(stack) and stack.fmt == "int8_channel" and stack.shape == (6, 16, 32)
+    assert quant.is_quantized(stack) and stack.fmt == "int8_channel" and stack.shape == (6, 128, 32)
     options = dataclasses.replace(OPTIONS, interpret=interpret)
     logits, _, _ = _kernel_step(QWEN_MOE, options)(quantized, tok[:, None], pos[:, None], cache, bt)
     ref, _, _ = _xla_step(QWEN_MOE)(_dequantized(quantized), tok[:, None], pos[:, None], cache, bt)
@@ -186,11 +189,11 @@ def test_moe_validation_and_support():
     pools = [p.k for p in cache.layers], [p.v for p in cache.layers]
     with pytest.raises(ValueError, match="needs route="):
         mk.decode_step(spec, params, tok[:, None], pos[:, None], bt, *pools)
-    bad = dict(params, layers=[dict(params["layers"][0], gate=jnp.zeros((5, 16, 32)))] + params["layers"][1:])
-    with pytest.raises(ValueError, match=r"layers\[0\]\['gate'\] must be \[experts, out, in\] = \(6, 16, 32\)"):
+    bad = dict(params, layers=[dict(params["layers"][0], gate=jnp.zeros((5, 128, 32)))] + params["layers"][1:])
+    with pytest.raises(ValueError, match=r"layers\[0\]\['gate'\] must be \[experts, out, in\] = \(6, 128, 32\)"):
         mk.decode_step(spec, bad, tok[:, None], pos[:, None], bt, *pools, route=megakernel.router(QWEN_MOE))
     with pytest.raises(ValueError, match=r"top_k \(7\) exceeds the routed experts \(6\)"):
         dataclasses.replace(spec, top_k=7)
-    with pytest.raises(ValueError, match=r"layers\[0\]\['b_gate'\] must be \(6, 16\), got None"):
+    with pytest.raises(ValueError, match=r"layers\[0\]\['b_gate'\] must be \(6, 128\), got None"):
         mk.decode_step(dataclasses.replace(spec, expert_bias=True), params, tok[:, None], pos[:, None], bt, *pools,
                        route=megakernel.router(QWEN_MOE))

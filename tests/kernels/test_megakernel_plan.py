@@ -124,6 +124,6 @@ def test_routed_pairs_rows_are_whole_lane_tiles_at_least_two_wide():
 def test_whole_head_tiles_hold_eight_heads_on_a_ring_of_their_own():
     """MLA's W_UK / W_UV stream in tiles of `HEAD_ALIGN` whole heads (a looped tile's head offset
     then provably a multiple of a f32 tile's 8 sublanes), through a ring of their own width."""
-    assert mk.ring_key("float", 512) == ("float", 0)  # whole lane tiles: the kind's shared ring
-    assert mk.ring_key("float", 512, whole_heads=True) == ("float", 512)
-    assert mk.ring_key("float", 576) == ("float", 576)  # off the lane tiles: a ring of that width
+    assert mk.ring_key("float", 512) == ("float", 0, False)  # whole lane tiles: the kind's shared ring
+    assert mk.ring_key("float", 512, whole_heads=True) == ("float", 512, False)
+    assert mk.ring_key("float", 576) == ("float", 576, False)  # off the lane tiles: a ring of that width

@@ -347,7 +347,11 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     matrices.append(params["lm_head"])
     kind_of = [_kind(m) for m in matrices]  # per matrix: "int8", "int4" or "float"
     int8 = "int8" in kind_of
+    # a matrix TPU keeps column-major streams from its transpose [.., in, out] (`plan.stored_transposed`:
+    # for XLA the same bytes, no copy)
+    transposed_of = {index[(x.layer, x.matrix)]: x.transposed for x in tiles}
     weight_ops = [m if k == "float" else m.q for m, k in zip(matrices, kind_of)]
+    weight_ops = [jnp.swapaxes(w, -1, -2) if transposed_of.get(m) else w for m, w in enumerate(weight_ops)]
     # int8: scales [1, out], or an expert stack's [E, 1, out] (a tile's scales are one row of them);
     # int4: scales and mins [out, groups] ([E, out, groups]), a tile's are its rows of them
     scale_of = {m: j for j, m in enumerate(i for i, k in enumerate(kind_of) if k == "int8")}  # matrix -> its scales
@@ -369,9 +373,9 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     ring_of = {}  # (layer, matrix) -> its ring's key
     for x in tiles:
         ring_of[(x.layer, x.matrix)] = ring_key(kind_of[index[(x.layer, x.matrix)]], x.cols,
-                                                spec.head_rows(x.matrix) > 1)
-    keys = sorted(set(ring_of.values()), key=lambda key: (("int8", "int4", "float").index(key[0]), key[1]))
-    kinds = {kind for kind, _ in keys}
+                                                spec.head_rows(x.matrix) > 1, x.transposed)
+    keys = sorted(set(ring_of.values()), key=lambda key: (("int8", "int4", "float").index(key[0]), key[2], key[1]))
+    kinds = {key[0] for key in keys}
     float_dtypes = {w.dtype for w, k in zip(weight_ops, kind_of) if k == "float"}
     if len(float_dtypes) > 1:
         raise ValueError(f"the float matrices must share one dtype, got {sorted(map(str, float_dtypes))}")
@@ -544,10 +548,14 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                 src_w = src_w.at[expert]
                 src_s = src_s.at[expert] if src_s is not None else None
                 src_g = [g.at[expert] for g in src_g]
-            width = src_w.shape[-1]  # int4: the packed bytes of a row
-            copies = [pltpu.make_async_copy(src_w.at[pl.ds(first, tile.rows)],
-                                            rings[ring_of[(tile.layer, tile.matrix)]].at[slot, rows, pl.ds(0, width)],
-                                            ring_sems.at[slot])]
+            ring = rings[ring_of[(tile.layer, tile.matrix)]]
+            if tile.transposed:  # columns [first, first + rows) of the transpose [in, out]
+                copies = [pltpu.make_async_copy(src_w.at[:, pl.ds(first, tile.rows)],
+                                                ring.at[slot, pl.ds(0, tile.cols), rows], ring_sems.at[slot])]
+            else:
+                width = src_w.shape[-1]  # int4: the packed bytes of a row
+                copies = [pltpu.make_async_copy(src_w.at[pl.ds(first, tile.rows)], ring.at[slot, rows, pl.ds(0, width)],
+                                                ring_sems.at[slot])]
             if src_s is not None:  # the tile's scales ride on the same semaphore, in whole lane tiles
                 span = pl.ds(0, lane_span(tile.rows))
                 copies.append(pltpu.make_async_copy(src_s.at[pl.ds(0, 1), pl.ds(first, span.size)],
@@ -599,6 +607,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                     groups = -(-tile.cols // INT4_GROUP)
                     w = _unpack_int4(rings[ring_of[(tile.layer, tile.matrix)]][slot, :tile.rows, :groups * INT4_GROUP // 2],
                                      *(ring[slot, :tile.rows, :groups] for ring in group_rings), tile.cols)
+                elif tile.transposed:
+                    w = rings[ring_of[(tile.layer, tile.matrix)]][slot, :tile.cols, :tile.rows]  # [in, rows]
                 else:
                     w = rings[ring_of[(tile.layer, tile.matrix)]][slot, :tile.rows, :tile.cols]  # [rows, in]
                 if compute is not None:  # per-row scales applied to the weights first
@@ -608,7 +618,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
                     if kind == "int8":  # the codes are exact in the model's float type
                         w = w.astype(mxu_dtype)
                     lhs = x.astype(w.dtype) if kind == "float" else x.astype(mxu_dtype)
-                    y = jax.lax.dot_general(lhs, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                    contract = 0 if tile.transposed else 1
+                    y = jax.lax.dot_general(lhs, w, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32,
                                             precision=_precision(lhs.dtype))  # [N, rows]
                     if kind == "int8":
                         y = y * scale_ring[slot, :, :tile.rows]  # [1, rows]
@@ -1009,7 +1020,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         ids_ref[...] = jnp.argmax(logits_ref[...], axis=-1).astype(jnp.int32)[:, None]
 
     vmem, f32 = pltpu.MemorySpace.VMEM, jnp.float32
-    scratch = [pltpu.VMEM((depth, ring_rows[k], ring_cols[k]), ring_dtypes[k[0]]) for k in keys] + [  # the weight rings
+    scratch = [pltpu.VMEM((depth,) + ((ring_cols[k], ring_rows[k]) if k[2] else (ring_rows[k], ring_cols[k])),
+                          ring_dtypes[k[0]]) for k in keys] + [  # the weight rings ([cols, rows] slots: transposed)
         pltpu.SemaphoreType.DMA((depth,)),  # one DMA semaphore per ring slot (shared by the rings)
         pltpu.VMEM((n_tok, d), f32),  # x: the residual stream
         pltpu.VMEM((n_tok, d), f32),  # the o / down projection's output, added to x

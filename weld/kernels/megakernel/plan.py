@@ -67,15 +67,28 @@ def ring_width(kind: str, cols: int) -> int:
     return -(-cols // INT4_GROUP) * INT4_GROUP // 2 if kind == "int4" else cols
 
 
-def ring_key(kind: str, cols: int, whole_heads: bool = False) -> tuple[str, int]:
+def ring_key(kind: str, cols: int, whole_heads: bool = False, transposed: bool = False) -> tuple[str, int, bool]:
     """The weight ring a `kind` tile of `cols` inputs streams through: one ring per kind for the
     widths of whole lane tiles (a tile takes the slot's first columns), and a ring of its own for
     each other width, exactly that wide (Mosaic slices a VMEM buffer's last dimension only in
     whole 128-lane tiles or whole: SmolLM2's 576 inputs beside its 1536). Tiles of whole heads
     (MLA's W_UK / W_UV, `HEAD_ALIGN` heads tall) get a ring of their own width too: in the
-    shared one their height would multiply the widest matrix's row."""
+    shared one their height would multiply the widest matrix's row. Transposed tiles
+    (`stored_transposed`: [cols, rows] slots, rows on the lanes) share one ring per kind."""
     width = ring_width(kind, cols)
-    return kind, 0 if width % LANES == 0 and not whole_heads else width
+    if transposed:
+        return kind, 0, True
+    return kind, 0 if width % LANES == 0 and not whole_heads else width, False
+
+
+def stored_transposed(rows: int, cols: int) -> bool:
+    """Whether a TPU keeps a [rows, cols] matrix (or each [rows, cols] of a stack) column-major:
+    XLA's default layout puts a dimension of whole 128-lane tiles minor when the last one is not
+    (gpt-oss's [4096, 2880] q, SmolLM2's [49152, 576] LM head; checked against libtpu by
+    tests/kernels/test_megakernel_compile.py). The kernel streams such a matrix as it lies, its
+    transpose [cols, rows] in tiles of columns: a row-major operand would make XLA copy the whole
+    matrix into that layout on every call."""
+    return cols % LANES != 0 and rows % LANES == 0
 
 
 HEAD_ALIGN = 8  # whole-head tiles hold a multiple of this many heads: a f32 tile's sublanes, so that a
@@ -469,6 +482,12 @@ class MegakernelSpec:
             return "int4"
         return "int8" if self.scale_bytes and name not in self.float_matrices else "float"
 
+    def transposed(self, name: str, rows: int, cols: int, expert: bool = False) -> bool:
+        """Whether matrix `name` ([rows, cols]) streams from its transpose (`stored_transposed`):
+        int8 and float matrices multiplied as they are (not MLA's whole-head W_UK / W_UV, nor
+        int4 experts, which unpack by row)."""
+        return self.kind(name, expert) != "int4" and self.head_rows(name) == 1 and stored_transposed(rows, cols)
+
     def tile_bytes(self, name: str, rows: int, cols: int, expert: bool = False) -> int:
         """Bytes of `rows` rows of matrix `name`: its elements, and its scales (and mins) when
         quantized; an int4 row is padded to whole groups."""
@@ -518,6 +537,7 @@ class Tile:
     cols: int
     nbytes: int
     pair: int = -1  # a routed expert's tile: the (token, choice) pair whose expert it reads; -1: static
+    transposed: bool = False  # streamed from the matrix's transpose ([cols, rows]: `stored_transposed`)
 
     @property
     def key(self) -> tuple[int, str, int]:
@@ -563,9 +583,10 @@ def stream_schedule(spec: MegakernelSpec, *, tile_rows: int = 256, vocab_tile_ro
     tiles: list[Tile] = []
 
     def add(layer: int, name: str, rows: int, cols: int, per_tile: int, pair: int = -1):
+        transposed = spec.transposed(name, rows, cols, pair >= 0)
         for start, n in row_tiles(rows, per_tile):
             tiles.append(Tile(len(tiles), layer, name, start, n, cols, spec.tile_bytes(name, n, cols, pair >= 0),
-                              pair))
+                              pair, transposed))
 
     for layer in range(spec.num_layers):
         for name, rows, cols in spec.matrices(layer):
@@ -662,8 +683,8 @@ def make_plan(spec: MegakernelSpec, *, ring_depth: int = 4, tile_rows: int = 256
     # `ring_key`).
     rings: dict[tuple[str, int], list[Tile]] = {}
     for t in tiles:
-        rings.setdefault(ring_key(spec.kind(t.matrix, t.pair >= 0), t.cols, spec.head_rows(t.matrix) > 1),
-                         []).append(t)
+        rings.setdefault(ring_key(spec.kind(t.matrix, t.pair >= 0), t.cols, spec.head_rows(t.matrix) > 1,
+                                  t.transposed), []).append(t)
     slot = sum(spec.tile_bytes(kept[0].matrix, max(t.rows for t in kept), max(t.cols for t in kept), kept[0].pair >= 0)
                for kept in rings.values())
     return Plan(spec, tuple(tiles), ring_depth, slot, ring_depth * slot, kv_tile_bytes(spec),
