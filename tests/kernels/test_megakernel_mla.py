@@ -116,9 +116,17 @@ def test_mla_validation():
     pools = [p.pool for p in cache.layers]
     with pytest.raises(ValueError, match="one latent pool per layer"):
         mk.decode_step(spec, megakernel.kernel_params(V2_DENSE, weights), tok[:, None], pos[:, None], bt, pools, pools)
+
+
+def test_v2_without_rotary_embedding_matches_xla(interpret):
+    """MLA with no rotation anywhere (`MLA.rope` None: Kimi Linear's NoPE layers) in the deepseek
+    stack: its k_pe part still cached and scored, unrotated; 3 greedy steps at batch 2."""
     nope = dataclasses.replace(V2_DENSE, mla=dataclasses.replace(V2_DENSE.mla, rope=None))
-    with pytest.raises(ValueError, match="NoPE"):
-        megakernel.check_supported(nope)
+    megakernel.check_supported(nope)
+    errors, cache, ref_cache = _greedy_run(nope, batch=2, steps=3, interpret=interpret)
+    assert max(errors) < 1e-3, errors
+    _assert_caches_close(cache, ref_cache)
+    assert not races_found()
 
 
 def test_int8_with_float_latent_matrices_matches_xla(interpret):

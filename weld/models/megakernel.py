@@ -56,10 +56,6 @@ def check_supported(cfg) -> None:
     if not isinstance(cfg, FAMILIES):
         raise ValueError(f"the megakernel runs the llama, gemma3, gpt_oss, deepseek, qwen3_next and kimi_linear "
                          f"families, got a {type(cfg).__module__} config")
-    mla = _mla(cfg)
-    if isinstance(cfg, deepseek.Config) and mla.rope is None:
-        raise ValueError("the megakernel's deepseek MLA needs a rotary part (NoPE layers are not covered); "
-                         "use backend='xla'")
     moe = cfg.moe
     if moe is not None and moe.activation not in ("swiglu", "clamped_swiglu"):
         raise ValueError(f"the megakernel's experts are SwiGLU or gpt-oss's clamped SwiGLU ({cfg.architecture} has "
