@@ -39,7 +39,7 @@ serve: install
 
 # The suite runs in TEST_WORKERS processes (one test file each at a time, so a file's fixtures
 # are made once): the CPU's cores, at most 4 (each worker holds its own JAX and models).
-TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))' 2>/dev/null || echo 1)
+TEST_WORKERS ?= $(shell $(BIN)/python -c 'import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))' 2>/dev/null || echo 1)
 
 test: install-test
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not llamacpp" --durations=30 tests
