@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 import time
@@ -78,17 +79,47 @@ def layouts() -> list:
     return rows
 
 
+PAGE_SHAPES = ((16, 8, 128), (16, 3, 64), (16, 1, 576), (32, 2, 64))  # [page, kv heads, head dim]
+
+
+def page_bytes() -> list:
+    """[shape, dtype, logical bytes, `sharding.page_bytes` row-major, bytes XLA gives a cache of
+    1,000 such pages created as the engine creates it] on v5e, bf16 and f32."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+
+    from weld.models.common import sharding
+    from weld.models.common.cache import Cache, KVPages
+
+    device = topologies.get_topology_desc("v5e:2x2", "tpu").devices[0]
+    rows = []
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for shape in PAGE_SHAPES:
+            pool = jax.ShapeDtypeStruct((1000,) + shape, dtype)
+            cache = Cache(layers=[KVPages(k=pool, v=pool)])
+            placement = sharding.cache_placement(cache, None, row_major_pools=True, device=device)
+            make = lambda: Cache(layers=[KVPages(k=jnp.zeros(pool.shape, dtype),  # noqa: E731
+                                                 v=jnp.zeros(pool.shape, dtype))])
+            made = jax.jit(make, out_shardings=placement).lower().compile()
+            rows.append([list(shape), jnp.dtype(dtype).name, math.prod(shape) * jnp.dtype(dtype).itemsize,
+                         sharding.page_bytes(shape, dtype, row_major=True, device=device),
+                         made.memory_analysis().output_size_in_bytes])
+    return rows
+
+
 def relayouts(hlo: str, least_bytes: int = 1 << 20) -> list[str]:
-    """The weights (entry parameters named w[...], of at least least_bytes) that a compiled
-    step's XLA program lays out anew before the kernel reads them, every call: a weight must
-    reach the kernel's custom call through bitcasts and moves between memory spaces only (XLA
-    may stage a small operand in VMEM: slice-start / -done, copy-start / -done, ConcatBitcast),
-    never a copy, transpose or fusion. The embedding is not one: XLA gathers the tokens' rows
-    from it as it lies."""
+    """The weights and cache pools (entry parameters named w[...] and c.layers[i].k / .v / .pool /
+    .conv / .state, of at least least_bytes) that a compiled step's XLA program lays out anew before the kernel
+    reads them, every call: each must reach the kernel's custom call through bitcasts and moves
+    between memory spaces only (XLA may stage a small operand in VMEM: slice-start / -done,
+    copy-start / -done, ConcatBitcast), never a copy, transpose or fusion. The embedding is not
+    one: XLA gathers the tokens' rows from it as it lies."""
     import re
 
     params = {}
-    for m in re.finditer(r"%(\S+) = (\w+)\[([\d,]*)\]\{[^}]*\} parameter\(\d+\).*?op_name=\"(w\[[^\"]*)\"", hlo):
+    for m in re.finditer(r"%(\S+) = (\w+)\[([\d,]*)\]\{[^}]*\} parameter\(\d+\).*?"
+                         r"op_name=\"(w\[[^\"]*|c\.layers\[\d+\]\.(?:k|v|pool|conv|state))\"", hlo):
         size = {"bf16": 2, "f32": 4, "s8": 1, "u8": 1}.get(m.group(2), 4)
         for dim in filter(None, m.group(3).split(",")):
             size *= int(dim)
@@ -147,8 +178,10 @@ def compile_one(name: str):
         if family == "llama":
             cfg = dataclasses.replace(cfg, intermediate_size=320)
         weights = _int8_weights(cfg)
+    # "defaultpools" (the control of the pools' check): the cache in XLA's default layouts
     return megakernel.compile_for_tpu(cfg, batch=8, generation="v5e", weights=weights,
-                                      tokens_per_row=4 if variant == "verify" else 1)
+                                      tokens_per_row=4 if variant == "verify" else 1,
+                                      row_major_pools=variant != "defaultpools")
 
 
 def _int8_weights(cfg):
@@ -173,6 +206,8 @@ def main() -> None:
         try:
             if name == "layouts":
                 extra["layouts"] = layouts()
+            elif name == "page_bytes":
+                extra["page_bytes"] = page_bytes()
             else:
                 compiled = compile_one(name)
                 if compiled is not None:

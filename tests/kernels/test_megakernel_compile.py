@@ -33,17 +33,21 @@ def compile_all(*names: str) -> dict[str, dict]:
     return results
 
 
-COMPILED = ("llama", "llama-verify", "llama-int8", "deepseek_v3", "gpt_oss-wide", "smollm2-int8")
+COMPILED = ("llama", "llama-verify", "llama-int8", "deepseek_v3", "gpt_oss-wide", "smollm2-int8", "qwen3_next")
 
 
 def test_mosaic_compiles_the_kernel_and_rejects_an_off_tile_copy():
     """Llama (a decode step, a 4-token verify block, int8 weights with a 64-row last tile),
     DeepSeek-V3 (MLA + MoE), gpt-oss's and SmolLM2's widths off the lane tiles (int8 for SmolLM2)
-    compile, and XLA hands the kernel every weight as it lies (`relayouts`: matrices TPU keeps
-    column-major stream from their transposes, `plan.stored_transposed`). The controls: a DMA
-    into 200 of a buffer's 256 lanes does not compile, and gpt-oss's matrices streamed
-    row-major make XLA relayout some every call: both checks can fail."""
-    results = compile_all("control", "gpt_oss-rowmajor", *COMPILED)
+    and Qwen3-Next (Gated DeltaNet) compile, and XLA hands the kernel every weight and cache pool
+    as it lies (`relayouts`: matrices TPU keeps column-major stream from their transposes,
+    `plan.stored_transposed`; the engine keeps the page pools row-major,
+    `sharding.cache_placement`, 1,024 pages each here; the conv windows go in as XLA lays them
+    out, [K - 1, slots, C], 256 slots here). The
+    controls: a DMA into 200 of a buffer's 256 lanes does not compile, gpt-oss's matrices
+    streamed row-major make XLA relayout some every call, and so do SmolLM2's pools (3 KV heads
+    of 64) in XLA's default layout: each check can fail."""
+    results = compile_all("control", "gpt_oss-rowmajor", "smollm2-defaultpools", *COMPILED)
     control = results["control"]
     assert not control["ok"], "Mosaic compiled a DMA off the lane tiles: the check cannot fail"
     assert "Mosaic failed" in control["error"], f"the control failed before Mosaic saw it: {control['error']}"
@@ -51,6 +55,8 @@ def test_mosaic_compiles_the_kernel_and_rejects_an_off_tile_copy():
         assert results[name]["ok"], f"{name}: {results[name]['error']}"
         assert results[name]["relayouts"] == [], name
     assert "w['lm_head']" in results["gpt_oss-rowmajor"]["relayouts"], results["gpt_oss-rowmajor"]
+    pools = results["smollm2-defaultpools"]["relayouts"]
+    assert {"c.layers[0].k", "c.layers[0].v", "c.layers[1].k", "c.layers[1].v"} <= set(pools), pools
 
 
 def test_the_layout_rule_is_libtpus():
@@ -65,8 +71,23 @@ def test_the_layout_rule_is_libtpus():
         assert plan.stored_transposed(*shape[-2:]) == column_major, (generation, dtype, shape)
 
 
+def test_page_bytes_count_the_row_major_padding():
+    """`sharding.page_bytes` (what the engine sizes its cache by when the pools lie row-major, the
+    megakernel on a TPU) is what libtpu gives a cache of 1,000 pages placed as the engine
+    places it, K and V, to the allocation's small header; tile-dense pages (8 KV heads of
+    128) cost their logical bytes, SmolLM2's (3 of 64) more."""
+    rows = compile_all("page_bytes")["page_bytes"]["page_bytes"]
+    padded = set()
+    for shape, dtype, logical, measured, cache_bytes in rows:
+        assert 0 <= cache_bytes - 2 * 1000 * measured < 4096, (shape, dtype, measured, cache_bytes)
+        assert measured >= logical, (shape, dtype)
+        padded.add((tuple(shape), dtype, measured > logical))
+    assert ((16, 8, 128), "bfloat16", False) in padded and ((16, 3, 64), "bfloat16", True) in padded, padded
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "kimi_linear", "gemma3", "gpt_oss"])
 def test_every_family_compiles(family):
     result = compile_all(family)[family]
     assert result["ok"], result["error"]
+    assert result["relayouts"] == [], result["relayouts"]

@@ -3,6 +3,7 @@ interpret mode on CPU) and must produce the XLA backend's greedy text."""
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from reference_drafts import ReferenceProposer
@@ -172,3 +173,38 @@ def test_int4_experts_mix_on_the_megakernel(tiny_family_dir):
     xla = [o.outputs[0].token_ids for o in _llm(directory, "xla", mix).generate(PROMPTS[:2], params_run)]
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params_run)] == xla
 
+
+
+def test_the_engine_places_row_major_pools_as_on_a_tpu(tiny_family_dir, monkeypatch):
+    """With the pools row-major (`sharding.pools_row_major`: the megakernel on a TPU, forced here
+    on the CPU) the runner creates the cache placed (`sharding.cache_placement`: each KV pool a
+    row-major `Format` on the device, the recurrent states as XLA lays them out), every program
+    gives it back so, the cache is sized by `sharding.page_bytes`, and the greedy text is the
+    XLA backend's (Qwen3-Next: pools and recurrent states side by side)."""
+    from jax.experimental.layout import Format
+
+    from weld.models.common import cache as cache_lib
+    from weld.models.common import sharding
+
+    directory = tiny_family_dir("qwen3_next")[0]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    xla = [o.outputs[0].token_ids for o in _llm(directory, "xla").generate(PROMPTS[:2], params)]
+    monkeypatch.setattr(sharding, "pools_row_major", lambda backend, mesh: backend == "megakernel")
+    measured = []
+    page_bytes = sharding.page_bytes
+    monkeypatch.setattr(sharding, "page_bytes", lambda *a, **k: measured.append(a[0]) or page_bytes(*a, **k))
+    llm = _llm(directory, "megakernel")
+    runner = llm.engine.runner
+    assert runner.row_major_pools and measured
+    placement = runner._cache_shardings
+    kinds = set()
+    for layer, placed in zip(runner.cache.layers, placement.layers):
+        for x, p in zip(vars(layer).values(), vars(placed).values()):
+            row_major = isinstance(p, Format) and tuple(p.layout.major_to_minor) == tuple(range(x.ndim))
+            assert row_major == isinstance(layer, cache_lib.KVPages), (type(layer).__name__, p)
+            kinds.add(type(layer).__name__)
+    assert kinds == {"KVPages", "RecurrentState"}
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)] == xla
+    assert all(type(x.sharding).__name__ == "SingleDeviceSharding" for x in jax.tree.leaves(runner.cache))
+    bm = llm.engine.block_manager
+    assert bm.num_free_pages == bm.num_pages

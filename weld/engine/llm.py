@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -255,9 +256,12 @@ class LLM:
             return max(MIN_SNAPSHOT_SLOTS, int(share * memory / slot_bytes)) if share else 0
 
         per_seq = self._pages_per_sequence(family, drafter, config)
-        page_bytes = [cache.page_size * spec.bytes_per_token(self.kv_dtype, i) for i in range(len(groups))]
+        # device bytes: row-major pools (the megakernel on a TPU) carry their tiles' padding
+        measure = (functools.partial(sharding.page_bytes, row_major=True, mesh=self.mesh)
+                   if sharding.pools_row_major(config.backend, self.mesh) else None)
+        page_bytes = [spec.page_bytes(self.kv_dtype, cache.page_size, i, measure) for i in range(len(groups))]
         if _keeps_state(drafter):
-            page_bytes[0] += cache.page_size * drafter.cache_spec().bytes_per_token(self.kv_dtype)
+            page_bytes[0] += drafter.cache_spec().page_bytes(self.kv_dtype, cache.page_size, measure=measure)
         if cache.num_pages:
             memory = cache.num_pages * sum(page_bytes) + live * slot_bytes
             return (cache.num_pages,) * len(groups), live, snapshots(memory / (1 - share))

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from weld.engine import batch as host_batch
 from weld.engine import programs, streaming
@@ -113,6 +114,7 @@ class ModelRunner:
         self.page_size = page_size
         self.max_pages_per_seq = bucket(-(-max_model_len // page_size), 8)
         spec = family.cache_spec(cfg)
+        self.row_major_pools = sharding.pools_row_major(backend, mesh)  # the megakernel on a TPU
         self.num_page_groups = len(spec.page_groups())
         self.recurrent = spec.has_recurrent  # rows name their state slots (else the programs get None)
         self.cache = self._create(lambda: spec.create(num_pages, page_size, kv_dtype,
@@ -138,9 +140,10 @@ class ModelRunner:
         decode_fwd = decode_forward(family, cfg, backend)  # the verification block runs where decode runs
         prefill_fwd = family.forward
         out = {}
-        if mesh is not None:  # the caches keep their layout; what comes back to the host is whole
+        if mesh is not None:
             prefill_fwd, decode_fwd = _rows_split(prefill_fwd), _rows_split(decode_fwd)
-            whole = sharding.replicated(mesh)
+        if mesh is not None or self.row_major_pools:  # the caches keep their placement; what comes back is whole
+            whole = sharding.replicated(mesh) if mesh is not None else SingleDeviceSharding(jax.devices()[0])
             caches = (self._cache_shardings, self._draft_shardings)
             out = {"prefill": (*caches, whole, whole, whole, whole), "verify": (*caches, whole, whole, whole, whole),
                    "decode": (*caches, whole, whole, whole), "copy": caches[0]}
@@ -162,20 +165,23 @@ class ModelRunner:
                            static_argnames=("cfg", "steps", "num_top"), donate_argnames=("cache", "draft_state"))
         self._copy = jit(programs.copy_slots, "copy", donate_argnames=("cache",))
 
+    def _placement(self, cache):
+        return sharding.cache_placement(cache, self.mesh, row_major_pools=self.row_major_pools)
+
     @property
     def _cache_shardings(self):
-        return sharding.cache_shardings(self.cache, self.mesh)
+        return self._placement(self.cache)
 
     @property
     def _draft_shardings(self):
-        return None if self.draft_state is None else sharding.cache_shardings(self.draft_state, self.mesh)
+        return None if self.draft_state is None else self._placement(self.draft_state)
 
     def _create(self, make):
-        """A cache made by make(), laid out over the mesh (made there, never whole on one device)."""
-        if self.mesh is None:
-            return make()
-        layout = sharding.cache_shardings(jax.eval_shape(make), self.mesh)
-        return jax.jit(make, out_shardings=layout)()
+        """A cache made by make(), placed as every program takes it (`sharding.cache_placement`:
+        over the mesh, made there and never whole on one device; row-major pools on a TPU's
+        megakernel)."""
+        placement = self._placement(jax.eval_shape(make))
+        return make() if placement is None else jax.jit(make, out_shardings=placement)()
 
     @property
     def num_compiles(self) -> int:

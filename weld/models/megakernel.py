@@ -510,18 +510,20 @@ def lower_for_tpu(cfg, *, batch: int, generation: str = "v6e", dtype=jnp.bfloat1
     alignment) run when it compiles: `compile_for_tpu`. Returns the lowered module's text."""
     with _as_tpu(generation):
         step, args = _step(cfg, batch, generation, dtype, page_size, num_pages)
-        return step.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+        return jax.jit(step).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
 
 
 def compile_for_tpu(cfg, *, batch: int, generation: str = "v5e", dtype=jnp.bfloat16, weights=None,
-                    tokens_per_row: int = 1, page_size: int = 16, num_pages: int = 64):
+                    tokens_per_row: int = 1, page_size: int = 16, num_pages: int = 1024, row_major_pools: bool = True):
     """One decode step of cfg's megakernel compiled by XLA and Mosaic for one chip of a TPU
     `generation`, on any machine with libtpu installed (the `jax[tpu]` wheel's; no TPU needed:
     libtpu compiles for a topology, `TPU_TOPOLOGIES`). Mosaic's passes reject what interpret
     mode and the lowering accept (a DMA or slice off the (8, 128) tiles, an unsupported shape
     cast or operand type): this is the check short of running on a chip. `weights`: the
     prepared tree (e.g. quantized; only shapes and dtypes are used), else abstract `dtype`
-    weights. Returns the compiled executable. JAX_PLATFORMS=cpu keeps the process off any TPU."""
+    weights. The cache is placed as the engine places it (`sharding.cache_placement`: row-major
+    pools, unless row_major_pools is False) and comes back donated. Returns the compiled
+    executable. JAX_PLATFORMS=cpu keeps the process off any TPU."""
     import importlib.util
 
     if generation not in TPU_TOPOLOGIES:
@@ -532,11 +534,18 @@ def compile_for_tpu(cfg, *, batch: int, generation: str = "v5e", dtype=jnp.bfloa
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    from weld.models.common import sharding as sharding_lib
+
     device = topologies.get_topology_desc(TPU_TOPOLOGIES[generation], "tpu").devices[0]
     sharding = NamedSharding(Mesh(np.array([device]), ("one",)), PartitionSpec())
     with _as_tpu(generation):
         step, args = _step(cfg, batch, generation, dtype, page_size, num_pages, weights, tokens_per_row)
+        placement = sharding_lib.cache_placement(args[3], None, row_major_pools=row_major_pools, device=device)
+        placement = placement or jax.tree.map(lambda _: sharding, args[3])
+        step = jax.jit(step, donate_argnums=(3,), out_shardings=(sharding, placement))
         args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
+        args = args[:3] + (jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), args[3],
+                                        placement),) + args[4:]
         return step.trace(*args).lower().compile()
 
 
@@ -575,9 +584,12 @@ def _step(cfg, batch, generation, dtype, page_size, num_pages, weights=None, tok
         weights = jax.eval_shape(lambda w: family.prepare_weights(w, cfg, WeightTarget(backend="megakernel")),
                                  abstract_weights(family.weight_specs(cfg), dtype))
     cache_spec = family.cache_spec(cfg)
-    cache = jax.eval_shape(lambda: cache_spec.create(num_pages, page_size, dtype, num_slots=batch))
+    # as many state slots as a served model's (live rows and prefix-cache snapshots), not the batch's
+    cache = jax.eval_shape(lambda: cache_spec.create(num_pages, page_size, dtype, num_slots=max(batch, 256)))
     options = KernelOptions(generation=generation, interpret=False)
     tokens = jax.ShapeDtypeStruct((batch, tokens_per_row), jnp.int32)
     tables = jax.ShapeDtypeStruct((batch, len(cache_spec.page_groups()) * max(1, num_pages // batch)), jnp.int32)
-    step = jax.jit(lambda w, t, p, c, bt: forward(w, cfg, t, p, c, AttentionBatch(bt), options=options)[0])
+    def step(w, t, p, c, bt):  # logits and the cache
+        out = forward(w, cfg, t, p, c, AttentionBatch(bt), options=options)
+        return out[0], out[2]
     return step, (weights, tokens, tokens, cache, tables)

@@ -329,7 +329,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     state_of = {layer: j for j, layer in enumerate(lin_layers)}  # a linear layer's state pools
     n_attn = len(attending)
     pool_list = list(k_pools) + ([] if spec.mla else list(v_pools))
-    pool_list += [a for pair in (linear_states or []) for a in pair]  # (window, state) per linear layer
+    # (window, state) per linear layer; the windows as the kernel takes them, [K - 1, S, C] (`linear`)
+    pool_list += [a for window, state in (linear_states or []) for a in (jnp.transpose(window, (2, 0, 1)), state)]
     n_pools = len(pool_list)
     if state_slots is None:
         state_slots = jnp.arange(b, dtype=jnp.int32)
@@ -1106,4 +1107,4 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
     states = pools[n_kv:]
     return (logits.reshape(b, t, spec.vocab), ids.reshape(b, t), list(pools[:n_attn]),
             None if spec.mla else list(pools[n_attn:n_kv]), hidden,
-            [(states[2 * j], states[2 * j + 1]) for j in range(len(lin_layers))])
+            [(jnp.transpose(states[2 * j], (1, 2, 0)), states[2 * j + 1]) for j in range(len(lin_layers))])

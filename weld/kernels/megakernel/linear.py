@@ -2,9 +2,13 @@
 over each sequence's recurrent state, inside the whole-model kernel.
 
 Each sequence owns a state slot in two HBM pools per linear layer, aliased input -> output so
-the kernel updates them in place: the short causal conv's window [slots, C, K - 1] (its last
-K - 1 inputs, oldest first) and the delta rule's state [slots, Hv, dk, dv], both f32 (the
-engine's `cache.RecurrentState`). Per linear layer the kernel
+the kernel updates them in place: the short causal conv's window (its last K - 1 inputs, oldest
+first) and the delta rule's state [slots, Hv, dk, dv], both f32 (the engine's
+`cache.RecurrentState`). The engine's windows are [slots, C, K - 1]; the kernel takes them as
+[K - 1, slots, C] (`decode.decode_step` transposes), which is how XLA lays them out on a TPU
+(the window's positions major, the channels in the lanes): a bitcast there, where a [slots, C,
+K - 1] operand made XLA relayout every window pool in and out of each call. Per linear layer
+the kernel
 
   1. starts row 0's state read (HBM -> VMEM) as the layer begins, so it lands while the input
      projections stream through the weight ring;
@@ -63,7 +67,7 @@ def linear_scratch(spec, conv_dtype) -> list:
         pltpu.VMEM((c, k), conv_dtype),  # the layer's conv weights, read whole
         pltpu.SemaphoreType.DMA((1,)),
         pltpu.VMEM((2, spec.linear_v_heads, dk, spec.linear_v_dim), f32),  # two rows' delta-rule states
-        pltpu.VMEM((2, c, k - 1), f32),  # and their conv windows
+        pltpu.VMEM((2, k - 1, c), f32),  # and their conv windows
         pltpu.SemaphoreType.DMA((2, 2)),  # [state or window, buffer]: reads
         pltpu.SemaphoreType.DMA((2, 2)),  # writes
     ]
@@ -103,14 +107,14 @@ def _state_copies(slot_ref, bufs, window_pool, state_pool, row, buf, sems):
     the same descriptors' `src`/`dst` swapped for writes by `_write_copies`)."""
     slot = slot_ref[row]
     return [pltpu.make_async_copy(state_pool.at[slot], bufs["state"].at[buf], sems.at[0, buf]),
-            pltpu.make_async_copy(window_pool.at[slot], bufs["window"].at[buf], sems.at[1, buf])]
+            pltpu.make_async_copy(window_pool.at[:, slot], bufs["window"].at[buf], sems.at[1, buf])]
 
 
 def _write_copies(slot_ref, bufs, window_pool, state_pool, row, buf):
     slot = slot_ref[row]
     sems = bufs["write_sems"]
     return [pltpu.make_async_copy(bufs["state"].at[buf], state_pool.at[slot], sems.at[0, buf]),
-            pltpu.make_async_copy(bufs["window"].at[buf], window_pool.at[slot], sems.at[1, buf])]
+            pltpu.make_async_copy(bufs["window"].at[buf], window_pool.at[:, slot], sems.at[1, buf])]
 
 
 def _continues(pos_ref, slot_ref, row, tokens):
@@ -175,10 +179,10 @@ def recur_rows(spec, pos_ref, slot_ref, bufs, window_pool, state_pool, *, bug: s
             valid = [pos_ref[first + j] >= 0 for j in range(t)]
             n_valid = sum(v.astype(jnp.int32) for v in valid)
             state = jnp.where(continues, bufs["state"][buf], 0.0)  # [Hv, dk, dv]
-            window = jnp.where(continues, bufs["window"][buf], 0.0)  # [C, K - 1]
+            window = jnp.where(continues, bufs["window"][buf], 0.0)  # [K - 1, C]
             x = bufs["qkv"][pl.ds(first, t)]  # [T, C]
             w = bufs["conv"][...].astype(jnp.float32)  # [C, K]
-            ext = jnp.concatenate([window.T, x], axis=0)  # [K - 1 + T, C]: the causal conv's inputs
+            ext = jnp.concatenate([window, x], axis=0)  # [K - 1 + T, C]: the causal conv's inputs
             mixed = jax.nn.silu(sum(ext[j:j + t] * w[:, j][None] for j in range(width)))  # [T, C]
             q = share(_l2norm(mixed[:, :kd].reshape(t, hk, dk)) * dk ** -0.5)
             k = share(_l2norm(mixed[:, kd:2 * kd].reshape(t, hk, dk)))
@@ -201,7 +205,7 @@ def recur_rows(spec, pos_ref, slot_ref, bufs, window_pool, state_pool, *, bug: s
             for n in range(1, t + 1):
                 new_window = jnp.where(n_valid == n, ext[n:n + width - 1], new_window)
             bufs["state"][buf] = state
-            bufs["window"][buf] = new_window.T
+            bufs["window"][buf] = new_window
 
         if bug != "stale_state":
             @pl.when(_writes(pos_ref, slot_ref, row, t))

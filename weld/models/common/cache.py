@@ -48,6 +48,10 @@ class PagedKV:
     def bytes_per_token(self, dtype) -> int:
         return 2 * self.kv_heads * self.head_dim * _itemsize(dtype)
 
+    def page_shapes(self, page_size: int) -> tuple[tuple[int, ...], ...]:
+        """One page of each pool (K, V)."""
+        return ((page_size, self.kv_heads, self.head_dim),) * 2
+
     def create(self, num_pages: int, page_size: int, dtype) -> "KVPages":
         shape = (num_pages, page_size, self.kv_heads, self.head_dim)
         return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
@@ -63,6 +67,9 @@ class PagedLatent:
 
     def bytes_per_token(self, dtype) -> int:
         return (self.latent_dim + self.rope_dim) * _itemsize(dtype)
+
+    def page_shapes(self, page_size: int) -> tuple[tuple[int, ...], ...]:
+        return ((page_size, 1, self.latent_dim + self.rope_dim),)
 
     def create(self, num_pages: int, page_size: int, dtype) -> "LatentPages":
         return LatentPages(pool=jnp.zeros((num_pages, page_size, 1, self.latent_dim + self.rope_dim), dtype))
@@ -113,6 +120,16 @@ class CacheSpec:
         """Bytes of page memory one token takes across every paged layer (of one page group)."""
         layers = range(len(self.layers)) if group is None else self.page_groups()[group].layers
         return sum(self.layers[i].bytes_per_token(dtype) for i in layers if not isinstance(self.layers[i], Recurrent))
+
+    def page_bytes(self, dtype, page_size: int, group: int | None = None, measure: Any = None) -> int:
+        """Device bytes of one page across every paged layer (of one page group): each pool's
+        page as measure(shape, dtype) gives it (`sharding.page_bytes`: the tile padding of
+        row-major pools on a TPU), else its logical size."""
+        layers = range(len(self.layers)) if group is None else self.page_groups()[group].layers
+        if measure is None:
+            return page_size * self.bytes_per_token(dtype, group)
+        return sum(measure(shape, dtype) for i in layers if not isinstance(self.layers[i], Recurrent)
+                   for shape in self.layers[i].page_shapes(page_size))
 
     def page_groups(self) -> tuple[PageGroup, ...]:
         """Group 0: the paged layers without a window; then one group per distinct window, in

@@ -33,6 +33,7 @@ code asks, and the native CPU kernels, which run on one device's buffers, step a
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -224,29 +225,96 @@ def cache_shardings(cache: Any, mesh: Mesh) -> Any:
     ranks is a ValueError."""
     from weld.models.common.cache import KVPages, LatentPages, RecurrentState
 
-    ranks = mesh_axes(mesh, "pages")
-
-    def pages(pool: Any, what: str = "pages") -> tuple[str, ...]:
+    def split(pool: Any, logical: str = "pages") -> tuple[str, ...]:  # dim 0 over the ranks of rule `logical`
+        ranks = mesh_axes(mesh, logical)
         if ranks and pool.shape[0] % axis_size(mesh, ranks):
+            what = "state slots" if logical == "slots" else logical
             raise ValueError(f"{pool.shape[0]} {what} do not divide over {axis_size(mesh, ranks)} data-parallel ranks")
         return ranks
 
     def slots(pool: Any, axes: tuple[str | None, ...]) -> NamedSharding:
         heads = partition(mesh, (None,) + axes, pool.shape)[1:]
-        return NamedSharding(mesh, P(spec_of(pages(pool, "state slots"))[0], *heads))
+        return NamedSharding(mesh, P(spec_of(split(pool, "slots"))[0], *heads))
 
     def of(layer):
         if isinstance(layer, KVPages):
-            s = NamedSharding(mesh, spec_of(pages(layer.k), None, kv_pool_axes(mesh, layer.k.shape[2])))
+            s = NamedSharding(mesh, spec_of(split(layer.k), None, kv_pool_axes(mesh, layer.k.shape[2])))
             return KVPages(k=s, v=s)
         if isinstance(layer, LatentPages):
-            return LatentPages(pool=NamedSharding(mesh, spec_of(pages(layer.pool))))
+            return LatentPages(pool=NamedSharding(mesh, spec_of(split(layer.pool))))
         if isinstance(layer, RecurrentState):
             return RecurrentState(conv=slots(layer.conv, ("linear_heads", None)),
                                   state=slots(layer.state, ("linear_heads",) + (None,) * (layer.state.ndim - 2)))
         return jax.tree_util.tree_map(lambda _: replicated(mesh), layer)
 
     return type(cache)(layers=[of(layer) for layer in cache.layers])
+
+
+def pools_row_major(backend: str, mesh: Any) -> bool:
+    """Whether the KV and latent page pools must lie row-major on the device: the megakernel on a
+    TPU. A Pallas call takes its operands row-major, and XLA's default TPU layout of a pool
+    [pages, page, kv_heads, head_dim] with head_dim or kv_heads off the tiles (SmolLM2's 3 x 64,
+    gpt-oss's 8 x 64, one latent or KV head) is another (for many pages, the pages axis
+    minor): every step then relaid out each whole pool in and out of the kernel (SmolLM2, 30
+    layers, batch 8: 25 ms a step with 4,096-page pools, 7.1 with pools just the batch's size).
+    Row-major pools cost tile padding (SmolLM2's: 2.67x the bytes; `page_bytes` counts it)."""
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    return backend == "megakernel" and device.platform == "tpu"
+
+
+def cache_placement(cache: Any, mesh: Any, *, row_major_pools: bool, device: Any = None) -> Any:
+    """Where and how a `cache.Cache`'s arrays lie, for its creation and every program's
+    out_shardings: `cache_shardings` over a mesh (else on `device`, default the first), each
+    page pool wrapped in a row-major `Format` when row_major_pools (`pools_row_major`); the
+    recurrent states keep XLA's layouts. None: nothing to declare (one device, XLA's own
+    layouts)."""
+    from jax.experimental.layout import Format, Layout
+    from jax.sharding import SingleDeviceSharding
+
+    from weld.models.common.cache import KVPages, LatentPages
+
+    if mesh is None and not row_major_pools:
+        return None
+    if mesh is not None:
+        shardings = cache_shardings(cache, mesh)
+    else:
+        one = SingleDeviceSharding(device or jax.devices()[0])
+        shardings = type(cache)(layers=[jax.tree_util.tree_map(lambda _: one, layer) for layer in cache.layers])
+    if not row_major_pools:
+        return shardings
+
+    def of(layer, placed):
+        if not isinstance(layer, (KVPages, LatentPages)):
+            return placed
+        return jax.tree_util.tree_map(lambda x, s: Format(Layout(major_to_minor=tuple(range(x.ndim))), s),
+                                      layer, placed)
+
+    return type(cache)(layers=[of(layer, placed) for layer, placed in zip(cache.layers, shardings.layers)])
+
+
+def page_bytes(shape: tuple[int, ...], dtype: Any, *, row_major: bool, mesh: Any = None, device: Any = None) -> int:
+    """Device bytes of one page [page, kv_heads, head_dim] of a pool: its logical size, or, laid
+    out row-major on a TPU (`pools_row_major`), what the compiler gives one page with the tile
+    padding of its two minor dims (asked of XLA for `device`, default the first), over a mesh
+    each KV-head shard padded on its own (`kv_pool_axes`)."""
+    if not row_major:
+        return math.prod(shape) * jnp.dtype(dtype).itemsize
+    page, kv_heads, head_dim = shape
+    shards = axis_size(mesh, kv_pool_axes(mesh, kv_heads)) if mesh is not None else 1
+    return shards * _row_major_page_bytes((page, kv_heads // shards, head_dim), jnp.dtype(dtype).name,
+                                          device or jax.devices()[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _row_major_page_bytes(shape: tuple[int, ...], dtype: str, device: Any) -> int:
+    from jax.experimental.layout import Format, Layout
+
+    pages = 8  # a few pages: the bytes of one are what they take apart
+    full = (pages,) + shape
+    one = NamedSharding(Mesh(np.array([device]), ("one",)), P())
+    placed = Format(Layout(major_to_minor=tuple(range(len(full)))), one)
+    compiled = jax.jit(lambda: jnp.zeros(full, dtype), out_shardings=placed).lower().compile()
+    return -(-compiled.memory_analysis().output_size_in_bytes // pages)
 
 
 def place(tree: Any, shardings: Any) -> Any:
