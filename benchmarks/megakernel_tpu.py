@@ -35,11 +35,12 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from weld.kernels.megakernel import plan
 from weld.kernels.megakernel.decode import tpu_generation
 from weld.models import FAMILIES, megakernel
-from weld.models.common import quant
+from weld.models.common import quant, sharding
 from weld.models.common.cache import AttentionBatch
 from weld.models.common.spec import map_specs
 from weld.models.family import WeightTarget
@@ -127,12 +128,13 @@ def int8_weights(cfg, weights):
     return map_specs(leaf, family_of(cfg).weight_specs(cfg))
 
 
-def random_cache(cfg, batch, context, dtype, seed=1):
-    """Pools of `batch` rows of `context` tokens (each row its own pages, scattered) and random
-    contents; returns (cache, block tables for every page group, positions of the next token)."""
+def random_cache(cfg, batch, context, dtype, seed=1, pool_pages=0):
+    """Pools of `batch` rows of `context` tokens (each row its own pages, scattered among at
+    least pool_pages pages: a served model's pools hold far more than one batch's context) and
+    random contents; returns (cache, block tables for every page group, positions of the next token)."""
     spec = family_of(cfg).cache_spec(cfg)
     per_row = -(-(context + 32) // PAGE)
-    num_pages = batch * per_row + 1
+    num_pages = max(batch * per_row + 1, pool_pages)
     cache = spec.create(num_pages, PAGE, dtype, num_slots=batch)
     keys = iter(jax.random.split(jax.random.key(seed), 1024))
     cache = jax.tree.map(lambda x: (0.5 * jax.random.normal(next(keys), x.shape, jnp.float32)).astype(x.dtype), cache)
@@ -161,13 +163,13 @@ def _rel_err(a, b):
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def _f32_reference(family, cfg, raw, tokens, batch, context, dtype):
+def _f32_reference(family, cfg, raw, tokens, batch, context, dtype, pool_pages=0):
     """One step's logits from the XLA path with the same weights and cache upcast to f32 inside
     the program (each matrix as it is used, not a second copy of the model) at the highest matmul
     precision: the yardstick for both paths' bf16 / int8 rounding, where near-tied router scores
     or logits can send two correct bf16 programs apart."""
     weights = family.prepare_weights(jax.tree.map(lambda x: x, raw), cfg, WeightTarget(backend="xla"))
-    cache, tables, positions = random_cache(cfg, batch, context, dtype)
+    cache, tables, positions = random_cache(cfg, batch, context, dtype, pool_pages=pool_pages)
     upcast = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == dtype else x, tree)  # noqa: E731
 
     @jax.jit
@@ -178,24 +180,34 @@ def _f32_reference(family, cfg, raw, tokens, batch, context, dtype):
     return np.asarray(step(weights, cache)[:, 0], np.float32)
 
 
-def run_case(name, cfg, *, batch, dtype, context, steps, int8=False):
+def run_case(name, cfg, *, batch, dtype, context, steps, int8=False, pool_pages=0, default_pools=False):
     family = family_of(cfg)
     generation = tpu_generation(jax.devices()[0].device_kind) if jax.default_backend() == "tpu" else "v5e"
     row = dict(case=name, batch=batch, weights="int8_channel" if int8 else jnp.dtype(dtype).name, context=context,
-               layers=cfg.num_layers)
+               layers=cfg.num_layers, pool_pages=pool_pages, default_pools=default_pools)
     raw = device_random_weights(cfg, dtype)
     if int8:
         raw = int8_weights(cfg, raw)
     options = megakernel.KernelOptions()  # interpret mode off a TPU (--interpret)
-    kernel_step = jax.jit(lambda w, t, p, c, bt: (lambda out: (out[0], out[2]))(
-        megakernel.forward(w, cfg, t, p, c, AttentionBatch(bt), options=options)), donate_argnums=(3,))
-    xla_step = jax.jit(lambda w, t, p, c, bt: (lambda out: (out[0], out[2]))(
-        family.forward(w, cfg, t, p, c, AttentionBatch(bt))), donate_argnums=(3,))
+    forwards = {"megakernel": lambda w, t, p, c, bt: megakernel.forward(w, cfg, t, p, c, AttentionBatch(bt),
+                                                                        options=options),
+                "xla": lambda w, t, p, c, bt: family.forward(w, cfg, t, p, c, AttentionBatch(bt))}
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, batch), jnp.int32)
     results = {}
-    for backend, step, target in (("megakernel", kernel_step, "megakernel"), ("xla", xla_step, "xla")):
-        weights = family.prepare_weights(jax.tree.map(lambda x: x, raw), cfg, WeightTarget(backend=target))
-        cache, tables, positions = random_cache(cfg, batch, context, dtype)
+    for backend in ("megakernel", "xla"):
+        weights = family.prepare_weights(jax.tree.map(lambda x: x, raw), cfg, WeightTarget(backend=backend))
+        cache, tables, positions = random_cache(cfg, batch, context, dtype, pool_pages=pool_pages)
+        # the cache placed as the engine places it (`sharding.cache_placement`: the megakernel's
+        # pools row-major on a TPU; the XLA backend's in XLA's own layouts); default_pools: XLA's
+        # layouts for both, as before the engine placed them
+        row_major = sharding.pools_row_major(backend, None) and not default_pools
+        placement = sharding.cache_placement(cache, None, row_major_pools=row_major)
+        placed = {}
+        if placement is not None:
+            cache = jax.device_put(cache, placement)
+            placed = {"out_shardings": (SingleDeviceSharding(jax.devices()[0]), placement)}
+        step = jax.jit(lambda w, t, p, c, bt, fwd=forwards[backend]: (lambda out: (out[0], out[2]))(
+            fwd(w, t, p, c, bt)), donate_argnums=(3,), **placed)
         start = time.perf_counter()
         compiled = step.lower(weights, tokens[:, None], positions[:, None], cache, tables).compile()
         row[f"{backend}_compile_s"] = round(time.perf_counter() - start, 2)
@@ -204,7 +216,7 @@ def run_case(name, cfg, *, batch, dtype, context, steps, int8=False):
     (k_logits, k_tokens, k_seconds), (x_logits, x_tokens, x_seconds) = results["megakernel"], results["xla"]
     row["logits_rel_err"] = _rel_err(k_logits, x_logits)
     if dtype != jnp.float32:  # whose rounding is it: both paths set against f32 maths on the same weights
-        reference = _f32_reference(family, cfg, raw, tokens, batch, context, dtype)
+        reference = _f32_reference(family, cfg, raw, tokens, batch, context, dtype, pool_pages)
         row["f32_ref_rel_err"] = {"megakernel": _rel_err(k_logits, reference), "xla": _rel_err(x_logits, reference)}
         row["f32_ref_greedy_equal"] = {"megakernel": int(np.sum(k_tokens[:, 0] == reference.argmax(-1))),
                                        "xla": int(np.sum(x_tokens[:, 0] == reference.argmax(-1)))}
@@ -232,6 +244,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--pool-pages", type=int, default=0, metavar="N",
+                        help="each layer's pools hold at least N pages of %d tokens, as a served model's do "
+                             "(default: just the batch's)" % PAGE)
+    parser.add_argument("--default-pools", action="store_true",
+                        help="also run each case with the megakernel's pools in XLA's default layouts (the "
+                             "engine keeps them row-major on a TPU)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--interpret", action="store_true", help="off a TPU: interpret mode (checks this script)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE,...",
@@ -252,19 +270,20 @@ def main() -> None:
         for batch in [int(b) for b in args.batches.split(",")]:
             try:
                 with jax.default_matmul_precision("highest" if dtype == jnp.float32 else "default"):
-                    row = run_case(name, cfg, batch=batch, dtype=dtype, context=args.context, steps=args.steps,
-                                   int8=int8)
-                print(json.dumps(row), flush=True)
+                    for default_pools in (False, True) if args.default_pools else (False,):
+                        row = run_case(name, cfg, batch=batch, dtype=dtype, context=args.context, steps=args.steps,
+                                       int8=int8, pool_pages=args.pool_pages, default_pools=default_pools)
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
             except Exception as err:  # a Mosaic compile error: report it whole, go on
                 text = "".join(traceback.format_exception(err))
-                row = dict(case=name, batch=batch, ok=False, error=text[-4000:])
+                rows.append(dict(case=name, batch=batch, ok=False, error=text[-4000:]))
                 print(f"FAILED {name} batch {batch}:\n{text[-6000:]}", flush=True)
-            rows.append(row)
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump({"date": time.strftime("%Y-%m-%d"), "device": device.device_kind,
                                "host": platform.processor() or platform.machine(), "jax": jax.__version__,
-                               "context": args.context, "rows": rows}, f, indent=1)
+                               "context": args.context, "pool_pages": args.pool_pages, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
