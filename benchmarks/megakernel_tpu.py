@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from weld.engine.runner import auto_cache_layouts
 from weld.kernels.megakernel import plan
 from weld.kernels.megakernel.decode import tpu_generation
 from weld.models import FAMILIES, megakernel
@@ -197,11 +198,12 @@ def run_case(name, cfg, *, batch, dtype, context, steps, int8=False, pool_pages=
     for backend in ("megakernel", "xla"):
         weights = family.prepare_weights(jax.tree.map(lambda x: x, raw), cfg, WeightTarget(backend=backend))
         cache, tables, positions = random_cache(cfg, batch, context, dtype, pool_pages=pool_pages)
-        # the cache placed as the engine places it (`sharding.cache_placement`: the megakernel's
-        # pools row-major on a TPU; the XLA backend's in XLA's own layouts); default_pools: XLA's
-        # layouts for both, as before the engine placed them
-        row_major = sharding.pools_row_major(backend, None) and not default_pools
-        placement = sharding.cache_placement(cache, None, row_major_pools=row_major)
+        # the cache placed as the engine places it (`sharding.pool_layouts`: the megakernel's
+        # pools row-major on a TPU, the XLA backend's in the layouts XLA picks for a decode step);
+        # default_pools: XLA's default layouts for both, as before the engine placed them
+        policy = None if default_pools else sharding.pool_layouts(backend, None)
+        layouts = (auto_cache_layouts(family, cfg, weights, cache) if policy == "auto" else None)
+        placement = sharding.cache_placement(cache, None, row_major_pools=policy == "row_major", layouts=layouts)
         placed = {}
         if placement is not None:
             cache = jax.device_put(cache, placement)

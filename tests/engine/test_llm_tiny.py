@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -227,3 +228,37 @@ def test_near_the_memory_map_limit_compiled_programs_are_dropped_and_come_back(t
     assert runner.num_evictions >= 1 and "vm.max_map_count" in caplog.text
     assert runner.num_compiles > compiles and len(runner._programs) < held + 2
     assert [o.outputs[0].token_ids for o in after[:2]] == [o.outputs[0].token_ids for o in before]
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3_next"])
+def test_the_xla_backend_takes_the_cache_layouts_xla_picks(tiny_llama_dir, tiny_family_dir, variant, monkeypatch):
+    """`sharding.pool_layouts` "auto" (the XLA backend on a TPU, forced here on the CPU): the
+    engine compiles one decode step with `Layout.AUTO` for the cache (`runner.auto_cache_layouts`),
+    creates the cache in the layouts XLA picked, every program gives it back so, the cache is
+    sized by those layouts' device bytes (`sharding.page_bytes`), and the greedy text is the
+    plain engine's (Llama; Qwen3-Next: recurrent states beside the pools)."""
+    from jax.experimental.layout import Format
+
+    from weld.engine import runner as runner_lib
+    from weld.models.common import sharding
+
+    directory = tiny_llama_dir[0] if variant == "llama" else tiny_family_dir(variant)[0]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    kwargs = dict(dtype="float32", max_model_len=64, kv_cache_memory_gb=0.01, steps_per_call=4)
+    plain = [o.outputs[0].token_ids for o in LLM(model=str(directory), **kwargs).generate(PROMPTS, params)]
+    chosen, measured = [], []
+    auto, page_bytes = runner_lib.auto_cache_layouts, sharding.page_bytes
+    monkeypatch.setattr(sharding, "pool_layouts", lambda backend, mesh: "auto")
+    monkeypatch.setattr(runner_lib, "auto_cache_layouts", lambda *a, **k: chosen.append(auto(*a, **k)) or chosen[-1])
+    monkeypatch.setattr(sharding, "page_bytes", lambda *a, **k: measured.append(k["layout"]) or page_bytes(*a, **k))
+    llm = LLM(model=str(directory), **kwargs)
+    runner = llm.engine.runner
+    assert len(chosen) == 1 and runner.cache_layouts is chosen[0]
+    assert measured and all(m is not None for m in measured)  # sized by the chosen layouts
+    placement = runner._cache_shardings
+    leaves = jax.tree.leaves(placement)
+    assert leaves and all(isinstance(p, Format) for p in leaves)
+    assert [p.layout for p in leaves] == jax.tree.leaves(chosen[0])
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == plain
+    bm = llm.engine.block_manager
+    assert bm.num_free_pages == bm.num_pages

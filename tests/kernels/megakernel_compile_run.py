@@ -103,9 +103,66 @@ def page_bytes() -> list:
                                                  v=jnp.zeros(pool.shape, dtype))])
             made = jax.jit(make, out_shardings=placement).lower().compile()
             rows.append([list(shape), jnp.dtype(dtype).name, math.prod(shape) * jnp.dtype(dtype).itemsize,
-                         sharding.page_bytes(shape, dtype, row_major=True, device=device),
+                         sharding.page_bytes(shape, dtype, layout="row_major", device=device),
                          made.memory_analysis().output_size_in_bytes])
     return rows
+
+
+def xla_cache_copies() -> dict:
+    """The XLA backend's step on a TPU (v5e), compiled here: for SmolLM2's widths (2 layers) and
+    Gemma 3 (tiny: one KV head), how many whole-pool copies (copy, transpose, fusion or
+    copy-start producing an array of a pool's shape) a decode step (batch 8) and a prefill
+    chunk (2 x 256 tokens) make, with the cache in the layouts `runner.auto_cache_layouts`
+    picks ("auto", as the engine places it) and in XLA's defaults ("default", the control)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.experimental.layout import Format
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from megakernel_lowering import GEMMA3
+    from megakernel_tpu import WIDE, family_of
+
+    import weld.kernels.cpu as cpu_kernels
+    from weld.engine.runner import auto_cache_layouts
+    from weld.models.common.cache import AttentionBatch
+    from weld.models.common.spec import abstract_weights
+    from weld.models.family import WeightTarget
+
+    cpu_kernels.available = lambda: False  # the program is a TPU's: no native CPU kernels in it
+    device = topologies.get_topology_desc("v5e:2x2", "tpu").devices[0]
+    one = NamedSharding(Mesh(np.array([device]), ("one",)), PartitionSpec())
+    out = {}
+    for name, cfg in (("smollm2", dataclasses.replace(WIDE["SmolLM2-135M, 30 layers"], num_layers=2)),
+                      ("gemma3", GEMMA3)):
+        family = family_of(cfg)
+        weights = jax.eval_shape(lambda w: family.prepare_weights(w, cfg, WeightTarget(backend="xla")),
+                                 abstract_weights(family.weight_specs(cfg), jnp.bfloat16))
+        spec = family.cache_spec(cfg)
+        cache = jax.eval_shape(lambda: spec.create(1024, 16, jnp.bfloat16))
+        layouts = auto_cache_layouts(family, cfg, weights, cache, device=device)
+        pools = {(tuple(x.shape), x.dtype) for x in jax.tree.leaves(cache)}
+        place = lambda tree, s: jax.tree.map(lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p),  # noqa: E731
+                                             tree, s)
+        for kind in ("auto", "default"):
+            placed = (jax.tree.map(lambda layout: Format(layout, one), layouts) if kind == "auto"
+                      else jax.tree.map(lambda _: one, cache))
+            step = jax.jit(lambda w, t, p, c, bt: family.forward(w, cfg, t, p, c, AttentionBatch(bt))[2],
+                           donate_argnums=(3,), out_shardings=placed)
+            for shape, what in (((8, 1), ""), ((1, 1), "_one_row"), ((2, 256), "_prefill")):
+                rows = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=one)
+                tables = jax.ShapeDtypeStruct((shape[0], 32 * len(spec.page_groups())), jnp.int32, sharding=one)
+                hlo = step.trace(place(weights, jax.tree.map(lambda _: one, weights)), rows, rows,
+                                 place(cache, placed), tables).lower().compile().as_text().split("ENTRY")[1]
+                copies = 0
+                for dims, dtype in pools:
+                    kind_name = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(dtype).name]
+                    copies += len(re.findall(r"= %s\[%s\]\{[^}]*\} (?:copy|transpose|fusion|copy-start)\("
+                                             % (kind_name, ",".join(map(str, dims))), hlo))
+                out[f"{name}_{kind}{what}"] = copies
+    return out
 
 
 def relayouts(hlo: str, least_bytes: int = 1 << 20) -> list[str]:
@@ -208,6 +265,8 @@ def main() -> None:
                 extra["layouts"] = layouts()
             elif name == "page_bytes":
                 extra["page_bytes"] = page_bytes()
+            elif name == "xla_cache_copies":
+                extra["copies"] = xla_cache_copies()
             else:
                 compiled = compile_one(name)
                 if compiled is not None:

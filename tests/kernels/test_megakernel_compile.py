@@ -85,6 +85,19 @@ def test_page_bytes_count_the_row_major_padding():
     assert ((16, 8, 128), "bfloat16", False) in padded and ((16, 3, 64), "bfloat16", True) in padded, padded
 
 
+def test_the_xla_backend_keeps_its_pools_in_the_layouts_its_step_wants():
+    """On a TPU the XLA backend creates the cache in the layouts XLA picks for a decode step
+    (`runner.auto_cache_layouts`): compiled for v5e, neither a batch-8 decode step nor a prefill
+    chunk copies a whole pool, for SmolLM2's widths (3 KV heads of 64) or Gemma 3 (one KV head of
+    128); one-row steps copy no more than with XLA's defaults. The control: with XLA's default
+    layouts SmolLM2's steps copy every pool in and out."""
+    copies = compile_all("xla_cache_copies")["xla_cache_copies"]["copies"]
+    for model in ("smollm2", "gemma3"):
+        assert copies[f"{model}_auto"] == copies[f"{model}_auto_prefill"] == 0, copies
+        assert copies[f"{model}_auto_one_row"] <= copies[f"{model}_default_one_row"], copies
+    assert copies["smollm2_default"] > 0 and copies["smollm2_default_prefill"] > 0, copies
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "kimi_linear", "gemma3", "gpt_oss"])
 def test_every_family_compiles(family):

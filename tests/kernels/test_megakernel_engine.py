@@ -176,8 +176,8 @@ def test_int4_experts_mix_on_the_megakernel(tiny_family_dir):
 
 
 def test_the_engine_places_row_major_pools_as_on_a_tpu(tiny_family_dir, monkeypatch):
-    """With the pools row-major (`sharding.pools_row_major`: the megakernel on a TPU, forced here
-    on the CPU) the runner creates the cache placed (`sharding.cache_placement`: each KV pool a
+    """With the pools row-major (`sharding.pool_layouts`: the megakernel on a TPU, forced here on
+    the CPU) the runner creates the cache placed (`sharding.cache_placement`: each KV pool a
     row-major `Format` on the device, the recurrent states as XLA lays them out), every program
     gives it back so, the cache is sized by `sharding.page_bytes`, and the greedy text is the
     XLA backend's (Qwen3-Next: pools and recurrent states side by side)."""
@@ -189,7 +189,7 @@ def test_the_engine_places_row_major_pools_as_on_a_tpu(tiny_family_dir, monkeypa
     directory = tiny_family_dir("qwen3_next")[0]
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     xla = [o.outputs[0].token_ids for o in _llm(directory, "xla").generate(PROMPTS[:2], params)]
-    monkeypatch.setattr(sharding, "pools_row_major", lambda backend, mesh: backend == "megakernel")
+    monkeypatch.setattr(sharding, "pool_layouts", lambda backend, mesh: "row_major" if backend == "megakernel" else None)
     measured = []
     page_bytes = sharding.page_bytes
     monkeypatch.setattr(sharding, "page_bytes", lambda *a, **k: measured.append(a[0]) or page_bytes(*a, **k))

@@ -168,7 +168,8 @@ class LLM:
             self.model.weights = sharding.place(self.model.weights, sharding.weight_shardings(
                 self.model.weights, family.weight_specs(self.cfg), self.mesh))
         groups = family.cache_spec(self.cfg).page_groups()
-        num_pages, num_slots, num_snapshot_slots = self._cache_sizes(family, drafter, config)
+        layouts = self._cache_layouts(family, config)
+        num_pages, num_slots, num_snapshot_slots = self._cache_sizes(family, drafter, config, layouts)
         # A device drafter keeps per-token state on group 0's pages for the whole context: then
         # no group frees its pages as a window moves.
         windows = tuple(None if _keeps_state(drafter) else g.window for g in groups)
@@ -195,7 +196,8 @@ class LLM:
                              drafter=drafter, draft_params=draft_params, num_spec_tokens=spec.k,
                              spec_widths=spec.widths(), spec_rounds=spec.rounds(sched.steps_per_call),
                              num_state_slots=block_manager.num_state_slots, mesh=self.mesh,
-                             stream_interval=sched.stream_interval)
+                             stream_interval=sched.stream_interval,
+                             cache_layouts=None if layouts is None else layouts[1])
         scheduler = Scheduler(block_manager, sched.max_num_seqs, sched.max_num_batched_tokens,
                               max_model_len=self.max_model_len,
                               steps_per_call=sched.steps_per_call, num_spec_tokens=spec.k,
@@ -227,7 +229,21 @@ class LLM:
             raise InvalidInputError(str(err)) from None
         return mesh
 
-    def _cache_sizes(self, family, drafter, config: EngineConfig) -> tuple[tuple[int, ...], int, int]:
+    def _cache_layouts(self, family, config: EngineConfig) -> Any:
+        """(a nominal cache, its layouts) when the engine picks them (`sharding.pool_layouts`
+        "auto": the XLA backend on a TPU; `runner.auto_cache_layouts`: a tree of `Layout`s like
+        any cache of the model's, whatever its size), else None."""
+        if sharding.pool_layouts(config.backend, self.mesh) != "auto":
+            return None
+        from weld.engine.runner import auto_cache_layouts
+
+        spec = family.cache_spec(self.cfg)
+        nominal = jax.eval_shape(lambda: spec.create(NOMINAL_PAGES, config.cache.page_size, self.kv_dtype,
+                                                     num_slots=NOMINAL_PAGES if spec.has_recurrent else 0))
+        return nominal, auto_cache_layouts(family, self.cfg, self.model.weights, nominal)
+
+    def _cache_sizes(self, family, drafter, config: EngineConfig,
+                     layouts: Any = None) -> tuple[tuple[int, ...], int, int]:
         """(pages of each page group (`CacheSpec.page_groups`), live recurrent-state slots,
         snapshot slots).
 
@@ -256,9 +272,14 @@ class LLM:
             return max(MIN_SNAPSHOT_SLOTS, int(share * memory / slot_bytes)) if share else 0
 
         per_seq = self._pages_per_sequence(family, drafter, config)
-        # device bytes: row-major pools (the megakernel on a TPU) carry their tiles' padding
-        measure = (functools.partial(sharding.page_bytes, row_major=True, mesh=self.mesh)
-                   if sharding.pools_row_major(config.backend, self.mesh) else None)
+        # device bytes: pools laid out for their programs (`sharding.pool_layouts`) carry tile padding
+        measure = None
+        if layouts is not None:
+            chosen = _page_layouts(*layouts)
+            measure = lambda shape, dtype: sharding.page_bytes(  # noqa: E731
+                shape, dtype, layout=chosen.get((tuple(shape), jnp.dtype(dtype).name)), mesh=self.mesh)
+        elif sharding.pool_layouts(config.backend, self.mesh) == "row_major":
+            measure = functools.partial(sharding.page_bytes, layout="row_major", mesh=self.mesh)
         page_bytes = [spec.page_bytes(self.kv_dtype, cache.page_size, i, measure) for i in range(len(groups))]
         if _keeps_state(drafter):
             page_bytes[0] += drafter.cache_spec().page_bytes(self.kv_dtype, cache.page_size, measure=measure)
@@ -466,3 +487,20 @@ class LLM:
         finally:
             self.engine.on_stream = None
             self.engine.abort(request_id)
+
+
+NOMINAL_PAGES = 4096  # the cache `auto_cache_layouts` compiles for (its layouts hold for any size)
+
+
+def _page_layouts(nominal: Any, layouts: Any) -> dict:
+    """(page shape, dtype name) -> the `Layout` `auto_cache_layouts` chose for the pools of pages
+    of that shape (the first such pool's)."""
+    from weld.models.common.cache import KVPages, LatentPages
+
+    chosen: dict = {}
+    for layer, laid in zip(nominal.layers, layouts.layers):
+        if isinstance(layer, (KVPages, LatentPages)):
+            for x, layout in zip(jax.tree_util.tree_leaves(layer), jax.tree_util.tree_leaves(laid)):
+                chosen.setdefault((tuple(x.shape[1:]), jnp.dtype(x.dtype).name), layout)
+    return chosen
+

@@ -83,6 +83,36 @@ class Own:
     index: int
 
 
+def auto_cache_layouts(family: ModuleType, cfg: Any, weights: Any, cache: Any, *, rows: int = 8,
+                       device: Any = None) -> Any:
+    """The layouts XLA picks for the cache's arrays in one decode step of `rows` rows
+    (`Layout.AUTO`, compiled, never run), as a tree like cache's of `Layout`s: the engine creates
+    the cache in them and every program takes and returns it so (`sharding.pool_layouts` "auto":
+    the XLA backend on a TPU). XLA's attention scores one or two rows' every head against every
+    KV head and more rows by KV head (`attention.ALL_KV_HEADS_ROWS`), and the two want their
+    pools laid out differently: the default is a batch that takes the second. weights and cache
+    may be abstract (shapes and dtypes); device: where (a TPU topology's device compiles for a
+    TPU with none attached)."""
+    from jax.experimental.layout import Format, Layout
+
+    from weld.models.common.cache import AttentionBatch
+
+    one = SingleDeviceSharding(device or jax.devices()[0])
+    auto = jax.tree_util.tree_map(lambda _: Format(Layout.AUTO, one), cache)
+    abstract = lambda tree: jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+    row = jax.ShapeDtypeStruct((rows, 1), np.int32)
+    spec = family.cache_spec(cfg)
+    tables = jax.ShapeDtypeStruct((rows, 8 * len(spec.page_groups())), np.int32)
+    slots = jax.ShapeDtypeStruct((rows,), np.int32) if spec.has_recurrent else None
+
+    def step(w, tokens, positions, c, bt, s):
+        return family.forward(w, cfg, tokens, positions, c, AttentionBatch(block_tables=bt, state_slots=s))[2]
+
+    compiled = jax.jit(step, in_shardings=(one, one, one, auto, one, one), out_shardings=auto, donate_argnums=(3,)
+                       ).trace(abstract(weights), row, row, abstract(cache), tables, slots).lower().compile()
+    return jax.tree_util.tree_map(lambda f: f.layout, compiled.input_formats[0][3])
+
+
 def _rows_split(forward):
     """forward with its batch rows split over the mesh's data-parallel devices (`sharding.shard_rows`)."""
     def split(weights, cfg, tokens, positions, *rest, **kwargs):
@@ -102,7 +132,7 @@ class ModelRunner:
                  kv_dtype: Any, max_model_len: int, steps_per_call: int = 8, eos_token_ids: tuple[int, ...] = (),
                  backend: str = "xla", drafter: Any = None, draft_params: Any = None, num_spec_tokens: int = 0,
                  spec_widths: tuple[int, ...] = (), spec_rounds: int = 1, num_state_slots: int = 0, mesh: Any = None,
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, cache_layouts: Any = None):
         self.family = family
         self.mesh = mesh  # a device mesh (`weld.models.common.sharding`), or None: one device
         # data-parallel attention: each rank's rows and its own shard of the pools (num_pages in all)
@@ -114,11 +144,15 @@ class ModelRunner:
         self.page_size = page_size
         self.max_pages_per_seq = bucket(-(-max_model_len // page_size), 8)
         spec = family.cache_spec(cfg)
-        self.row_major_pools = sharding.pools_row_major(backend, mesh)  # the megakernel on a TPU
+        # the pools row-major (the megakernel on a TPU), or every cache array in cache_layouts
+        # (`auto_cache_layouts`: the XLA backend on a TPU): `sharding.pool_layouts`
+        self.row_major_pools = sharding.pool_layouts(backend, mesh) == "row_major"
+        self.cache_layouts = cache_layouts
         self.num_page_groups = len(spec.page_groups())
         self.recurrent = spec.has_recurrent  # rows name their state slots (else the programs get None)
         self.cache = self._create(lambda: spec.create(num_pages, page_size, kv_dtype,
-                                                      num_slots=num_state_slots if self.recurrent else 0))
+                                                      num_slots=num_state_slots if self.recurrent else 0),
+                                  cache_layouts)
         self.drafter = drafter
         self.draft_params = draft_params
         group0 = num_pages if isinstance(num_pages, int) else num_pages[0]  # a drafter's state: on group 0's pages
@@ -142,7 +176,8 @@ class ModelRunner:
         out = {}
         if mesh is not None:
             prefill_fwd, decode_fwd = _rows_split(prefill_fwd), _rows_split(decode_fwd)
-        if mesh is not None or self.row_major_pools:  # the caches keep their placement; what comes back is whole
+        if mesh is not None or self._cache_shardings is not None:  # the caches keep their placement; what comes
+            # back to the host is whole
             whole = sharding.replicated(mesh) if mesh is not None else SingleDeviceSharding(jax.devices()[0])
             caches = (self._cache_shardings, self._draft_shardings)
             out = {"prefill": (*caches, whole, whole, whole, whole), "verify": (*caches, whole, whole, whole, whole),
@@ -165,22 +200,22 @@ class ModelRunner:
                            static_argnames=("cfg", "steps", "num_top"), donate_argnames=("cache", "draft_state"))
         self._copy = jit(programs.copy_slots, "copy", donate_argnames=("cache",))
 
-    def _placement(self, cache):
-        return sharding.cache_placement(cache, self.mesh, row_major_pools=self.row_major_pools)
+    def _placement(self, cache, layouts=None):
+        return sharding.cache_placement(cache, self.mesh, row_major_pools=self.row_major_pools, layouts=layouts)
 
     @property
     def _cache_shardings(self):
-        return self._placement(self.cache)
+        return self._placement(self.cache, self.cache_layouts)
 
     @property
     def _draft_shardings(self):
         return None if self.draft_state is None else self._placement(self.draft_state)
 
-    def _create(self, make):
+    def _create(self, make, layouts=None):
         """A cache made by make(), placed as every program takes it (`sharding.cache_placement`:
-        over the mesh, made there and never whole on one device; row-major pools on a TPU's
-        megakernel)."""
-        placement = self._placement(jax.eval_shape(make))
+        over the mesh, made there and never whole on one device; in `layouts`, or with row-major
+        pools for a TPU's megakernel)."""
+        placement = self._placement(jax.eval_shape(make), layouts)
         return make() if placement is None else jax.jit(make, out_shardings=placement)()
 
     @property

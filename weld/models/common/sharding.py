@@ -250,70 +250,89 @@ def cache_shardings(cache: Any, mesh: Mesh) -> Any:
     return type(cache)(layers=[of(layer) for layer in cache.layers])
 
 
-def pools_row_major(backend: str, mesh: Any) -> bool:
-    """Whether the KV and latent page pools must lie row-major on the device: the megakernel on a
-    TPU. A Pallas call takes its operands row-major, and XLA's default TPU layout of a pool
-    [pages, page, kv_heads, head_dim] with head_dim or kv_heads off the tiles (SmolLM2's 3 x 64,
-    gpt-oss's 8 x 64, one latent or KV head) is another (for many pages, the pages axis
-    minor): every step then relaid out each whole pool in and out of the kernel (SmolLM2, 30
-    layers, batch 8: 25 ms a step with 4,096-page pools, 7.1 with pools just the batch's size).
-    Row-major pools cost tile padding (SmolLM2's: 2.67x the bytes; `page_bytes` counts it)."""
+def pool_layouts(backend: str, mesh: Any) -> str | None:
+    """How the engine lays out the cache's page pools on the device. XLA's default TPU layout of
+    a pool [pages, page, kv_heads, head_dim] suits the array alone: row-major only for head_dim
+    a whole number of lane tiles and kv_heads a power of two, else a denser order (for SmolLM2's
+    3 x 64 at thousands of pages, the pages axis minor). The programs that read the pools want
+    another, and XLA relaid out every pool in and out of each step (SmolLM2's widths, 30
+    layers, batch 8, 4,096-page pools: the megakernel 25 ms a step, the XLA backend 42 ms).
+
+    "row_major": the megakernel on a TPU (a Pallas call takes its operands row-major): the KV
+      and latent pools row-major, at the cost of tile padding (SmolLM2's: 2.67x the bytes;
+      `page_bytes` counts it).
+    "auto": the XLA backend on one TPU: every cache array in the layout XLA picks for one
+      decode step (`Layout.AUTO`; `weld.engine.runner.auto_cache_layouts`).
+    None: XLA's defaults (CPU and GPU, whose arrays are row-major; XLA programs over a mesh of
+      TPUs: not done yet)."""
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-    return backend == "megakernel" and device.platform == "tpu"
+    if device.platform != "tpu":
+        return None
+    if backend == "megakernel":
+        return "row_major"
+    return "auto" if mesh is None else None
 
 
-def cache_placement(cache: Any, mesh: Any, *, row_major_pools: bool, device: Any = None) -> Any:
+def row_major(ndim: int) -> Any:
+    from jax.experimental.layout import Layout
+
+    return Layout(major_to_minor=tuple(range(ndim)))
+
+
+def cache_placement(cache: Any, mesh: Any, *, row_major_pools: bool = False, layouts: Any = None,
+                    device: Any = None) -> Any:
     """Where and how a `cache.Cache`'s arrays lie, for its creation and every program's
-    out_shardings: `cache_shardings` over a mesh (else on `device`, default the first), each
-    page pool wrapped in a row-major `Format` when row_major_pools (`pools_row_major`); the
-    recurrent states keep XLA's layouts. None: nothing to declare (one device, XLA's own
-    layouts)."""
-    from jax.experimental.layout import Format, Layout
+    out_shardings: `cache_shardings` over a mesh (else on `device`, default the first), with
+    each array in its layout of `layouts` (a tree like cache's of `Layout`s: "auto" in
+    `pool_layouts`), or each page pool row-major when row_major_pools (the recurrent states in
+    XLA's layouts). None: nothing to declare (one device, XLA's default layouts)."""
+    from jax.experimental.layout import Format
     from jax.sharding import SingleDeviceSharding
 
     from weld.models.common.cache import KVPages, LatentPages
 
-    if mesh is None and not row_major_pools:
+    if mesh is None and not row_major_pools and layouts is None:
         return None
     if mesh is not None:
         shardings = cache_shardings(cache, mesh)
     else:
         one = SingleDeviceSharding(device or jax.devices()[0])
         shardings = type(cache)(layers=[jax.tree_util.tree_map(lambda _: one, layer) for layer in cache.layers])
+    if layouts is not None:
+        return jax.tree_util.tree_map(Format, layouts, shardings)
     if not row_major_pools:
         return shardings
 
     def of(layer, placed):
         if not isinstance(layer, (KVPages, LatentPages)):
             return placed
-        return jax.tree_util.tree_map(lambda x, s: Format(Layout(major_to_minor=tuple(range(x.ndim))), s),
-                                      layer, placed)
+        return jax.tree_util.tree_map(lambda x, s: Format(row_major(x.ndim), s), layer, placed)
 
     return type(cache)(layers=[of(layer, placed) for layer, placed in zip(cache.layers, shardings.layers)])
 
 
-def page_bytes(shape: tuple[int, ...], dtype: Any, *, row_major: bool, mesh: Any = None, device: Any = None) -> int:
-    """Device bytes of one page [page, kv_heads, head_dim] of a pool: its logical size, or, laid
-    out row-major on a TPU (`pools_row_major`), what the compiler gives one page with the tile
-    padding of its two minor dims (asked of XLA for `device`, default the first), over a mesh
-    each KV-head shard padded on its own (`kv_pool_axes`)."""
-    if not row_major:
+def page_bytes(shape: tuple[int, ...], dtype: Any, *, layout: Any = "row_major", mesh: Any = None,
+               device: Any = None) -> int:
+    """Device bytes of one page [page, kv_heads, head_dim] of a pool laid out as `layout` (the
+    pool's `Layout`, or "row_major"; None: its logical size): what the compiler gives a page,
+    tile padding included (asked of XLA for `device`, default the first), over a mesh each
+    KV-head shard padded on its own (`kv_pool_axes`)."""
+    if layout is None:
         return math.prod(shape) * jnp.dtype(dtype).itemsize
     page, kv_heads, head_dim = shape
     shards = axis_size(mesh, kv_pool_axes(mesh, kv_heads)) if mesh is not None else 1
-    return shards * _row_major_page_bytes((page, kv_heads // shards, head_dim), jnp.dtype(dtype).name,
-                                          device or jax.devices()[0])
+    layout = row_major(len(shape) + 1) if layout == "row_major" else layout
+    return shards * _page_bytes((page, kv_heads // shards, head_dim), jnp.dtype(dtype).name, layout,
+                                device or jax.devices()[0])
 
 
 @functools.lru_cache(maxsize=64)
-def _row_major_page_bytes(shape: tuple[int, ...], dtype: str, device: Any) -> int:
-    from jax.experimental.layout import Format, Layout
+def _page_bytes(shape: tuple[int, ...], dtype: str, layout: Any, device: Any) -> int:
+    from jax.experimental.layout import Format
 
-    pages = 8  # a few pages: the bytes of one are what they take apart
-    full = (pages,) + shape
+    pages = 128  # enough pages that a layout with them minor fills its tiles
     one = NamedSharding(Mesh(np.array([device]), ("one",)), P())
-    placed = Format(Layout(major_to_minor=tuple(range(len(full)))), one)
-    compiled = jax.jit(lambda: jnp.zeros(full, dtype), out_shardings=placed).lower().compile()
+    compiled = jax.jit(lambda: jnp.zeros((pages,) + shape, dtype), out_shardings=Format(layout, one)).lower().compile()
     return -(-compiled.memory_analysis().output_size_in_bytes // pages)
 
 
