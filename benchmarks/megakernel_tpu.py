@@ -257,6 +257,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE,...",
                         help="also run the chosen cases with these config fields changed (repeatable)")
     args = parser.parse_args()
+    if not 0 <= args.pool_pages <= 1 << 20:
+        parser.error(f"--pool-pages must be in [0, {1 << 20}], got {args.pool_pages}")
     if jax.default_backend() != "tpu" and not args.interpret:
         raise SystemExit("megakernel_tpu.py runs on a TPU (megakernel_lowering.py checks the lowering anywhere)")
     device = jax.devices()[0]
