@@ -43,7 +43,7 @@ def attention_program(kernel: bool, b: int, position: int):
     """8 decode steps of attention over 30 layers' pools, traced with the kernel on or off."""
     os.environ["WELD_CPU_KERNELS"] = "1" if kernel else "0"
     pages_per_row = position // PAGE + 2
-    pool = (b * pages_per_row + 1, PAGE, KV_HEADS, HEAD_DIM)
+    pool = (b * pages_per_row + 1, PAGE, KV_HEADS * HEAD_DIM)
     tables = jnp.asarray(np.arange(b * pages_per_row, dtype=np.int32).reshape(b, pages_per_row))
     positions = jnp.full((b, 1), position, jnp.int32)
     rng = np.random.default_rng(0)

@@ -199,7 +199,8 @@ def cache_bytes(family, cfg, mesh) -> tuple[dict, list]:
         if isinstance(layer, KVPages):
             k = lay.k.shard_shape(layer.k.shape)
             per_token += 2 * 2 * math.prod(k) / ranks
-            layers.append({"kind": "kv", "kv_heads_local": k[2], "kv_heads": layer.k.shape[2]})
+            layers.append({"kind": "kv", "kv_heads_local": k[2] * layer.kv_heads // layer.k.shape[2],
+                           "kv_heads": layer.kv_heads})
         elif isinstance(layer, LatentPages):
             per_token += 2 * math.prod(lay.pool.shard_shape(layer.pool.shape)) / ranks
             layers.append({"kind": "latent", "whole_over_tensor": True, "split_over_dp": ranks})

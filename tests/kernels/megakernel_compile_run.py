@@ -79,7 +79,7 @@ def layouts() -> list:
     return rows
 
 
-PAGE_SHAPES = ((16, 8, 128), (16, 3, 64), (16, 1, 576), (32, 2, 64))  # [page, kv heads, head dim]
+PAGE_SHAPES = ((16, 8, 128), (16, 3, 64), (16, 1, 576), (32, 2, 64))  # [page, kv heads, head dim]: rows kv x e wide
 
 
 def page_bytes() -> list:
@@ -95,15 +95,16 @@ def page_bytes() -> list:
     device = topologies.get_topology_desc("v5e:2x2", "tpu").devices[0]
     rows = []
     for dtype in (jnp.bfloat16, jnp.float32):
-        for shape in PAGE_SHAPES:
+        for page, heads, head_dim in PAGE_SHAPES:
+            shape = (page, heads * head_dim)
             pool = jax.ShapeDtypeStruct((1000,) + shape, dtype)
-            cache = Cache(layers=[KVPages(k=pool, v=pool)])
+            cache = Cache(layers=[KVPages(k=pool, v=pool, kv_heads=heads)])
             placement = sharding.cache_placement(cache, None, row_major_pools=True, device=device)
             make = lambda: Cache(layers=[KVPages(k=jnp.zeros(pool.shape, dtype),  # noqa: E731
-                                                 v=jnp.zeros(pool.shape, dtype))])
+                                                 v=jnp.zeros(pool.shape, dtype), kv_heads=heads)])
             made = jax.jit(make, out_shardings=placement).lower().compile()
-            rows.append([list(shape), jnp.dtype(dtype).name, math.prod(shape) * jnp.dtype(dtype).itemsize,
-                         sharding.page_bytes(shape, dtype, layout="row_major", device=device),
+            rows.append([[page, heads, head_dim], jnp.dtype(dtype).name, math.prod(shape) * jnp.dtype(dtype).itemsize,
+                         sharding.page_bytes(shape, dtype, heads, layout="row_major", device=device),
                          made.memory_analysis().output_size_in_bytes])
     return rows
 

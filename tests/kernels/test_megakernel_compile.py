@@ -75,12 +75,13 @@ def test_page_bytes_count_the_row_major_padding():
     """`sharding.page_bytes` (what the engine sizes its cache by when the pools lie row-major, the
     megakernel on a TPU) is what libtpu gives a cache of 1,000 pages placed as the engine
     places it, K and V, to the allocation's small header; tile-dense pages (8 KV heads of
-    128) cost their logical bytes, SmolLM2's (3 of 64) more."""
+    128) cost their logical bytes, SmolLM2's (3 of 64: rows of 192 lanes) more, at most the
+    next lane tile's (256 / 192)."""
     rows = compile_all("page_bytes")["page_bytes"]["page_bytes"]
     padded = set()
     for shape, dtype, logical, measured, cache_bytes in rows:
         assert 0 <= cache_bytes - 2 * 1000 * measured < 4096, (shape, dtype, measured, cache_bytes)
-        assert measured >= logical, (shape, dtype)
+        assert logical <= measured <= logical * 4 // 3, (shape, dtype, measured)
         padded.add((tuple(shape), dtype, measured > logical))
     assert ((16, 8, 128), "bfloat16", False) in padded and ((16, 3, 64), "bfloat16", True) in padded, padded
 

@@ -306,7 +306,7 @@ def test_vmem_budget_checked_before_compiling():
                               head_dim=128, vocab_size=128256, num_layers=2)  # 8B's layers, two of them
     spec = megakernel.spec_for(cfg, batch=1, page_size=16, weight_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16)
     weights = abstract_weights(llama.weight_specs(cfg), jnp.bfloat16)
-    pools = [jax.ShapeDtypeStruct((4, 16, 8, 128), jnp.bfloat16)] * cfg.num_layers
+    pools = [jax.ShapeDtypeStruct((4, 16, 8 * 128), jnp.bfloat16)] * cfg.num_layers
     ids, bt = jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((1, 8), jnp.int32)
 
     def step(w, tok, pos, bt, k, v, **kw):

@@ -48,6 +48,11 @@ def reference(q, k_pool, v_pool, tables, q_positions, window):
     return out, lse
 
 
+def rows(pool):
+    """A pool [P, page, kv, e] (the reference's view) as the cache holds it: [P, page, kv x e]."""
+    return jnp.asarray(pool).reshape(pool.shape[0], pool.shape[1], -1)
+
+
 CASES = [(1, 1, None, False), (2, 1, None, False), (1, 2, 5, False), (4, 1, None, False), (3, 3, 6, False),
          (1, 2, None, True), (3, 2, None, True)]
 
@@ -105,11 +110,11 @@ def check_against_reference(b, t, window, drafter, *, page, heads, kv_heads, hea
     want, want_lse = reference(q, written_k.astype(np.float64), written_v.astype(np.float64), tables, q_positions,
                                window)
     out, k_pages, v_pages, lse = attention.paged_attention(
-        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(k_pool), jnp.asarray(v_pool),
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), rows(k_pool), rows(v_pool),
         jnp.asarray(positions), jnp.asarray(tables), sliding_window=window, pages_per_tile=2,
         query_positions=jnp.asarray(q_positions) if drafter else None, return_lse=True)
-    np.testing.assert_array_equal(np.asarray(k_pages), written_k)
-    np.testing.assert_array_equal(np.asarray(v_pages), written_v)
+    np.testing.assert_array_equal(np.asarray(k_pages).reshape(written_k.shape), written_k)
+    np.testing.assert_array_equal(np.asarray(v_pages).reshape(written_v.shape), written_v)
     live = q_positions >= 0
     np.testing.assert_allclose(np.asarray(out)[live], want[live], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse)[live], want_lse[live], rtol=1e-5, atol=1e-5)
@@ -120,7 +125,7 @@ def _program(b, t, dtype=jnp.float32):
     import jax
 
     args = (jnp.zeros((b, t, H, E)), jnp.zeros((b, t, KV, E)), jnp.zeros((b, t, KV, E)),
-            jnp.zeros((PAGES, PAGE, KV, E), dtype), jnp.zeros((PAGES, PAGE, KV, E), dtype),
+            jnp.zeros((PAGES, PAGE, KV * E), dtype), jnp.zeros((PAGES, PAGE, KV * E), dtype),
             jnp.zeros((b, t), jnp.int32), jnp.zeros((b, 8), jnp.int32))
     # a fresh wrapper each time: JAX caches traces per function, and the kernel switch is read when traced
     return str(jax.make_jaxpr(lambda *a: attention.paged_attention(*a))(*args))
@@ -195,6 +200,6 @@ def test_pages_wholly_before_the_window_are_never_read(b, t, form):
         poisoned_k[tables[i][:16]] = np.nan  # positions 0..63: before every query's window
         poisoned_v[tables[i][:16]] = np.nan
     out, _, _ = attention.paged_attention(jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new),
-                                          jnp.asarray(poisoned_k), jnp.asarray(poisoned_v), jnp.asarray(positions),
+                                          rows(poisoned_k), rows(poisoned_v), jnp.asarray(positions),
                                           jnp.asarray(tables), sliding_window=window)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4)

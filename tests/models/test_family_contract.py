@@ -54,7 +54,8 @@ def test_cache_specs_size_every_kind():
     assert spec.bytes_per_token(jnp.float32) == 2 * (2 * 2 * 8 * 4) + (16 + 4) * 4
     cache = spec.create(num_pages=5, page_size=4, dtype=jnp.bfloat16)
     assert isinstance(cache.layers[0], KVPages) and isinstance(cache.layers[2], LatentPages)
-    assert cache.layers[2].pool.shape == (5, 4, 1, 20) and cache.num_pages == 5 and cache.page_size == 4
+    assert cache.layers[0].k.shape == (5, 4, 16) and cache.layers[0].kv_heads == 2  # a token's 2 heads of 8 in a row
+    assert cache.layers[2].pool.shape == (5, 4, 20) and cache.num_pages == 5 and cache.page_size == 4
     recurrent = CacheSpec((PagedKV(2, 8), Recurrent(conv_channels=12, conv_width=4, state_shape=(2, 8, 8))))
     assert recurrent.bytes_per_sequence() == 4 * (12 * 3 + 128) and recurrent.bytes_per_token(jnp.float32) == 128
     with pytest.raises(ValueError, match="linear-attention"):

@@ -276,8 +276,8 @@ class LLM:
         measure = None
         if layouts is not None:
             chosen = _page_layouts(*layouts)
-            measure = lambda shape, dtype: sharding.page_bytes(  # noqa: E731
-                shape, dtype, layout=chosen.get((tuple(shape), jnp.dtype(dtype).name)), mesh=self.mesh)
+            measure = lambda shape, dtype, heads: sharding.page_bytes(  # noqa: E731
+                shape, dtype, heads, layout=chosen.get((tuple(shape), jnp.dtype(dtype).name)), mesh=self.mesh)
         elif sharding.pool_layouts(config.backend, self.mesh) == "row_major":
             measure = functools.partial(sharding.page_bytes, layout="row_major", mesh=self.mesh)
         page_bytes = [spec.page_bytes(self.kv_dtype, cache.page_size, i, measure) for i in range(len(groups))]

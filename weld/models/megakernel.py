@@ -489,9 +489,17 @@ def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: Attentio
         capture_layers=tuple(capture_layers), tp_axis=tp[0], tp_size=tp[1], dp_axis="dp" if moe_ranks > 1 else None)
     if logits_indices is not None:
         logits = jnp.take_along_axis(logits, logits_indices[:, :, None], axis=1)
-    pages = iter([LatentPages(kp) for kp in k] if latent else [KVPages(kp, vp) for kp, vp in zip(k, v)])
+    pages = iter([LatentPages(kp) for kp in k] if latent else [(kp, vp) for kp, vp in zip(k, v)])
     recurrent = iter(RecurrentState(conv=w, state=s) for w, s in states)
-    layers = [next(recurrent) if isinstance(old, RecurrentState) else next(pages) for old in cache.layers]
+
+    def updated(old):
+        if isinstance(old, RecurrentState):
+            return next(recurrent)
+        if isinstance(old, KVPages):
+            kp, vp = next(pages)
+            return dataclasses.replace(old, k=kp, v=vp)
+        return next(pages)
+    layers = [updated(old) for old in cache.layers]
     out = jnp.concatenate(hidden, axis=-1) if hidden else None
     return logits, out, Cache(layers=layers)
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from weld.engine.spec import dspark, ngram
 from weld.models.common.attention import dense_attention, paged_attention, write_kv
-from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, KVPages, PagedKV
+from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, PagedKV
 from weld.models.common.layers import linear, rms_norm
 
 
@@ -124,7 +124,8 @@ class DSparkDrafter:
         for pos, tab, feats in zip(positions, tables, features):
             context = dspark.project_context(params, self.cfg, feats)
             for i, (k, v) in enumerate(dspark.context_kv(params, self.cfg, context, jnp.maximum(pos, 0))):
-                pages[i] = KVPages(*write_kv(pages[i].k, pages[i].v, k, v, pos, tab))
+                k_pages, v_pages = write_kv(pages[i].k, pages[i].v, k, v, pos, tab)
+                pages[i] = dataclasses.replace(pages[i], k=k_pages, v=v_pages)
         return Cache(layers=pages)
 
     def propose(self, params, state, target_weights, last, positions, tables, budget, k: int, history=None):
@@ -142,7 +143,7 @@ class DSparkDrafter:
                 out_ctx, k_pool, v_pool, lse_ctx = paged_attention(
                     q, keys, values, pages[i].k, pages[i].v, no_write, tables, query_positions=sees_before,
                     return_lse=True)
-                pages[i] = KVPages(k_pool, v_pool)
+                pages[i] = dataclasses.replace(pages[i], k=k_pool, v=v_pool)
                 out_blk, lse_blk = dense_attention(q, keys, values, jnp.ones((1, s, s), bool))  # slots see each other
                 w_ctx = jax.nn.sigmoid(lse_ctx - lse_blk)[..., None]  # share of the context's keys
                 return w_ctx * out_ctx.astype(jnp.float32) + (1 - w_ctx) * out_blk

@@ -183,7 +183,7 @@ def stream_taker() -> Callable[..., tuple[int, int, bytes] | None]:
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                     query_positions: jax.Array, *, scale: float,
                     sliding_window: int | None) -> tuple[jax.Array, jax.Array]:
-    """Attention of q [b, t, h, e] over each row's pages of the pools [P, page, kv, e] (f32, f16 or
+    """Attention of q [b, t, h, e] over each row's pages of the pools [P, page, kv x e] (f32, f16 or
     bf16, both alike), which already hold the new K/V. Returns (out [b, t, h, e] f32, lse [b, t, h] f32); padding
     queries (position < 0) give 0 and an lse of -1e30, as the jnp path does."""
     b, t, h, e = q.shape

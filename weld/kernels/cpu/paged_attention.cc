@@ -46,7 +46,7 @@ constexpr int64_t kQueryBlock = 16;  // queries of one row that share each page'
 template <typename T>
 struct Problem {
   const float* q;        // [b, t, h, e]
-  const T* k_pool;       // [P, page, kv, e]
+  const T* k_pool;       // [P, page, kv * e]
   const T* v_pool;
   const int32_t* tables;  // [b, nb]
   const int32_t* qpos;    // [b, t]
@@ -311,7 +311,7 @@ Problem<T> problem(const ffi::Buffer<ffi::F32>& q, const ffi::AnyBuffer& k_pool,
   auto qd = q.dimensions(), kd = k_pool.dimensions(), td = tables.dimensions();
   return Problem<T>{q.typed_data(), static_cast<const T*>(k_pool.untyped_data()),
                     static_cast<const T*>(v_pool.untyped_data()), tables.typed_data(), qpos.typed_data(), out, lse,
-                    qd[0], qd[1], qd[2], qd[3], kd[2], 0, kd[0], kd[1], td[1], window, scale};
+                    qd[0], qd[1], qd[2], qd[3], kd[2] / qd[3], 0, kd[0], kd[1], td[1], window, scale};
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
@@ -320,12 +320,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::ResultBuffer<ffi::F32> lse, int64_t window, float scale) {
   auto qd = q.dimensions(), kd = k_pool.dimensions(), td = tables.dimensions();
   auto vd = v_pool.dimensions(), pd = qpos.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
+  if (qd.size() != 4 || kd.size() != 3 || td.size() != 2 || vd.size() != 3 ||
       !std::equal(kd.begin(), kd.end(), vd.begin()) || k_pool.element_type() != v_pool.element_type()) {
-    return ffi::Error::InvalidArgument("weld_paged_attention: q [b,t,h,e], pools [P,page,kv,e] of one dtype, tables [b,n]");
+    return ffi::Error::InvalidArgument("weld_paged_attention: q [b,t,h,e], pools [P,page,kv*e] of one dtype, tables [b,n]");
   }
-  if (kd[3] != qd[3] || kd[2] == 0 || qd[2] % kd[2] != 0 || td[0] != qd[0] || pd.size() != 2 || pd[0] != qd[0] ||
-      pd[1] != qd[1]) {
+  if (qd[3] == 0 || kd[2] % qd[3] != 0 || kd[2] == 0 || qd[2] % (kd[2] / qd[3]) != 0 || td[0] != qd[0] ||
+      pd.size() != 2 || pd[0] != qd[0] || pd[1] != qd[1]) {
     return ffi::Error::InvalidArgument("weld_paged_attention: mismatched shapes");
   }
   float *o = out->typed_data(), *l = lse->typed_data();

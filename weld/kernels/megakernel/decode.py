@@ -5,7 +5,7 @@ q / k RMSNorm, tied embeddings, rope frequencies given as tables, one per layer 
 switches (sandwich norms, GELU-tanh MLP, a scaled embedding, soft-capped logits), B rows of T tokens each
 (decode: T = 1; a speculative verify block: T = k + 1 consecutive positions, causal within the
 block), f32 / bf16 weights or int8 weights with per-output-channel scales, a paged KV cache of
-one [P, page, KV, E] pool pair per attention layer; MoE layers (router in the kernel, only the
+one [P, page, KV x E] pool pair per attention layer; MoE layers (router in the kernel, only the
 chosen experts' tiles streamed), absorbed MLA on latent pages, and linear-attention layers (Gated
 DeltaNet, KDA: `linear.py`, each sequence's state read into VMEM and written back in place) in
 any hybrid layer schedule; sliding-window layers (Mistral's window, Qwen's and Gemma's sliding
@@ -184,10 +184,10 @@ def _validate(spec, params, tokens, positions, block_tables, k_pools, v_pools, l
     if len(params["layers"]) != n_layers or len(k_pools) != len(attending) or len(v_pools) != len(attending):
         raise ValueError(f"spec.num_layers is {n_layers} with {len(attending)} attention layers, but got "
                          f"{len(params['layers'])} weight layers, {len(k_pools)} K pools and {len(v_pools)} V pools")
-    pool_shape = (spec.page_size, spec.pool_kv_heads, e)  # a page group's pools may hold their own number of pages
+    pool_shape = (spec.page_size, kv)  # a page group's pools may hold their own number of pages
     for i, (kp, vp) in zip(attending, zip(k_pools, v_pools)):
         if kp.shape[1:] != pool_shape or vp.shape != kp.shape:
-            raise ValueError(f"pools of layer {i} must be [P, page, KV, E] = [P, *{pool_shape}], got {kp.shape} and "
+            raise ValueError(f"pools of layer {i} must be [P, page, KV x E] = [P, *{pool_shape}], got {kp.shape} and "
                              f"{vp.shape}")
     linear_states = linear_states or []
     if len(linear_states) != len(spec.linear_layers):
@@ -274,8 +274,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
       are returned, f32 [B, T, d] each (a drafter's features).
     tokens, positions: int32 [B, T] (position -1: padding; a row is padding when its first is).
     block_tables: int32 [B, page_groups x M] (`spec.layer_groups` says which table a layer reads;
-      a layer with a window (`spec.layer_windows`) reads only the pages its window spans). k_pools, v_pools: one array [P, page, KV, E] per attention layer
-      (`spec.attention_layers`), updated in place (MLA: k_pools are the latent pools [P, page, 1,
+      a layer with a window (`spec.layer_windows`) reads only the pages its window spans). k_pools, v_pools: one array [P, page, KV x E] per attention layer
+      (`spec.attention_layers`), updated in place (MLA: k_pools are the latent pools [P, page,
       kv_lora_rank + rope_dim], v_pools None).
       An MLA layer has "q" (or "q_a", "q_b"), "kv_a", "w_uk" [heads x nope, latent], "w_uv"
       [heads x v, latent] and "o", and the vectors "kv_a_norm" [L, latent] ("q_a_norm" [L, q_lora]).
@@ -457,7 +457,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         take(n_pools)  # the input pools: aliased, use the outputs
         # outputs
         logits_ref, ids_ref = take(2)  # VMEM [N, V] f32, [N, 1] int32
-        k_out = take(n_attn)  # HBM pools [P, page, KV, E] per attention layer
+        k_out = take(n_attn)  # HBM pools [P, page, KV x E] per attention layer
         v_out = [None] * n_attn if spec.mla else take(n_attn)  # MLA: the values are the latent keys
         state_out = [take(2) for _ in lin_layers]  # HBM (windows, states) per linear layer
         cap_refs = take(n_cap)  # VMEM [N, d] f32 per capture layer
@@ -465,7 +465,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         rings = dict(zip(keys, take(len(keys))))  # the weight rings (`plan.ring_key`)
         ring_sems, x_ref, delta_ref, qa_ref, ka_ref, va_ref = take(6)
         q_heads, kn_ref, vn_ref, att_ref, gate_ref, up_ref = take(6)
-        attn_scratch = take(4)
+        attn_scratch = take(5)
         scale_ring = take(1)[0] if int8 else None
         group_rings = take(2) if "int4" in kinds else None  # int4 tiles' scales and mins
         if spec.mla:
@@ -1035,7 +1035,7 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         pltpu.VMEM((n_tok, h, e), f32),  # attention output
         pltpu.VMEM((n_tok, spec.intermediate), f32),  # gate
         pltpu.VMEM((n_tok, spec.intermediate), f32),  # up
-    ] + kv_scratch(spec.pages_per_kv_tile, spec.page_size, kvh, e, kv_dtype)  # KV tiles and their semaphores
+    ] + kv_scratch(spec.pages_per_kv_tile, spec.page_size, kv_dim, kv_dtype, b)  # KV tiles, semaphores, live rows
     if int8:
         scratch.append(pltpu.VMEM((depth, 1, lane_span(ring_rows["int8"])), f32))  # the scale ring: a row per slot
     if "int4" in kinds:  # the int4 tiles' scales and mins, per group

@@ -604,8 +604,10 @@ def stream_schedule(spec: MegakernelSpec, *, tile_rows: int = 256, vocab_tile_ro
 
 
 def kv_tile_bytes(spec: MegakernelSpec) -> int:
-    """K and V tiles of `pages_per_kv_tile` pages, double buffered (one row at a time)."""
-    tile = spec.pages_per_kv_tile * spec.page_size * spec.pool_kv_heads * spec.head_dim * spec.kv_bytes
+    """K and V tiles of `pages_per_kv_tile` pages of token rows (KV x E lanes, padded to whole
+    lane tiles), double buffered (the rows' tiles stream as one sequence)."""
+    width = -(-spec.pool_kv_heads * spec.head_dim // 128) * 128
+    tile = spec.pages_per_kv_tile * spec.page_size * width * spec.kv_bytes
     return 2 * 2 * tile
 
 

@@ -24,7 +24,8 @@ ALL_KV_HEADS_ROWS = 2
 
 
 def write_pages(pages: jax.Array, x: jax.Array, positions: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """Scatters new rows x [b, t, k, e] into a pool [P, page, k, e] at their positions [b, t].
+    """Scatters new rows x [b, t, k, e] into a pool [P, page, k x e] at their positions [b, t]
+    (each token's heads side by side in its row).
 
     Padding (position < 0) is sent out of bounds and dropped, so it never touches a page.
     """
@@ -33,16 +34,16 @@ def write_pages(pages: jax.Array, x: jax.Array, positions: jax.Array, block_tabl
     page = jnp.take_along_axis(block_tables, safe // page_size, axis=1)  # [b, t]
     page = jnp.where(positions >= 0, page, num_pages).reshape(-1)  # padding: out of bounds
     row = (safe % page_size).reshape(-1)
-    # Index the 4-d pool directly: a reshape of a donated pool makes XLA:CPU copy it.
-    return pages.at[page, row].set(x.reshape((-1,) + x.shape[2:]).astype(pages.dtype), mode="drop")
+    # Index the pool as it is: a reshape of a donated pool makes XLA:CPU copy it.
+    return pages.at[page, row].set(x.reshape(page.shape[0], -1).astype(pages.dtype), mode="drop")
 
 
 def write_kv(k_pages: jax.Array, v_pages: jax.Array | None, k: jax.Array, v: jax.Array | None,
              positions: jax.Array, block_tables: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """Scatters new K/V [b, t, k, e] into the pools [P, page, k, e] at their positions [b, t]
+    """Scatters new K/V [b, t, k, e] into the pools [P, page, k x e] at their positions [b, t]
     (`write_pages` for each; v_pages None: the keys are the values, nothing more to write).
     Under data-parallel attention each rank writes its own rows into its own pages."""
-    layout = _Layout.of(k_pages.shape[2], None, positions.shape[0])
+    layout = _Layout.of(k.shape[2], None, positions.shape[0])
     if layout is not None and layout.rows:
         pool, rows = layout.pool, layout.row_spec
         values = None if v_pages is None else pool
@@ -98,7 +99,7 @@ class _Layout:
 
     @property
     def pool(self) -> P:
-        return sharding.spec_of(self.rows, None, self.pool_heads, None)
+        return sharding.spec_of(self.rows, None, self.pool_heads)
 
     @property
     def row_spec(self) -> P:
@@ -116,7 +117,7 @@ def _local(q, k, v, k_pages, v_pages, positions, block_tables, **kwargs):
     heads over its own KV heads (or the ones they use in whole pools; MLA's single latent head
     is whole), so no page leaves its device. None when there is no mesh to split over."""
     b, _, h, _ = q.shape
-    kv_heads = k_pages.shape[2]
+    kv_heads = k.shape[2]
     layout = _Layout.of(kv_heads, h, b)
     if layout is None:
         return None
@@ -147,7 +148,8 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
                     kv_slice: tuple[jax.Array, int] | None = None) -> tuple[jax.Array, ...]:
     """Writes this call's K/V into the pools, then attends causally over each row's pages.
 
-    q [b, t, h, e]; k, v [b, t, kv, e]; positions [b, t] (-1 = padding, which writes nothing).
+    q [b, t, h, e]; k, v [b, t, kv, e]; pools [P, page, kv x e]; positions [b, t] (-1 = padding,
+    which writes nothing).
     Query at position p of row i attends to that row's kv positions <= p (and
     > p - sliding_window when a window is set).
     Keys stream in tiles of `pages_per_tile` pages under an online softmax, and the loop runs
@@ -177,7 +179,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
     if local is not None:
         return local
     b, t, h, e = q.shape
-    num_pages, page_size, kv_heads, _ = k_pages.shape
+    page_size, kv_heads = k_pages.shape[1], k.shape[2]
     if kv_slice is not None:  # the query heads read kv_slice's KV heads only (the pools hold them all)
         kv_heads = kv_slice[1]
     g = h // kv_heads
@@ -219,8 +221,9 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, k_pages: ja
         """Masked scores of this tile, its visibility mask and the values they weigh."""
         pages = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_tile, pages_per_tile, axis=1)
         kv_pos = i * tile + jnp.arange(tile)  # [s]
-        keys = k_pool[pages].astype(jnp.float32)
-        values = keys if v_pool is None else v_pool[pages].astype(jnp.float32)
+        rows = (b, pages_per_tile, page_size, k_pool.shape[2] // e, e)  # the pages' rows split into their heads
+        keys = k_pool[pages].astype(jnp.float32).reshape(rows)
+        values = keys if v_pool is None else v_pool[pages].astype(jnp.float32).reshape(rows)
         # Slots past every query of the row are weighed by 0, but 0 * NaN is NaN: a stale page's
         # tail (a previous owner's, perhaps one ended for NaN activations) must read as 0.
         written = (kv_pos <= row_last[:, None]).reshape(b, pages_per_tile, page_size, 1, 1)

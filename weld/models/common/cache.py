@@ -1,8 +1,9 @@
 """Per-layer model state, declared by each family as a `CacheSpec` and created by the engine from it.
 
 Three kinds of per-layer state:
-1. paged KV (`PagedKV` -> `KVPages`): K and V pools [num_pages, page_size, kv_heads, head_dim];
-2. paged latent (`PagedLatent` -> `LatentPages`, MLA): one pool [num_pages, page_size, 1,
+1. paged KV (`PagedKV` -> `KVPages`): K and V pools [num_pages, page_size, kv_heads x head_dim]
+   (a token's heads side by side in one row);
+2. paged latent (`PagedLatent` -> `LatentPages`, MLA): one pool [num_pages, page_size,
    latent_dim + rope_dim] holding, per token, the normed compressed KV c_kv then the rotated
    shared key k_pe; attention reads it as one key head whose first latent_dim values are also
    the value (absorbed attention), so nothing is expanded per head;
@@ -49,12 +50,12 @@ class PagedKV:
         return 2 * self.kv_heads * self.head_dim * _itemsize(dtype)
 
     def page_shapes(self, page_size: int) -> tuple[tuple[int, ...], ...]:
-        """One page of each pool (K, V)."""
-        return ((page_size, self.kv_heads, self.head_dim),) * 2
+        """One page of each pool (K, V): a row per token, its KV heads side by side."""
+        return ((page_size, self.kv_heads * self.head_dim),) * 2
 
     def create(self, num_pages: int, page_size: int, dtype) -> "KVPages":
-        shape = (num_pages, page_size, self.kv_heads, self.head_dim)
-        return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        shape = (num_pages, page_size, self.kv_heads * self.head_dim)
+        return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kv_heads=self.kv_heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +70,10 @@ class PagedLatent:
         return (self.latent_dim + self.rope_dim) * _itemsize(dtype)
 
     def page_shapes(self, page_size: int) -> tuple[tuple[int, ...], ...]:
-        return ((page_size, 1, self.latent_dim + self.rope_dim),)
+        return ((page_size, self.latent_dim + self.rope_dim),)
 
     def create(self, num_pages: int, page_size: int, dtype) -> "LatentPages":
-        return LatentPages(pool=jnp.zeros((num_pages, page_size, 1, self.latent_dim + self.rope_dim), dtype))
+        return LatentPages(pool=jnp.zeros((num_pages, page_size, self.latent_dim + self.rope_dim), dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,13 +124,13 @@ class CacheSpec:
 
     def page_bytes(self, dtype, page_size: int, group: int | None = None, measure: Any = None) -> int:
         """Device bytes of one page across every paged layer (of one page group): each pool's
-        page as measure(shape, dtype) gives it (`sharding.page_bytes`: the tile padding of
-        row-major pools on a TPU), else its logical size."""
+        page as measure(shape, dtype, heads) gives it (`sharding.page_bytes`: the tile padding
+        of row-major pools on a TPU, each KV-head shard's over a mesh), else its logical size."""
         layers = range(len(self.layers)) if group is None else self.page_groups()[group].layers
         if measure is None:
             return page_size * self.bytes_per_token(dtype, group)
-        return sum(measure(shape, dtype) for i in layers if not isinstance(self.layers[i], Recurrent)
-                   for shape in self.layers[i].page_shapes(page_size))
+        return sum(measure(shape, dtype, getattr(self.layers[i], "kv_heads", 1)) for i in layers
+                   if not isinstance(self.layers[i], Recurrent) for shape in self.layers[i].page_shapes(page_size))
 
     def page_groups(self) -> tuple[PageGroup, ...]:
         """Group 0: the paged layers without a window; then one group per distinct window, in
@@ -177,16 +178,21 @@ class CacheSpec:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVPages:
-    """K and V page pools of one layer, each [num_pages, page_size, kv_heads, head_dim]."""
+    """K and V page pools of one layer, each [num_pages, page_size, kv_heads x head_dim]: one row
+    per token, its KV heads side by side (lane-dense on a TPU: a page of SmolLM2's 3 heads of 64
+    is [16, 192], where [16, 3, 64] pads each token's heads to a (4, 128) tile; the megakernel
+    scores every head against a tile of such rows in one product). `kv_heads` (static) splits a
+    row into its heads."""
 
     k: jax.Array
     v: jax.Array
+    kv_heads: int = dataclasses.field(metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LatentPages:
-    """The latent page pool of one MLA layer, [num_pages, page_size, 1, latent_dim + rope_dim]."""
+    """The latent page pool of one MLA layer, [num_pages, page_size, latent_dim + rope_dim]."""
 
     pool: jax.Array
 

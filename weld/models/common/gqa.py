@@ -115,7 +115,7 @@ def _rotate(rope: Rope, x: jax.Array, angles) -> jax.Array:
 def _attend(pages: KVPages, positions, tables, q, k, v, *, window, scale, sinks):
     out, k_pages, v_pages = paged_attention(q, k, v, pages.k, pages.v, positions, tables, sliding_window=window,
                                             scale=scale, sinks=sinks)
-    return out, KVPages(k_pages, v_pages)
+    return out, dataclasses.replace(pages, k=k_pages, v=v_pages)
 
 
 def fuse_qkv(lw: dict) -> None:

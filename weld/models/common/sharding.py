@@ -33,6 +33,7 @@ code asks, and the native CPU kernels, which run on one device's buffers, step a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -216,8 +217,8 @@ def spec_of(*dims: tuple[str, ...] | None) -> P:
 
 
 def cache_shardings(cache: Any, mesh: Mesh) -> Any:
-    """Shardings of a `cache.Cache`: K/V pools [pages, page, kv_heads, head_dim] over their pages
-    (data-parallel ranks) and KV heads (`kv_pool_axes`), MLA's latent pool over its pages
+    """Shardings of a `cache.Cache`: K/V pools [pages, page, kv_heads x head_dim] over their pages
+    (data-parallel ranks) and KV heads (`kv_pool_axes`: the rows' lanes in whole heads), MLA's latent pool over its pages
     (every head reads it), recurrent states [slots, heads, dk, dv] over their slots (each rank
     its own block, `DataParallelBlockManager`) and heads, the conv windows [slots, channels, K -
     1] likewise over their slots and channels (contiguous: each device its heads' when the
@@ -238,8 +239,8 @@ def cache_shardings(cache: Any, mesh: Mesh) -> Any:
 
     def of(layer):
         if isinstance(layer, KVPages):
-            s = NamedSharding(mesh, spec_of(split(layer.k), None, kv_pool_axes(mesh, layer.k.shape[2])))
-            return KVPages(k=s, v=s)
+            s = NamedSharding(mesh, spec_of(split(layer.k), None, kv_pool_axes(mesh, layer.kv_heads)))
+            return dataclasses.replace(layer, k=s, v=s)
         if isinstance(layer, LatentPages):
             return LatentPages(pool=NamedSharding(mesh, spec_of(split(layer.pool))))
         if isinstance(layer, RecurrentState):
@@ -252,15 +253,16 @@ def cache_shardings(cache: Any, mesh: Mesh) -> Any:
 
 def pool_layouts(backend: str, mesh: Any) -> str | None:
     """How the engine lays out the cache's page pools on the device. XLA's default TPU layout of
-    a pool [pages, page, kv_heads, head_dim] suits the array alone: row-major only for head_dim
-    a whole number of lane tiles and kv_heads a power of two, else a denser order (for SmolLM2's
-    3 x 64 at thousands of pages, the pages axis minor). The programs that read the pools want
-    another, and XLA relaid out every pool in and out of each step (SmolLM2's widths, 30
-    layers, batch 8, 4,096-page pools: the megakernel 25 ms a step, the XLA backend 42 ms).
+    a pool [pages, page, kv_heads x head_dim] suits the array alone: row-major only for rows a
+    whole number of lane tiles wide, else a denser order (for SmolLM2's 192 or MLA's 576 at
+    thousands of pages, the pages axis minor; probed with libtpu). The programs that read the
+    pools want another, and XLA relaid out every pool in and out of each step (SmolLM2's
+    widths, 30 layers, batch 8, 4,096-page pools: the megakernel 25 ms a step, the XLA backend
+    42 ms, measured with [pages, page, kv_heads, head_dim] pools).
 
     "row_major": the megakernel on a TPU (a Pallas call takes its operands row-major): the KV
-      and latent pools row-major, at the cost of tile padding (SmolLM2's: 2.67x the bytes;
-      `page_bytes` counts it).
+      and latent pools row-major, at the cost of tile padding (rows padded to whole lane tiles:
+      SmolLM2's 192 to 256, 1.33x the bytes; `page_bytes` counts it).
     "auto": the XLA backend on one TPU: every cache array in the layout XLA picks for one
       decode step (`Layout.AUTO`; `weld.engine.runner.auto_cache_layouts`).
     None: XLA's defaults (CPU and GPU, whose arrays are row-major; XLA programs over a mesh of
@@ -311,19 +313,18 @@ def cache_placement(cache: Any, mesh: Any, *, row_major_pools: bool = False, lay
     return type(cache)(layers=[of(layer, placed) for layer, placed in zip(cache.layers, shardings.layers)])
 
 
-def page_bytes(shape: tuple[int, ...], dtype: Any, *, layout: Any = "row_major", mesh: Any = None,
+def page_bytes(shape: tuple[int, ...], dtype: Any, heads: int = 1, *, layout: Any = "row_major", mesh: Any = None,
                device: Any = None) -> int:
-    """Device bytes of one page [page, kv_heads, head_dim] of a pool laid out as `layout` (the
+    """Device bytes of one page [page, heads x head_dim] of a pool laid out as `layout` (the
     pool's `Layout`, or "row_major"; None: its logical size): what the compiler gives a page,
     tile padding included (asked of XLA for `device`, default the first), over a mesh each
     KV-head shard padded on its own (`kv_pool_axes`)."""
     if layout is None:
         return math.prod(shape) * jnp.dtype(dtype).itemsize
-    page, kv_heads, head_dim = shape
-    shards = axis_size(mesh, kv_pool_axes(mesh, kv_heads)) if mesh is not None else 1
+    page, width = shape
+    shards = axis_size(mesh, kv_pool_axes(mesh, heads)) if mesh is not None else 1
     layout = row_major(len(shape) + 1) if layout == "row_major" else layout
-    return shards * _page_bytes((page, kv_heads // shards, head_dim), jnp.dtype(dtype).name, layout,
-                                device or jax.devices()[0])
+    return shards * _page_bytes((page, width // shards), jnp.dtype(dtype).name, layout, device or jax.devices()[0])
 
 
 @functools.lru_cache(maxsize=64)
