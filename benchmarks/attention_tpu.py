@@ -17,43 +17,34 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
+from dma_tpu import median_ms
 from weld.kernels.megakernel import attention
+from weld.models.common import sharding
 
 PAGE = 16
-SHAPES = {  # query heads, KV heads, head width
-    "SmolLM2-135M (9 over 3 of 64)": (9, 3, 64),
-    "Llama-3-8B (32 over 8 of 128)": (32, 8, 128),
-    "Gemma-3-270M (4 over 1 of 256)": (4, 1, 256),
+SHAPES = {  # query heads, KV heads, head width, sliding window
+    "SmolLM2-135M (9 over 3 of 64)": (9, 3, 64, None),
+    "Llama-3-8B (32 over 8 of 128)": (32, 8, 128, None),
+    "Gemma-3-270M (4 over 1 of 256)": (4, 1, 256, None),
+    "Qwen3-30B-A3B (32 over 4 of 128)": (32, 4, 128, None),
+    "gpt-oss-20b sliding (64 over 8 of 64, window 128)": (64, 8, 64, 128),
 }
 
 
-def median_ms(fn, *args, reps=20):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    seconds = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds) * 1e3
-
-
 def _row_major_put(x):
-    from jax.experimental.layout import Format, Layout
+    """x row-major on the chip, as the engine places the megakernel's pools (`sharding.row_major`)."""
+    from jax.experimental.layout import Format
     from jax.sharding import SingleDeviceSharding
 
     if jax.default_backend() != "tpu":
         return x
-    return jax.device_put(x, Format(Layout(major_to_minor=tuple(range(x.ndim))), SingleDeviceSharding(jax.devices()[0])))
+    return jax.device_put(x, Format(sharding.row_major(x.ndim), SingleDeviceSharding(jax.devices()[0])))
 
 
 def make_case(heads, kv_heads, e, batch, context, pool_pages, dtype=jnp.bfloat16, seed=0):
@@ -81,6 +72,15 @@ def chained(step, layers):
     return jax.jit(run)  # no donation: every timed call reads the same pools (their copy is in both depths)
 
 
+def max_error(step, case, window):
+    """The step's output against the jnp reference's on the case (relative to its largest)."""
+    q, kn, vn, k, v, positions, tables = case
+    got = jax.jit(step)(q, kn, vn, _row_major_put(k + 0), _row_major_put(v + 0), positions, tables)[0]
+    want = jax.jit(functools.partial(attention.paged_decode_attention_reference, sliding_window=window))(
+        q, kn, vn, k, v, positions, tables)[0]
+    return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
+
 def time_variant(step, case, depths=(2, 18)):
     q, kn, vn, k, v, positions, tables = case
     ms = []
@@ -91,12 +91,13 @@ def time_variant(step, case, depths=(2, 18)):
     return (ms[1] - ms[0]) / (depths[1] - depths[0]) * 1e3, ms
 
 
-def variants(tiles, depths):
+def variants(tiles, depths, window, interpret=False):
     """name -> (pages per tile, ring depth, the step): the kernel at each tile and depth, then XLA's."""
-    out = {f"kernel {ppt}x{depth}": (ppt, depth, functools.partial(attention.paged_decode_attention,
-                                                                   pages_per_tile=ppt, ring_depth=depth))
+    out = {f"kernel {ppt}x{depth}": (ppt, depth, functools.partial(
+        attention.paged_decode_attention, pages_per_tile=ppt, ring_depth=depth, sliding_window=window,
+        interpret=interpret))
            for ppt in tiles for depth in depths}
-    out["xla"] = (None, None, attention.paged_decode_attention_reference)
+    out["xla"] = (None, None, functools.partial(attention.paged_decode_attention_reference, sliding_window=window))
     return out
 
 
@@ -108,23 +109,28 @@ def main():
     p.add_argument("--tiles", default="8,16", help="pages per KV tile, comma separated")
     p.add_argument("--depths", default="2,3", help="the tile ring's depths, comma separated")
     p.add_argument("--only", default=None, help="shape names containing this")
+    p.add_argument("--interpret", action="store_true", help="off a TPU: interpret mode (checks this script)")
     args = p.parse_args()
     if not 0 <= args.pool_pages <= 1 << 20:
         p.error(f"--pool-pages must be in [0, {1 << 20}], got {args.pool_pages}")
+    if jax.default_backend() != "tpu" and not args.interpret:
+        p.error("attention_tpu.py runs on a TPU (--interpret checks it elsewhere)")
     rows = []
-    for name, (h, kvh, e) in SHAPES.items():
+    for name, (h, kvh, e, window) in SHAPES.items():
         if args.only and args.only not in name:
             continue
         for spec in args.cases.split(","):
             batch, context = (int(x) for x in spec.split("x"))
             case = make_case(h, kvh, e, batch, context, args.pool_pages)
             tiles, depths = ([int(x) for x in arg.split(",")] for arg in (args.tiles, args.depths))
-            for variant, (ppt, depth, step) in variants(tiles, depths).items():
+            for variant, (ppt, depth, step) in variants(tiles, depths, window, args.interpret).items():
                 row = dict(shape=name, batch=batch, context=context, pages_per_tile=ppt, ring_depth=depth,
                            variant=variant)
                 try:
                     us, ms = time_variant(step, case)
                     row.update(us_per_layer=round(us, 2), call_ms=[round(m, 3) for m in ms])
+                    if ppt is not None:  # the kernel's output against the reference's, on the chip
+                        row["max_rel_error"] = round(max_error(step, case, window), 6)
                 except Exception as err:  # a Mosaic refusal: report it, go on
                     row.update(error=str(err)[-1500:])
                 print(json.dumps(row), flush=True)

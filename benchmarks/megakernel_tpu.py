@@ -225,6 +225,10 @@ def run_case(name, cfg, *, batch, dtype, context, steps, int8=False, pool_pages=
     if dtype != jnp.float32:  # whose rounding is it: both paths set against f32 maths on the same weights
         reference = _f32_reference(family, cfg, raw, tokens, batch, context, dtype, pool_pages)
         row["f32_ref_rel_err"] = {"megakernel": _rel_err(k_logits, reference), "xla": _rel_err(x_logits, reference)}
+        # per row: one row far off (a near-tied router sending it to another expert) reads
+        # differently from every row off (a wrong kernel)
+        row["f32_ref_row_errs"] = {name: [round(_rel_err(got[i], reference[i]), 4) for i in range(batch)]
+                                   for name, got in (("megakernel", k_logits), ("xla", x_logits))}
         row["f32_ref_greedy_equal"] = {"megakernel": int(np.sum(k_tokens[:, 0] == reference.argmax(-1))),
                                        "xla": int(np.sum(x_tokens[:, 0] == reference.argmax(-1)))}
     row["first_greedy_equal"] = bool(np.array_equal(k_tokens[:, 0], x_tokens[:, 0]))

@@ -6,7 +6,8 @@ import pytest
 import jax.numpy as jnp
 from interpret_mode import races_found
 
-from weld.kernels.megakernel.attention import paged_decode_attention, paged_decode_attention_reference
+from weld.kernels.megakernel.attention import (paged_block_attention, paged_block_attention_reference,
+                                               paged_decode_attention, paged_decode_attention_reference)
 from weld.models.common.attention import paged_attention
 
 B, H, KV, E, NUM_PAGES, PAGE = 3, 4, 2, 8, 16, 4
@@ -101,6 +102,29 @@ def test_a_stale_page_tail_reads_as_zero(interpret):
     out, _, _ = paged_decode_attention(q, kn, vn, *stale, positions, bt, pages_per_tile=2, interpret=interpret)
     assert np.all(np.isfinite(np.asarray(out)))
     _close(out, ref_out)
+
+
+@pytest.mark.parametrize("ring_depth", [2, 3, 4])
+def test_a_verify_block_across_pages_tiles_and_rows(interpret, ring_depth):
+    """Blocks of 3 tokens (a verify step): row 0 at 3..5 writes the last row of its page 0 and
+    the first two of page 1, in two tiles of one page; row 1 at 13..15 fills its page 3's tail;
+    row 2's last token is padding (written nowhere). Every ring depth streams the rows' tiles
+    as one sequence and agrees with the twin, pools included."""
+    rng = np.random.default_rng(7)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32))  # noqa: E731
+    q, kn, vn = f(B, 3, H, E), f(B, 3, KV, E), f(B, 3, KV, E)
+    kp, vp = f(NUM_PAGES, PAGE, KV * E), f(NUM_PAGES, PAGE, KV * E)
+    positions = jnp.asarray([[3, 4, 5], [13, 14, 15], [6, 7, -1]], jnp.int32)
+    bt = jnp.asarray(BLOCK_TABLES)
+    ref_out, ref_k, ref_v = paged_block_attention_reference(q, kn, vn, kp, vp, positions, bt)
+    out, k2, v2 = paged_block_attention(q, kn, vn, kp, vp, positions, bt, pages_per_tile=1, ring_depth=ring_depth,
+                                        interpret=interpret)
+    assert not races_found()
+    _close(out[:2], ref_out[:2])
+    _close(out[2, :2], ref_out[2, :2])
+    np.testing.assert_array_equal(np.asarray(out)[2, 2], 0.0)
+    np.testing.assert_array_equal(np.asarray(k2), np.asarray(ref_k))
+    np.testing.assert_array_equal(np.asarray(v2), np.asarray(ref_v))
 
 
 def test_hand_checked_single_token():

@@ -50,7 +50,7 @@ def test_vmem_bytes_by_hand():
     wide = mk.make_plan(dataclasses.replace(TINY, hidden=128, intermediate=256, num_heads=32), ring_depth=3,
                         tile_rows=8, vocab_tile_rows=16)
     assert wide.slot_bytes == 16 * 256 * 4  # whole lane tiles share one ring: tallest x widest
-    assert p.kv_bytes == 2 * 2 * (2 * 4 * 128 * 4)  # K+V, 2 buffers, 2 pages of 4 tokens, rows of 2 heads x 4 dims in 128 lanes
+    assert p.kv_bytes == 2 * 2 * (2 * 4 * 128 * 4)  # K+V, a ring of 2, 2 pages of 4 tokens, rows of 2 heads x 4 dims in 128 lanes
     # per token, f32: residual, normed, o/down output, the embedding row (4*16); q, roped q, attention
     # out (3*16); k, v (2*8); gate, up (2*24); the logits row (40); + the greedy id (4 B), the new K and
     # V (2*8 x 4 B). Vectors: 2 norms x 2 layers x 16 + the final norm (16) + rope frequencies (2).

@@ -104,7 +104,7 @@ def _gemma(cfg, weight_dtype) -> dict:
 
 
 def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight_dtype, kv_dtype,
-             pages_per_kv_tile: int = 8, int8: bool = False, float_matrices: tuple[str, ...] = (),
+             pages_per_kv_tile: int = 8, kv_ring_depth: int = 2, int8: bool = False, float_matrices: tuple[str, ...] = (),
              float_dtype=jnp.float32, int4_experts: bool = False, expert_shards: int = 1,
              kv_pool_heads: int = 0, moe_ranks: int = 1) -> MegakernelSpec:
     """The kernel's spec for `cfg` at this batch shape (`float_matrices`: those that stay
@@ -146,7 +146,7 @@ def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight
         hidden=cfg.hidden_size, intermediate=max(getattr(cfg, "intermediate_size", 0), 1), vocab=cfg.vocab_size,
         num_layers=cfg.num_layers, weight_bytes=1 if int8 else jnp.dtype(weight_dtype).itemsize,
         kv_bytes=jnp.dtype(kv_dtype).itemsize, batch=batch, tokens_per_row=tokens_per_row, page_size=page_size,
-        pages_per_kv_tile=pages_per_kv_tile, scale_bytes=4 if int8 else 0, float_matrices=tuple(float_matrices),
+        pages_per_kv_tile=pages_per_kv_tile, kv_ring_depth=kv_ring_depth, scale_bytes=4 if int8 else 0, float_matrices=tuple(float_matrices),
         float_bytes=jnp.dtype(float_dtype).itemsize, int4_experts=int4_experts, rms_norm_eps=cfg.rms_norm_eps,
         rope_mscale=tuple(float(r.tables()[1]) for r in ropes), rope_tables=max(len(ropes), 1), layer_rope=layer_rope if len(ropes) > 1 else (),
         **attention, **experts, **linear, **_pages(cfg), **_gemma(cfg, weight_dtype))
@@ -288,7 +288,11 @@ class KernelOptions:
     tile_rows: int = 256
     vocab_tile_rows: int = 256
     ring_depth: int = 4
-    pages_per_kv_tile: int = 8
+    # the attention's KV tiles (`attention.attend_rows`): 16 pages of 16 tokens, double buffered
+    # (TPU v5e, benchmarks/attention_tpu.py: at 2,048 tokens 12-24% faster than 8 pages, and a
+    # third buffer gained nothing)
+    pages_per_kv_tile: int = 16
+    kv_ring_depth: int = 2
     generation: str | None = None  # None: detected on a TPU, unchecked in interpret mode
     interpret: object = None  # None: interpret mode (default InterpretParams) unless on a TPU
 
@@ -479,6 +483,7 @@ def forward(weights: dict, cfg, tokens, positions, cache: Cache, batch: Attentio
     states = [(s.conv, s.state) for s in cache.layers if isinstance(s, RecurrentState)]
     spec = spec_for(cfg, batch=b, tokens_per_row=t, page_size=cache.page_size, weight_dtype=params["embed"].dtype,
                     kv_dtype=k_pools[0].dtype, pages_per_kv_tile=options.pages_per_kv_tile,
+                    kv_ring_depth=options.kv_ring_depth,
                     int8=isinstance(params["lm_head"], Int8Matrix), float_matrices=float_matrices(params),
                     float_dtype=params["embed"].dtype, int4_experts=int4_experts(params),
                     expert_shards=expert_shards * moe_ranks, moe_ranks=moe_ranks, kv_pool_heads=kv_pool_heads)

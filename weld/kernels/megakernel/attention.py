@@ -11,8 +11,9 @@ covered yet: quantized caches.
 
 Token n = b * T + t has position p = positions[n] (p < 0: padding, output 0, nothing written;
 a row is padding when its first token is). The live rows' pages stream HBM -> VMEM as one
-sequence of tiles of `pages_per_tile` pages, double buffered across rows (the next row's first
-tile is in flight while this row's last computes), one DMA semaphore per buffer. The tile that
+sequence of tiles of `pages_per_tile` pages through a ring of `ring_depth` buffers, across rows
+(the next rows' first tiles are in flight while this row's last computes), one DMA semaphore
+per buffer. The tile that
 holds a row's new tokens' page gets their K/V rows set in VMEM before it is read, and that page
 is written back whole (a DMA moves whole (8, 128) tiles of a page, not one token's row),
 waited for before its buffer takes the next prefetch. Per tile one product scores every query
@@ -22,8 +23,8 @@ at a row's end each head keeps its own KV head's lanes. On a TPU v5e this is 6.8
 scoring each KV head's [s, E] slice of [page, KV, E] pages (SmolLM2's 9 heads over 3 of 64,
 batch 8 at 256 tokens: 18 against 125 us a layer, `benchmarks/attention_tpu.py`).
 
-Positions and block tables are scalar-prefetch operands (SMEM). A tile past the row's last page
-re-reads that page (its keys are masked), so no slot ever holds uninitialized memory.
+Positions and block tables are scalar-prefetch operands (SMEM). A tile's pages past the row's
+last are not fetched: their rows' scores are masked and their values read as 0.
 
 `paged_block_attention_reference` is the pure-jnp twin (same contract, functional update).
 """
@@ -80,14 +81,15 @@ def paged_decode_attention_reference(q, k_new, v_new, k_pages, v_pages, position
     return out[:, 0], k_pages, v_pages
 
 
-def kv_scratch(pages_per_tile: int, page_size: int, width: int, dtype, rows: int) -> list:
+def kv_scratch(pages_per_tile: int, page_size: int, width: int, dtype, rows: int, depth: int = 2) -> list:
     """The scratch `attend_rows` needs, in its argument order (k_buf, v_buf, sems, write_sems,
-    live): tiles of `pages_per_tile` pages of rows `width` lanes wide, for `rows` rows."""
-    tile = (2, pages_per_tile * page_size, width)
+    live): a ring of `depth` tiles of `pages_per_tile` pages of rows `width` lanes wide (depth -
+    1 tiles in flight while one computes), for `rows` rows."""
+    tile = (depth, pages_per_tile * page_size, width)
     return [
-        pltpu.VMEM(tile, dtype),  # K tiles [buffer, tokens, KV x E], double buffered
+        pltpu.VMEM(tile, dtype),  # K tiles [slot, tokens, KV x E]
         pltpu.VMEM(tile, dtype),  # V tiles (unused by MLA's latent pool)
-        pltpu.SemaphoreType.DMA((2, 2)),  # [K or V, buffer]: every page copy of a tile signals one
+        pltpu.SemaphoreType.DMA((2, depth)),  # [K or V, slot]: every page copy of a tile signals one
         pltpu.SemaphoreType.DMA((2,)),  # the pages written back (K, V)
         pltpu.SMEM((rows,), jnp.int32),  # the live rows, in order
     ]
@@ -121,6 +123,7 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
     dtype = k_pool.dtype
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     pools = ((k_pool, k_buf, kn_ref, 0),) if v_pool is None else ((k_pool, k_buf, kn_ref, 0), (v_pool, v_buf, vn_ref, 1))
+    depth = k_buf.shape[0]  # the ring: depth - 1 tiles in flight while one computes
 
     def last_pos(row):
         last = pos_ref[row * tokens]
@@ -133,15 +136,17 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
             return jnp.int32(0)
         return jnp.maximum(pos_ref[row * tokens] - window + 1, 0) // tile_tokens
 
-    def page_copies(row, tile, slot):
+    def page_copies(row, tile, slot, do):  # do(copy) for each page of the tile the row has (none past its last)
         last_page = last_pos(row) // page_size
-        copies = []
         for j in range(pages_per_tile):
-            page = bt_ref[row, table_offset + jnp.minimum(tile * pages_per_tile + j, last_page)]
-            for pool, buf, _, which in pools:
-                copies.append(pltpu.make_async_copy(pool.at[page], buf.at[slot, pl.ds(j * page_size, page_size)],
-                                                    sems.at[which, slot]))
-        return copies
+            index = tile * pages_per_tile + j
+            page = bt_ref[row, table_offset + jnp.minimum(index, last_page)]
+
+            @pl.when(index <= last_page)
+            def _():
+                for pool, buf, _, which in pools:
+                    do(pltpu.make_async_copy(pool.at[page], buf.at[slot, pl.ds(j * page_size, page_size)],
+                                             sems.at[which, slot]))
 
     def write_backs(row, index, slot, tile):  # the row's page `index`, held by this tile, back to its pool
         j = pl.multiple_of((index - tile * pages_per_tile) * page_size, page_size)
@@ -173,11 +178,23 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
 
     count, total = jax.lax.fori_loop(0, rows, collect, (jnp.int32(0), jnp.int32(0)))
 
-    @pl.when(total > 0)
-    def _():
-        first = live_ref[0]
-        for c in page_copies(first, first_tile(first), 0):
-            c.start()
+    def live(index):  # the index-th live row (clamped: a cursor past the end reads the last one)
+        return jnp.clip(live_ref[jnp.clip(index, 0, jnp.maximum(count - 1, 0))], 0, rows - 1)
+
+    def ends(index, tile):  # is this the row's last tile?
+        return tile + 1 == last_pos(live(index)) // tile_tokens + 1
+
+    def advance(index, tile):  # the item after (the index-th live row, its tile)
+        done = ends(index, tile)
+        return jnp.where(done, index + 1, index), jnp.where(done, first_tile(live(index + 1)), tile + 1)
+
+    start, wait = (lambda c: c.start()), (lambda c: c.wait())
+    cursor = (jnp.int32(0), first_tile(live(0)))  # the next item to prefetch
+    for slot in range(depth - 1):  # the ring's first depth - 1 items in flight
+        @pl.when(cursor[0] < count)
+        def _(cursor=cursor, slot=slot):
+            page_copies(live(cursor[0]), cursor[1], slot, start)
+        cursor = advance(*cursor)
 
     head = jax.lax.broadcasted_iota(jnp.int32, (tokens, hp, width), 1)
     lane_head = jax.lax.broadcasted_iota(jnp.int32, (tokens, hp, width), 2) // e
@@ -215,43 +232,38 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
         fresh_l = jnp.ones((n, 1), jnp.float32)
     fresh_acc = jnp.zeros((n, width), jnp.float32)
 
-    def body(_, carry):
-        index, tile, slot, pending, m, l, acc = carry
-        row = live_ref[index]
+    def body(i, carry):
+        index, tile, pf_index, pf_tile, pending, m, l, acc = carry
+        slot, row = i % depth, live(index)
         last_page = last_pos(row) // page_size
-        ends = tile + 1 == last_pos(row) // tile_tokens + 1
-        next_index = jnp.where(ends, index + 1, index)
-        next_row = live_ref[jnp.minimum(next_index, count - 1)]
-        next_tile = jnp.where(ends, first_tile(next_row), tile + 1)
         if bug != "skip_write_wait":
-            wait_writes(pending)  # the other buffer's written-back pages, before it takes the prefetch
+            wait_writes(pending)  # the last item's written-back pages, before their slot takes the prefetch
 
-        @pl.when(next_index < count)
+        @pl.when(pf_index < count)
         def _prefetch():
-            for c in page_copies(next_row, next_tile, 1 - slot):
-                c.start()
+            page_copies(live(pf_index), pf_tile, (i + depth - 1) % depth, start)
 
         if bug != "skip_wait":
-            for c in page_copies(row, tile, slot):
-                c.wait()
+            page_copies(row, tile, slot, wait)
         first_new = pos_ref[row * tokens] // page_size  # the row's new tokens lie in pages first_new ..
-        held = [(first_new + i <= last_page) & ((first_new + i) // pages_per_tile == tile) for i in range(new_pages)]
+        held = [(first_new + k <= last_page) & ((first_new + k) // pages_per_tile == tile) for k in range(new_pages)]
         any_held = held[0]
         for x in held[1:]:
             any_held = any_held | x
         pl.when(any_held)(lambda: set_new_rows(row, tile, slot))
         pending = jnp.int32(0)
-        for i in range(new_pages):
-            @pl.when(held[i])
-            def _write_back(i=i):
-                for w in write_backs(row, first_new + i, slot, tile):
+        for k in range(new_pages):
+            @pl.when(held[k])
+            def _write_back(k=k):
+                for w in write_backs(row, first_new + k, slot, tile):
                     w.start()
-            pending = pending + held[i].astype(jnp.int32)
-        read = 1 - slot if bug == "wrong_slot" else slot
+            pending = pending + held[k].astype(jnp.int32)
+        read = (slot + 1) % depth if bug == "wrong_slot" else slot
         keys = k_buf[read]  # [s, width]
         values = keys if v_pool is None else v_buf[read]
         # rows past the row's last position weigh 0, but 0 * NaN is NaN: a page's stale tail (a
-        # previous owner's, perhaps one ended for NaN activations) must read as 0
+        # previous owner's, perhaps one ended for NaN activations; the rows of pages past the
+        # last, never fetched) must read as 0
         at = tile * tile_tokens + jax.lax.broadcasted_iota(jnp.int32, (tile_tokens, 1), 0)
         values = jnp.where(at <= last_pos(row), values, jnp.zeros_like(values))
         q_pos = pos_ref[row * tokens]
@@ -270,26 +282,26 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
         l = l * correction + jnp.sum(p, axis=-1, keepdims=True)
         acc = acc * correction + jax.lax.dot_general(p.astype(dtype), values, (((1,), (0,)), ((), ())),
                                                      precision=precision, preferred_element_type=jnp.float32)
+        done = ends(index, tile)
 
-        @pl.when(ends)
+        @pl.when(done)
         def _finish():  # each head keeps its own KV head's lanes
             out = (acc / jnp.maximum(l, 1e-30)).reshape(tokens, hp, width)
             if pool_heads > 1:
                 out = jnp.where(own_lanes, out, 0.0)
-                out = sum(out[..., i * e:(i + 1) * e] for i in range(pool_heads))
+                out = sum(out[..., k * e:(k + 1) * e] for k in range(pool_heads))
             out_ref[pl.ds(row * tokens, tokens)] = out[:, :h].astype(out_ref.dtype)
 
-        m, l, acc = (jnp.where(ends, a, b) for a, b in zip((fresh_m, fresh_l, fresh_acc), (m_new, l, acc)))
-        return next_index, next_tile, 1 - slot, pending, m, l, acc
+        m, l, acc = (jnp.where(done, a, b) for a, b in zip((fresh_m, fresh_l, fresh_acc), (m_new, l, acc)))
+        return advance(index, tile) + advance(pf_index, pf_tile) + (pending, m, l, acc)
 
-    init = (jnp.int32(0), first_tile(live_ref[0]), jnp.int32(0), jnp.int32(0), fresh_m, fresh_l, fresh_acc)
-    index, _, _, pending, _, _, _ = jax.lax.fori_loop(0, total, body, init)
-    if bug == "skip_wait":  # drain what was never waited for: every tile's copies
-        def drain(_, carry):
-            for c in page_copies(0, 0, carry):
-                c.wait()
-            return 1 - carry
-        jax.lax.fori_loop(0, total, drain, jnp.int32(0))
+    init = (jnp.int32(0), first_tile(live(0))) + cursor + (jnp.int32(0), fresh_m, fresh_l, fresh_acc)
+    pending = jax.lax.fori_loop(0, total, body, init)[4]
+    if bug == "skip_wait":  # drain what was never waited for: every item's copies, in order
+        def drain(i, item):
+            page_copies(live(item[0]), item[1], i % depth, wait)
+            return advance(*item)
+        jax.lax.fori_loop(0, total, drain, (jnp.int32(0), first_tile(live(0))))
     wait_writes(pending)
 
 
@@ -318,7 +330,7 @@ def _validate(q, k_new, v_new, k_pages, v_pages, positions, block_tables, pages_
 
 def paged_block_attention(q, k_new, v_new, k_pages, v_pages, positions, block_tables, *,
                           scale: float | None = None, sliding_window: int | None = None, pages_per_tile: int = 8,
-                          interpret=False, _bug: str | None = None):
+                          ring_depth: int = 2, interpret=False, _bug: str | None = None):
     """The Pallas kernel; same contract as `paged_block_attention_reference`.
 
     The pools are updated in place (aliased; donate them under jit to avoid a copy).
@@ -350,7 +362,7 @@ def paged_block_attention(q, k_new, v_new, k_pages, v_pages, positions, block_ta
         in_specs=[pl.BlockSpec(memory_space=vmem)] * 3 + [pl.BlockSpec(memory_space=pl.ANY)] * 2,
         out_specs=[pl.BlockSpec(memory_space=vmem), pl.BlockSpec(memory_space=pl.ANY),
                    pl.BlockSpec(memory_space=pl.ANY)],
-        scratch_shapes=kv_scratch(pages_per_tile, page_size, width, k_pages.dtype, b),
+        scratch_shapes=kv_scratch(pages_per_tile, page_size, width, k_pages.dtype, b, ring_depth),
     )
     out, k_pages, v_pages = pl.pallas_call(
         kernel,
@@ -369,7 +381,7 @@ def paged_block_attention(q, k_new, v_new, k_pages, v_pages, positions, block_ta
 
 def paged_decode_attention(q, k_new, v_new, k_pages, v_pages, positions, block_tables, *,
                            scale: float | None = None, sliding_window: int | None = None, pages_per_tile: int = 8,
-                           interpret=False, _bug: str | None = None):
+                           ring_depth: int = 2, interpret=False, _bug: str | None = None):
     """One token per row: q [B, H, E]; k_new, v_new [B, KV, E]; positions [B] (see
     `paged_block_attention`)."""
     if q.ndim != 3:
@@ -381,5 +393,6 @@ def paged_decode_attention(q, k_new, v_new, k_pages, v_pages, positions, block_t
         raise ValueError(f"positions must be [B], got shape {positions.shape}")
     out, k_pages, v_pages = paged_block_attention(
         q[:, None], k_new[:, None], v_new[:, None], k_pages, v_pages, positions[:, None], block_tables, scale=scale,
-        sliding_window=sliding_window, pages_per_tile=pages_per_tile, interpret=interpret, _bug=_bug)
+        sliding_window=sliding_window, pages_per_tile=pages_per_tile, ring_depth=ring_depth, interpret=interpret,
+        _bug=_bug)
     return out[:, 0], k_pages, v_pages

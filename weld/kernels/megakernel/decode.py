@@ -1035,7 +1035,8 @@ def decode_step(spec: MegakernelSpec, params: dict, tokens, positions, block_tab
         pltpu.VMEM((n_tok, h, e), f32),  # attention output
         pltpu.VMEM((n_tok, spec.intermediate), f32),  # gate
         pltpu.VMEM((n_tok, spec.intermediate), f32),  # up
-    ] + kv_scratch(spec.pages_per_kv_tile, spec.page_size, kv_dim, kv_dtype, b)  # KV tiles, semaphores, live rows
+    ] + kv_scratch(spec.pages_per_kv_tile, spec.page_size, kv_dim, kv_dtype, b,
+                   spec.kv_ring_depth)  # the KV tiles' rings, their semaphores, the live rows
     if int8:
         scratch.append(pltpu.VMEM((depth, 1, lane_span(ring_rows["int8"])), f32))  # the scale ring: a row per slot
     if "int4" in kinds:  # the int4 tiles' scales and mins, per group

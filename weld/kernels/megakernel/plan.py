@@ -142,6 +142,7 @@ class MegakernelSpec:
     tokens_per_row: int = 1  # 1 for decode, k + 1 for a speculative verify block
     page_size: int = 16
     pages_per_kv_tile: int = 8
+    kv_ring_depth: int = 2  # KV tiles in the attention's ring: depth - 1 in flight while one computes
     scale_bytes: int = 0  # bytes of per-output-channel scale per weight row (int8 weights: 4, f32)
     # matrices streamed as floats of float_bytes beside int8 ones (names of `matrices`: the ones a
     # model's declaration leaves unquantized, e.g. MLA's W_UK / W_UV, linear attention's small
@@ -248,7 +249,7 @@ class MegakernelSpec:
     def __post_init__(self):
         self._positive(("hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "vocab", "num_layers",
                         "weight_bytes", "kv_bytes", "act_bytes", "batch", "tokens_per_row", "page_size",
-                        "pages_per_kv_tile"))
+                        "pages_per_kv_tile", "kv_ring_depth"))
         if not isinstance(self.scale_bytes, int) or self.scale_bytes < 0:
             raise ValueError(f"MegakernelSpec.scale_bytes must be a non-negative int, got {self.scale_bytes!r}")
         if self.num_heads % self.num_kv_heads:
@@ -604,11 +605,11 @@ def stream_schedule(spec: MegakernelSpec, *, tile_rows: int = 256, vocab_tile_ro
 
 
 def kv_tile_bytes(spec: MegakernelSpec) -> int:
-    """K and V tiles of `pages_per_kv_tile` pages of token rows (KV x E lanes, padded to whole
-    lane tiles), double buffered (the rows' tiles stream as one sequence)."""
+    """K and V rings of `kv_ring_depth` tiles of `pages_per_kv_tile` pages of token rows (KV x E
+    lanes, padded to whole lane tiles; the rows' tiles stream as one sequence)."""
     width = -(-spec.pool_kv_heads * spec.head_dim // 128) * 128
     tile = spec.pages_per_kv_tile * spec.page_size * width * spec.kv_bytes
-    return 2 * 2 * tile
+    return 2 * spec.kv_ring_depth * tile
 
 
 def activation_bytes(spec: MegakernelSpec, tiles=()) -> int:
