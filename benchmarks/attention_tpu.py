@@ -113,16 +113,23 @@ def main():
     args = p.parse_args()
     if not 0 <= args.pool_pages <= 1 << 20:
         p.error(f"--pool-pages must be in [0, {1 << 20}], got {args.pool_pages}")
+    try:
+        cases = [tuple(int(x) for x in spec.split("x")) for spec in args.cases.split(",")]
+        tiles, depths = ([int(x) for x in arg.split(",")] for arg in (args.tiles, args.depths))
+    except ValueError:
+        p.error("--cases takes BATCHxCONTEXT,...; --tiles and --depths take integers, comma separated")
+    if not all(len(c) == 2 and 1 <= c[0] <= 256 and 1 <= c[1] <= 1 << 17 for c in cases):
+        p.error(f"--cases: batch in [1, 256], context in [1, {1 << 17}], got {args.cases}")
+    if not all(1 <= t <= 64 for t in tiles) or not all(2 <= d <= 8 for d in depths):
+        p.error(f"--tiles must be in [1, 64] and --depths in [2, 8], got {args.tiles} and {args.depths}")
     if jax.default_backend() != "tpu" and not args.interpret:
         p.error("attention_tpu.py runs on a TPU (--interpret checks it elsewhere)")
     rows = []
     for name, (h, kvh, e, window) in SHAPES.items():
         if args.only and args.only not in name:
             continue
-        for spec in args.cases.split(","):
-            batch, context = (int(x) for x in spec.split("x"))
+        for batch, context in cases:
             case = make_case(h, kvh, e, batch, context, args.pool_pages)
-            tiles, depths = ([int(x) for x in arg.split(",")] for arg in (args.tiles, args.depths))
             for variant, (ppt, depth, step) in variants(tiles, depths, window, args.interpret).items():
                 row = dict(shape=name, batch=batch, context=context, pages_per_tile=ppt, ring_depth=depth,
                            variant=variant)
