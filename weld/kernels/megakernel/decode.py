@@ -27,7 +27,8 @@ per slot: before tile n computes, tile n + depth - 1 starts into the slot tile n
 the stream never stops at a matrix or layer boundary: while layer i's attention runs, layer i's
 o-projection tiles are landing; while its down projection computes, layer i+1's first q tiles
 are in flight; after the last layer the stream runs on into the LM head. Attention is
-`attention.attend_rows` (KV tiles double-buffered under an online softmax). The layers are
+`attention.attend_rows` (every live row's KV tiles in one stream through a ring of buffers,
+all heads scored against a tile in one product, under an online softmax). The layers are
 unrolled in Python: every layer's matrices and pools are their own buffers (the engine's
 per-layer layout, so the kernel reads the arrays the XLA path uses, with no stacked copy).
 
