@@ -41,6 +41,7 @@ from weld.engine.runner import auto_cache_layouts
 from weld.kernels.megakernel import plan
 from weld.kernels.megakernel.decode import tpu_generation
 from weld.models import FAMILIES, megakernel
+from weld.models.common import moe as moe_lib
 from weld.models.common import quant, sharding
 from weld.models.common.cache import AttentionBatch
 from weld.models.common.spec import map_specs
@@ -168,17 +169,34 @@ def _f32_reference(family, cfg, raw, tokens, batch, context, dtype, pool_pages=0
     """One step's logits from the XLA path with the same weights and cache upcast to f32 inside
     the program (each matrix as it is used, not a second copy of the model) at the highest matmul
     precision: the yardstick for both paths' bf16 / int8 rounding, where near-tied router scores
-    or logits can send two correct bf16 programs apart."""
+    or logits can send two correct bf16 programs apart. Also each row's router margin: the
+    smallest gap, over the MoE layers, between the k-th and the (k+1)-th largest router score
+    (logits plus any bias; None for a dense model), the distance a rounding must cross to send
+    the row to another expert."""
     weights = family.prepare_weights(jax.tree.map(lambda x: x, raw), cfg, WeightTarget(backend="xla"))
     cache, tables, positions = random_cache(cfg, batch, context, dtype, pool_pages=pool_pages)
     upcast = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == dtype else x, tree)  # noqa: E731
+    route = moe_lib.route
 
     @jax.jit
     def step(w, c):
-        with jax.default_matmul_precision("highest"):
-            out = family.forward(upcast(w), cfg, tokens[:, None], positions[:, None], upcast(c), AttentionBatch(tables))
-        return out[0]
-    return np.asarray(step(weights, cache)[:, 0], np.float32)
+        gaps = []
+
+        def margin_route(moe, logits, bias=None):  # records the margin, then routes as before
+            scores = logits.astype(jnp.float32) + (0.0 if bias is None else bias.astype(jnp.float32))
+            top = jax.lax.top_k(scores, moe.top_k + 1)[0]
+            gaps.append(top[:, -2] - top[:, -1])
+            return route(moe, logits, bias)
+        moe_lib.route = margin_route
+        try:
+            with jax.default_matmul_precision("highest"):
+                out = family.forward(upcast(w), cfg, tokens[:, None], positions[:, None], upcast(c),
+                                     AttentionBatch(tables))
+        finally:
+            moe_lib.route = route
+        return out[0], (jnp.min(jnp.stack(gaps), axis=0) if gaps else None)
+    logits, gaps = step(weights, cache)
+    return np.asarray(logits[:, 0], np.float32), None if gaps is None else np.asarray(gaps)
 
 
 def run_case(name, cfg, *, batch, dtype, context, steps, int8=False, pool_pages=0, default_pools=False,
@@ -222,15 +240,18 @@ def run_case(name, cfg, *, batch, dtype, context, steps, int8=False, pool_pages=
         return row
     (k_logits, k_tokens, k_seconds), (x_logits, x_tokens, x_seconds) = results["megakernel"], results["xla"]
     row["logits_rel_err"] = _rel_err(k_logits, x_logits)
-    if dtype != jnp.float32:  # whose rounding is it: both paths set against f32 maths on the same weights
-        reference = _f32_reference(family, cfg, raw, tokens, batch, context, dtype, pool_pages)
-        row["f32_ref_rel_err"] = {"megakernel": _rel_err(k_logits, reference), "xla": _rel_err(x_logits, reference)}
-        # per row: one row far off (a near-tied router sending it to another expert) reads
-        # differently from every row off (a wrong kernel)
-        row["f32_ref_row_errs"] = {name: [round(_rel_err(got[i], reference[i]), 4) for i in range(batch)]
-                                   for name, got in (("megakernel", k_logits), ("xla", x_logits))}
-        row["f32_ref_greedy_equal"] = {"megakernel": int(np.sum(k_tokens[:, 0] == reference.argmax(-1))),
-                                       "xla": int(np.sum(x_tokens[:, 0] == reference.argmax(-1)))}
+    # whose rounding is it: both paths set against f32 maths at the highest precision on the same
+    # weights (an f32 XLA step on a TPU multiplies in bf16 passes by default)
+    reference, gaps = _f32_reference(family, cfg, raw, tokens, batch, context, dtype, pool_pages)
+    row["f32_ref_rel_err"] = {"megakernel": _rel_err(k_logits, reference), "xla": _rel_err(x_logits, reference)}
+    # per row: one row far off (a near-tied router sending it to another expert) reads
+    # differently from every row off (a wrong kernel)
+    row["f32_ref_row_errs"] = {name: [round(_rel_err(got[i], reference[i]), 4) for i in range(batch)]
+                               for name, got in (("megakernel", k_logits), ("xla", x_logits))}
+    if gaps is not None:
+        row["f32_ref_router_margin"] = [float(f"{g:.3g}") for g in gaps]
+    row["f32_ref_greedy_equal"] = {"megakernel": int(np.sum(k_tokens[:, 0] == reference.argmax(-1))),
+                                   "xla": int(np.sum(x_tokens[:, 0] == reference.argmax(-1)))}
     row["first_greedy_equal"] = bool(np.array_equal(k_tokens[:, 0], x_tokens[:, 0]))
     row["greedy_steps_equal"] = int(np.sum(np.all(k_tokens == x_tokens, axis=0).cumprod()))
     row["steps"] = steps
