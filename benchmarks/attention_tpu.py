@@ -91,15 +91,13 @@ def time_variant(step, case, depths=(2, 18)):
     return (ms[1] - ms[0]) / (depths[1] - depths[0]) * 1e3, ms
 
 
-def variants(tiles, depths, window, orders=("queries",), interpret=False):
-    """name -> (pages per tile, ring depth, score order, the step): the kernel at each tile, depth
-    and order of the scores' product (`attend_rows(keys_first=)`), then XLA's."""
-    out = {f"kernel {ppt}x{depth}" + (" keys first" if order == "keys" else ""): (ppt, depth, order, functools.partial(
+def variants(tiles, depths, window, interpret=False):
+    """name -> (pages per tile, ring depth, the step): the kernel at each tile and depth, then XLA's."""
+    out = {f"kernel {ppt}x{depth}": (ppt, depth, functools.partial(
         attention.paged_decode_attention, pages_per_tile=ppt, ring_depth=depth, sliding_window=window,
-        keys_first=order == "keys", interpret=interpret))
-           for ppt in tiles for depth in depths for order in orders}
-    out["xla"] = (None, None, None,
-                  functools.partial(attention.paged_decode_attention_reference, sliding_window=window))
+        interpret=interpret))
+           for ppt in tiles for depth in depths}
+    out["xla"] = (None, None, functools.partial(attention.paged_decode_attention_reference, sliding_window=window))
     return out
 
 
@@ -110,8 +108,6 @@ def main():
     p.add_argument("--cases", default="8x256,1x256,8x2048", help="batch x context, comma separated")
     p.add_argument("--tiles", default="8,16", help="pages per KV tile, comma separated")
     p.add_argument("--depths", default="2,3", help="the tile ring's depths, comma separated")
-    p.add_argument("--orders", default="queries", help="the scores' product: queries (Q K^T), keys ((K Q^T)^T), or both, "
-                   "comma separated")
     p.add_argument("--only", default=None, help="shape names containing this")
     p.add_argument("--interpret", action="store_true", help="off a TPU: interpret mode (checks this script)")
     args = p.parse_args()
@@ -126,9 +122,6 @@ def main():
         p.error(f"--cases: batch in [1, 256], context in [1, {1 << 17}], got {args.cases}")
     if not all(1 <= t <= 64 for t in tiles) or not all(2 <= d <= 8 for d in depths):
         p.error(f"--tiles must be in [1, 64] and --depths in [2, 8], got {args.tiles} and {args.depths}")
-    orders = tuple(args.orders.split(","))
-    if not set(orders) <= {"queries", "keys"}:
-        p.error(f"--orders takes queries, keys or both, got {args.orders}")
     if jax.default_backend() != "tpu" and not args.interpret:
         p.error("attention_tpu.py runs on a TPU (--interpret checks it elsewhere)")
     rows = []
@@ -137,10 +130,9 @@ def main():
             continue
         for batch, context in cases:
             case = make_case(h, kvh, e, batch, context, args.pool_pages)
-            for variant, (ppt, depth, order, step) in variants(tiles, depths, window, orders,
-                                                               args.interpret).items():
+            for variant, (ppt, depth, step) in variants(tiles, depths, window, args.interpret).items():
                 row = dict(shape=name, batch=batch, context=context, pages_per_tile=ppt, ring_depth=depth,
-                           score_order=order, variant=variant)
+                           variant=variant)
                 try:
                     us, ms = time_variant(step, case)
                     row.update(us_per_layer=round(us, 2), call_ms=[round(m, 3) for m in ms])

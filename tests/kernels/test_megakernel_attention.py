@@ -25,17 +25,14 @@ def _close(a, b):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("keys_first", [False, True], ids=["queries_first", "keys_first"])
-def test_matches_twin_and_models_attention(interpret, keys_first):
+def test_matches_twin_and_models_attention(interpret):
     """Row 0 at position 4: its first token of page 2 (written into page 2, row 0), two tiles.
-    Row 1 at position 13: four pages, two tiles of two. Row 2: padding (-1). Both orientations
-    of the scores' product."""
+    Row 1 at position 13: four pages, two tiles of two. Row 2: padding (-1)."""
     q, kn, vn, kp, vp = _problem()
     positions = jnp.asarray([4, 13, -1], jnp.int32)
     bt = jnp.asarray(BLOCK_TABLES)
     ref_out, ref_k, ref_v = paged_decode_attention_reference(q, kn, vn, kp, vp, positions, bt)
-    out, k2, v2 = paged_decode_attention(q, kn, vn, kp, vp, positions, bt, pages_per_tile=2, keys_first=keys_first,
-                                         interpret=interpret)
+    out, k2, v2 = paged_decode_attention(q, kn, vn, kp, vp, positions, bt, pages_per_tile=2, interpret=interpret)
     assert not races_found()
     _close(out, ref_out)
     np.testing.assert_array_equal(np.asarray(k2), np.asarray(ref_k))
@@ -107,8 +104,8 @@ def test_a_stale_page_tail_reads_as_zero(interpret):
     _close(out, ref_out)
 
 
-@pytest.mark.parametrize("ring_depth,keys_first", [(2, False), (3, False), (4, False), (2, True)])
-def test_a_verify_block_across_pages_tiles_and_rows(interpret, ring_depth, keys_first):
+@pytest.mark.parametrize("ring_depth", [2, 3, 4])
+def test_a_verify_block_across_pages_tiles_and_rows(interpret, ring_depth):
     """Blocks of 3 tokens (a verify step): row 0 at 3..5 writes the last row of its page 0 and
     the first two of page 1, in two tiles of one page; row 1 at 13..15 fills its page 3's tail;
     row 2's last token is padding (written nowhere). Every ring depth streams the rows' tiles
@@ -121,7 +118,7 @@ def test_a_verify_block_across_pages_tiles_and_rows(interpret, ring_depth, keys_
     bt = jnp.asarray(BLOCK_TABLES)
     ref_out, ref_k, ref_v = paged_block_attention_reference(q, kn, vn, kp, vp, positions, bt)
     out, k2, v2 = paged_block_attention(q, kn, vn, kp, vp, positions, bt, pages_per_tile=1, ring_depth=ring_depth,
-                                        keys_first=keys_first, interpret=interpret)
+                                        interpret=interpret)
     assert not races_found()
     _close(out[:2], ref_out[:2])
     _close(out[2, :2], ref_out[2, :2])

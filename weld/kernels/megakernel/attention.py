@@ -97,8 +97,7 @@ def kv_scratch(pages_per_tile: int, page_size: int, width: int, dtype, rows: int
 
 def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref, k_buf, v_buf, sems, write_sems,
                 live_ref, *, rows: int, tokens: int, pages_per_tile: int, scale: float, window: int | None = None,
-                table_offset: int = 0, sinks=None, kv_start=None, kv_count: int = 0, keys_first: bool = False,
-                bug: str | None = None):
+                table_offset: int = 0, sinks=None, kv_start=None, kv_count: int = 0, bug: str | None = None):
     """The tile loop, called inside a Pallas TPU kernel (see the module docstring).
 
     pos_ref [B * T] and bt_ref [B, M']: SMEM; the row's table is bt_ref[b, table_offset:] (a page
@@ -110,10 +109,7 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
     the query heads read the pools' KV heads kv_start .. kv_start + kv_count - 1 only (whole
     pools replicated over tensor-parallel devices when the KV heads are fewer than they); None:
     all of them. k_buf .. live_ref: `kv_scratch(...)`. vn_ref and v_pool None: the values are the
-    keys themselves (MLA's latent pool: the caller keeps the first dims). keys_first: the scores
-    as (K Q^T)^T, the tile's keys the product's streamed rows and the few query rows its
-    stationary side, in place of Q K^T (the same numbers; which the MXU takes faster is measured,
-    `benchmarks/attention_tpu.py`).
+    keys themselves (MLA's latent pool: the caller keeps the first dims).
     """
     _, page_size, width = k_pool.shape
     h, e = q_ref.shape[1], q_ref.shape[2]
@@ -277,12 +273,8 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
         visible = kv_pos <= q_pos  # [t * hp, s]
         if window is not None and bug != "full_window":
             visible &= kv_pos > q_pos - window
-        if keys_first:  # [s, n], then the small transpose
-            s = jax.lax.dot_general(keys, queries(row), (((1,), (1,)), ((), ())), precision=precision,
-                                    preferred_element_type=jnp.float32).T
-        else:
-            s = jax.lax.dot_general(queries(row), keys, (((1,), (1,)), ((), ())), precision=precision,
-                                    preferred_element_type=jnp.float32)
+        s = jax.lax.dot_general(queries(row), keys, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32)
         s = jnp.where(visible, s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
         p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
@@ -338,8 +330,8 @@ def _validate(q, k_new, v_new, k_pages, v_pages, positions, block_tables, pages_
 
 def paged_block_attention(q, k_new, v_new, k_pages, v_pages, positions, block_tables, *,
                           scale: float | None = None, sliding_window: int | None = None, pages_per_tile: int = 8,
-                          ring_depth: int = 2, keys_first: bool = False, interpret=False, _bug: str | None = None):
-    """The Pallas kernel; same contract as `paged_block_attention_reference` (keys_first: `attend_rows`).
+                          ring_depth: int = 2, interpret=False, _bug: str | None = None):
+    """The Pallas kernel; same contract as `paged_block_attention_reference`.
 
     The pools are updated in place (aliased; donate them under jit to avoid a copy).
     `_bug` plants a DMA bug (tests only): "skip_wait" computes a KV tile without waiting for it,
@@ -362,8 +354,7 @@ def paged_block_attention(q, k_new, v_new, k_pages, v_pages, positions, block_ta
                out_ref, k_ref, v_ref,  # out [B * T, H, E] VMEM; pools [P, page, KV x E] HBM
                *scratch):  # kv_scratch: K and V tiles, their semaphores, the write semaphores, the live rows
         attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_ref, v_ref, out_ref, *scratch, rows=b, tokens=t,
-                    pages_per_tile=pages_per_tile, scale=scale, window=sliding_window, keys_first=keys_first,
-                    bug=_bug)
+                    pages_per_tile=pages_per_tile, scale=scale, window=sliding_window, bug=_bug)
 
     vmem = pltpu.MemorySpace.VMEM
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -390,8 +381,7 @@ def paged_block_attention(q, k_new, v_new, k_pages, v_pages, positions, block_ta
 
 def paged_decode_attention(q, k_new, v_new, k_pages, v_pages, positions, block_tables, *,
                            scale: float | None = None, sliding_window: int | None = None, pages_per_tile: int = 8,
-                           ring_depth: int = 2, keys_first: bool = False, interpret=False,
-                           _bug: str | None = None):
+                           ring_depth: int = 2, interpret=False, _bug: str | None = None):
     """One token per row: q [B, H, E]; k_new, v_new [B, KV, E]; positions [B] (see
     `paged_block_attention`)."""
     if q.ndim != 3:
@@ -403,6 +393,6 @@ def paged_decode_attention(q, k_new, v_new, k_pages, v_pages, positions, block_t
         raise ValueError(f"positions must be [B], got shape {positions.shape}")
     out, k_pages, v_pages = paged_block_attention(
         q[:, None], k_new[:, None], v_new[:, None], k_pages, v_pages, positions[:, None], block_tables, scale=scale,
-        sliding_window=sliding_window, pages_per_tile=pages_per_tile, ring_depth=ring_depth,
-        keys_first=keys_first, interpret=interpret, _bug=_bug)
+        sliding_window=sliding_window, pages_per_tile=pages_per_tile, ring_depth=ring_depth, interpret=interpret,
+        _bug=_bug)
     return out[:, 0], k_pages, v_pages
