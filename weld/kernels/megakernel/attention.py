@@ -137,16 +137,16 @@ def attend_rows(pos_ref, bt_ref, q_ref, kn_ref, vn_ref, k_pool, v_pool, out_ref,
         return jnp.maximum(pos_ref[row * tokens] - window + 1, 0) // tile_tokens
 
     def page_copies(row, tile, slot, do):  # do(copy) for each page of the tile the row has (none past its last)
-        last_page = last_pos(row) // page_size
-        for j in range(pages_per_tile):
-            index = tile * pages_per_tile + j
-            page = bt_ref[row, table_offset + jnp.minimum(index, last_page)]
+        first = tile * pages_per_tile
+        held = jnp.clip(last_pos(row) // page_size + 1 - first, 0, pages_per_tile)
 
-            @pl.when(index <= last_page)
-            def _():
-                for pool, buf, _, which in pools:
-                    do(pltpu.make_async_copy(pool.at[page], buf.at[slot, pl.ds(j * page_size, page_size)],
-                                             sems.at[which, slot]))
+        def one(j, carry):  # a loop, not unrolled: the code stays one page's size at any tile
+            page = bt_ref[row, table_offset + first + j]
+            for pool, buf, _, which in pools:
+                do(pltpu.make_async_copy(pool.at[page], buf.at[slot, pl.ds(pl.multiple_of(j * page_size, page_size),
+                                                                           page_size)], sems.at[which, slot]))
+            return carry
+        jax.lax.fori_loop(0, held, one, 0)
 
     def write_backs(row, index, slot, tile):  # the row's page `index`, held by this tile, back to its pool
         j = pl.multiple_of((index - tile * pages_per_tile) * page_size, page_size)
