@@ -25,9 +25,10 @@ import numpy as np
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def plan_for(kind: str, b: int, context: int, page_size: int, max_steps: int):
+def plan_for(kind: str, b: int, context: int, page_size: int, max_steps: int, spec_width: int = 0):
     """A decode or verify plan of b dummy sequences of `context` tokens (a repeated phrase, so
-    n-gram lookup always finds drafts), each on pages of its own."""
+    n-gram lookup always finds drafts), each on pages of its own; a verify plan lets each row
+    send spec_width drafts a round."""
     from weld.engine.sampling_params import SamplingParams
     from weld.engine.scheduler import ScheduledSeq, SchedulerOutput
     from weld.engine.sequence import Sequence
@@ -39,7 +40,7 @@ def plan_for(kind: str, b: int, context: int, page_size: int, max_steps: int):
         seq = Sequence(f"bench{i}", ([11, 12, 13, 14, 15, 16, 17] * context)[:context], params)
         seq.block_tables = [list(range(i * pages, (i + 1) * pages))]
         entries.append(ScheduledSeq(seq, context - 1, 1, sample=True, max_steps=max_steps))
-    return SchedulerOutput(kind, entries)
+    return SchedulerOutput(kind, entries, spec_width=spec_width)
 
 
 def main() -> None:
@@ -70,12 +71,14 @@ def main() -> None:
         calls = {}
         for name, llm in engines.items():
             k = 0 if name == "decode" else int(name.split("=")[1])
-            plan = plan_for("decode" if k == 0 else "verify", b, args.context, page_size, k + 1)
+            plan = plan_for("decode" if k == 0 else "verify", b, args.context, page_size, k + 1, spec_width=k)
             runner = llm.engine.runner
             num_drafts = np.full(b, k, np.int32) if k else None
             calls[name] = (lambda runner=runner, plan=plan, nd=num_drafts: runner.execute(plan, num_drafts=nd))
             calls[name]()  # compile
-            calls[name]()
+            result = calls[name]()
+            if k and not np.all(result.num_drafts[:, 0] == k):  # a round that sends fewer measures less
+                raise SystemExit(f"verify k={k}: the rows sent {result.num_drafts[:, 0].tolist()} drafts, not {k}")
         times = {name: [] for name in calls}
         for _ in range(args.runs):
             for name, call in calls.items():

@@ -325,3 +325,42 @@ def test_acceptance_figures_by_hand():
     # 8 verification steps emitted 8 + 10 tokens: 2.25 per step; 10 of 20 drafts accepted
     assert acc["mean_acceptance_length"] == pytest.approx(2.25) and acc["acceptance_rate"] == pytest.approx(0.5)
     assert acc["per_position_rate"] == pytest.approx([0.75, 1 / 3, 1 / 3])
+
+
+class _CompilingOnce(engines.WeldEngine):
+    """A weld engine stand-in whose first full-length run compiles a program (as a shape the
+    warm-up missed would), and whose every run takes the same few calls."""
+
+    def __init__(self, compiles_on_call: int):
+        self.name, self.label, self.calls, self.compiles, self.on = "weld", "fake weld", 0, 0, compiles_on_call
+
+    def generate(self, group, max_tokens):
+        self.calls += 1
+        self.compiles += self.calls == self.on
+        return [[7] * max_tokens for _ in group]
+
+    def num_compiles(self):
+        return self.compiles
+
+    def spec_counters(self):
+        return None
+
+
+class _Progress:
+    def begin(self, what):
+        pass
+
+    def finish(self, what, seconds, **figures):
+        pass
+
+
+@pytest.mark.parametrize("compiles_on_call,repeated", [(2, 1), (None, 0)])
+def test_a_timed_repetition_that_compiled_runs_again(compiles_on_call, repeated):
+    """Seconds of compile in a timed run would sink its median: the repetition runs again."""
+    engine = _CompilingOnce(compiles_on_call)
+    cfg = argparse.Namespace(runs=2, batch_sizes=(1,), output_len=3)
+    loaded = argparse.Namespace(engines=[engine], prefill_prompt=[[1, 2]], prefill_len=2)
+    raw, _, _, retried = runner.timed_runs(loaded, {1: [[[1, 2]]]}, {"weld": 2}, cfg, _Progress())
+    assert retried == {"weld": repeated}
+    assert len(raw["weld"]["decode"][1]["t_full"]) == 2  # two repetitions recorded either way
+    assert engine.calls == 2 * 2 + 2 * repeated + 2  # (1-token + full) per repetition and retry, prefill twice

@@ -203,17 +203,23 @@ def time_workload(engine, groups: list[list[list[int]]], output_len: int) -> tup
     return sums, produced, counts
 
 
+RETRIES_AFTER_COMPILE = 3  # a weld repetition that compiled a program runs again, at most this often
+
+
 def timed_runs(loaded: Loaded, groups: dict, runs: dict[str, int], cfg: BenchConfig,
                progress: BenchProgress) -> tuple:
-    """The timed repetitions, interleaved. Returns the raw times per engine, the speculative
-    counters per batch size (summed over the timed full runs) and each engine's outputs of its
-    first repetition per batch size."""
+    """The timed repetitions, interleaved. A weld repetition during which the engine compiled a
+    program (a shape or speculation width the warm-up did not reach: seconds on a CPU) runs
+    again, up to RETRIES_AFTER_COMPILE times. Returns the raw times per engine, the speculative
+    counters per batch size (summed over the timed full runs), each engine's outputs of its
+    first repetition per batch size, and how many repetitions each engine ran again."""
     engines = loaded.engines
     raw = {e.name: {"decode": {b: {"t_full": [], "t_one": [], "tokens_full": [], "tokens_one": [],
                                    "groups": len(groups[b])} for b in cfg.batch_sizes}, "prefill_s": []}
            for e in engines}
     spec_counts: dict[int, dict[str, Any] | None] = {b: None for b in cfg.batch_sizes}
     outputs: dict[str, dict[int, list[list[int]]]] = {e.name: {} for e in engines}
+    retried = {e.name: 0 for e in engines}
     for rep in range(cfg.runs):
         order = engines if rep % 2 == 0 else engines[::-1]
         for batch in cfg.batch_sizes:
@@ -222,7 +228,12 @@ def timed_runs(loaded: Loaded, groups: dict, runs: dict[str, int], cfg: BenchCon
                     continue
                 what = f"timed run {rep + 1}/{runs[e.name]} | {e.label} | {_batch_text(batch, groups[batch])}"
                 progress.begin(what)
-                sums, produced, counts = time_workload(e, groups[batch], cfg.output_len)
+                for _ in range(RETRIES_AFTER_COMPILE + 1):  # a repetition that compiled a program is no measure
+                    compiles = e.num_compiles() if isinstance(e, WeldEngine) else 0
+                    sums, produced, counts = time_workload(e, groups[batch], cfg.output_len)
+                    if not isinstance(e, WeldEngine) or e.num_compiles() == compiles:
+                        break
+                    retried[e.name] += 1
                 if counts is not None:
                     spec_counts[batch] = spec_add(spec_counts[batch], counts)
                 outputs[e.name].setdefault(batch, produced)
@@ -237,7 +248,7 @@ def timed_runs(loaded: Loaded, groups: dict, runs: dict[str, int], cfg: BenchCon
                 seconds = timed(lambda: e.generate(loaded.prefill_prompt, 1))[0]
                 raw[e.name]["prefill_s"].append(seconds)
                 progress.finish(what, seconds, prefill_tok_s=loaded.prefill_len / seconds)
-    return raw, spec_counts, outputs
+    return raw, spec_counts, outputs, retried
 
 
 def run(cfg: BenchConfig) -> dict:
@@ -263,7 +274,7 @@ def run(cfg: BenchConfig) -> dict:
     with BenchProgress(warm_up_steps(engines, cfg) + timed_steps(runs, cfg), enabled=show) as progress:
         warmup_s = warm_up(loaded, groups, cfg, progress)
         compiles_before = {e.name: e.num_compiles() for e in welds}
-        raw, spec_counts, outputs = timed_runs(loaded, groups, runs, cfg, progress)
+        raw, spec_counts, outputs, retried = timed_runs(loaded, groups, runs, cfg, progress)
     for e in engines:
         if hasattr(e, "close"):
             e.close()
@@ -276,6 +287,7 @@ def run(cfg: BenchConfig) -> dict:
         results[e.name].update(load_s=loaded.load_s[e.name], warmup_s=warmup_s[e.name], runs=runs[e.name])
         if e in welds:
             results[e.name]["compiles_during_timed_runs"] = e.num_compiles() - compiles_before[e.name]
+            results[e.name]["timed_runs_repeated_after_a_compile"] = retried[e.name]
         if e.name == SPEC_ENGINE:
             results[e.name]["spec_stats_end"] = e.spec_counters()  # warm-up included
     if 1 in cfg.batch_sizes:

@@ -144,7 +144,9 @@ def decode(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
     the host). A finished row's padding leaves its recurrent state too as it was. A drafter
     (an engine that speculates, running a plain call) observes every step, so its state covers
     every position when the next call drafts. stream, sink: `hand_over` after each step.
-    Returns (cache, draft_state, ids [b, steps] (-1 after a row ended), logprobs or None, stopped [b]).
+    Returns (cache, draft_state, ids [b, steps] (-1 after a row ended), logprobs or None, stopped [b],
+    stream): the last hand-over's id, returned so that the hand-overs, which JAX sees as pure (see
+    `weld.kernels.cpu.stream_put`), are not pruned from the loop.
     """
     b = tokens.shape[0]
     batch = AttentionBatch(block_tables=block_tables, state_slots=state_slots)
@@ -190,8 +192,8 @@ def decode(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
 
     carry = (jnp.int32(0), cache, draft_state, tokens, positions, stop.max_steps <= 0, stop.num_output, out_ids,
              out_lp, penalties, jnp.zeros((b,), bool), stream)
-    _, cache, draft_state, _, _, _, _, out_ids, out_lp, _, stopped, _ = jax.lax.while_loop(cond, body, carry)
-    return cache, draft_state, out_ids, (out_lp if num_top else None), stopped
+    _, cache, draft_state, _, _, _, _, out_ids, out_lp, _, stopped, stream = jax.lax.while_loop(cond, body, carry)
+    return cache, draft_state, out_ids, (out_lp if num_top else None), stopped, stream
 
 
 def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_state, tokens, positions, num_drafts,
@@ -221,7 +223,8 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
     using them send no drafts); min_tokens applies to every slot. stream, sink: `hand_over`
     after each round.
     Returns (cache, draft_state, ids [b, rounds * (k+1)] (the row's tokens, then -1), logprobs
-    or None, (drafts sent, accepted) [b, rounds] each (-1: not in that round), stopped [b]).
+    or None, (drafts sent, accepted) [b, rounds] each (-1: not in that round), stopped [b], stream
+    (as `decode` returns it)).
     """
     from weld.engine.spec.acceptance import coupled_accept
 
@@ -314,6 +317,6 @@ def verify(forward: Callable, drafter: Any, weights, cache, draft_params, draft_
 
     carry = (jnp.int32(0), cache, draft_state, tokens[:, 0], stop.max_steps <= 0, jnp.zeros((b,), jnp.int32),
              jnp.full((b, width), -1, jnp.int32), out_lp, sent_log, penalties, jnp.zeros((b,), bool), history, stream)
-    _, cache, draft_state, _, _, _, out_ids, out_lp, sent_log, _, stopped, _, _ = jax.lax.while_loop(cond, body,
-                                                                                                        carry)
-    return cache, draft_state, out_ids, (out_lp if num_top else None), sent_log, stopped
+    _, cache, draft_state, _, _, _, out_ids, out_lp, sent_log, _, stopped, _, stream = jax.lax.while_loop(
+        cond, body, carry)
+    return cache, draft_state, out_ids, (out_lp if num_top else None), sent_log, stopped, stream

@@ -180,8 +180,9 @@ class ModelRunner:
             # back to the host is whole
             whole = sharding.replicated(mesh) if mesh is not None else SingleDeviceSharding(jax.devices()[0])
             caches = (self._cache_shardings, self._draft_shardings)
-            out = {"prefill": (*caches, whole, whole, whole, whole), "verify": (*caches, whole, whole, whole, whole),
-                   "decode": (*caches, whole, whole, whole), "copy": caches[0]}
+            out = {"prefill": (*caches, whole, whole, whole, whole),
+                   "verify": (*caches, whole, whole, whole, whole, whole),
+                   "decode": (*caches, whole, whole, whole, whole), "copy": caches[0]}
         jit = lambda fn, name, **kw: jax.jit(fn, **kw, **({"out_shardings": out[name]} if out else {}))  # noqa: E731
         self._prefill = jit(functools.partial(programs.prefill, prefill_fwd, drafter), "prefill",
                             static_argnames=("cfg", "num_top", "with_prompt_logprobs"),
@@ -324,12 +325,12 @@ class ModelRunner:
             stream[:] = self.stream_interval, call_id
         try:
             if plan.kind == "decode":
-                self.cache, self.draft_state, ids, chosen, stopped = self._call(
+                self.cache, self.draft_state, ids, chosen, stopped, _ = self._call(
                     "decode", self._decode, self.weights, self.cache, self.draft_params, self.draft_state,
                     host.tokens, host.positions, host.block_tables, slots, *common, host.bitmask, stream, cfg=self.cfg,
                     steps=self.steps_per_call, num_top=num_top)
             elif plan.kind == "verify":
-                self.cache, self.draft_state, ids, chosen, sent_log, stopped = self._call(
+                self.cache, self.draft_state, ids, chosen, sent_log, stopped, _ = self._call(
                     "verify", self._verify, self.weights, self.cache, self.draft_params, self.draft_state,
                     host.tokens, host.positions, host.num_drafts, host.host_drafted, host.history, host.block_tables,
                     slots, *common, host.bitmask, stream, cfg=self.cfg, num_top=num_top, rounds=self.spec_rounds)
