@@ -7,8 +7,10 @@ Two ways out of the loop:
   in order (late, when the GIL or the cores are busy, but none is lost);
 - elsewhere, an `io_callback` runs `HandOvers.deliver` from inside the loop, which waits for it.
   JAX keeps programs that hold Python callbacks out of its persistent compile cache, so there the
-  decode and verify programs compile at every start (`--stream-interval` >= `--steps-per-call`
-  leaves the hand-over out of them).
+  decode and verify programs compile at every start, and it dispatches them through Python on
+  every call, not jit's C++ path (milliseconds for a model's hundreds of weight arrays);
+  `--stream-interval` >= `--steps-per-call` leaves the hand-over out of them. The native put
+  has neither cost (`weld.kernels.cpu.stream_put`).
 
 A call that streams opens a hand-over (`HANDOVERS.open`: the layout of the buffers it will hand
 over, and a handler for them) before it runs, and closes it once its outputs are on the host.
