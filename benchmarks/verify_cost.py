@@ -57,8 +57,15 @@ def main() -> None:
     from weld.bench.roofline import machine_info
     import os
 
-    ks = [int(x) for x in args.ks.split(",")]
-    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    try:
+        ks = [int(x) for x in args.ks.split(",")]
+        batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    except ValueError:
+        parser.error(f"--ks and --batch-sizes take integers, comma separated, got {args.ks!r} and {args.batch_sizes!r}")
+    if not all(1 <= k <= 16 for k in ks) or not all(1 <= b <= 256 for b in batch_sizes):
+        parser.error(f"--ks must be in [1, 16] and --batch-sizes in [1, 256], got {args.ks} and {args.batch_sizes}")
+    if not 8 <= args.context <= 1 << 16 or not 1 <= args.runs <= 1000:
+        parser.error(f"--context must be in [8, 65536] and --runs in [1, 1000], got {args.context} and {args.runs}")
     load = os.getloadavg()
     common = dict(max_model_len=args.context + 128, max_num_seqs=max(batch_sizes), progress=False)
     engines = {"decode": LLM(args.model, steps_per_call=1, **common)}
