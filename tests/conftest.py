@@ -120,6 +120,18 @@ def make_tiny_hf_model(variant: str, directory: pathlib.Path, seed: int = 0, **o
 
 
 @pytest.fixture(scope="session")
+def keep_programs():
+    """keep(runner): the runner keeps its compiled programs (for the life of the runner, which
+    the test or fixture owns). A test worker that has run many tests holds many memory mappings,
+    and past MAP_BUDGET the runner drops every program before making a new one
+    (`ModelRunner._make_room`); their reloads count in `num_compiles`, so a test asserting that
+    no new program shape appeared would fail for other tests' mappings."""
+    def keep(runner):
+        runner._make_room = lambda: None
+    return keep
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A function family -> (directory, HF torch model), built once per session per family."""
     cache: dict[str, tuple[pathlib.Path, object]] = {}

@@ -267,7 +267,7 @@ def test_serve_warmup_flag():
         parser.parse_args(["serve", "--warmup", "all"])
 
 
-def test_async_warmup_full_leaves_nothing_to_compile(tiny_llama_dir):
+def test_async_warmup_full_leaves_nothing_to_compile(tiny_llama_dir, keep_programs):
     """`weld serve --warmup full`: AsyncLLM.warmup(full=True) compiles every shape first, so
     requests at default sampling compile nothing more."""
     import asyncio
@@ -277,6 +277,7 @@ def test_async_warmup_full_leaves_nothing_to_compile(tiny_llama_dir):
 
     engine = AsyncLLM(str(tiny_llama_dir[0]), max_model_len=64, kv_cache_memory_gb=0.01, max_num_seqs=2,
                       max_num_batched_tokens=32, steps_per_call=4)
+    keep_programs(engine.llm.engine.runner)
     try:
         engine.warmup(full=True)
         compiled = engine.llm.engine.runner.num_compiles

@@ -13,12 +13,13 @@ from weld import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def warmed(tiny_llama_dir):
+def warmed(tiny_llama_dir, keep_programs):
     """Small limits (4 rows, 32 tokens per step) keep the full shape set small enough to compile
     in seconds, and force chunked prefills, mixed steps and preemption."""
     directory, _ = tiny_llama_dir
     llm = LLM(model=str(directory), dtype="float32", max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32,
               page_size=4, num_pages=48, steps_per_call=4, progress=False)
+    keep_programs(llm.engine.runner)
     llm.warmup(full=True)
     return llm
 

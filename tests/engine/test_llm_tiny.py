@@ -156,9 +156,10 @@ def test_max_tokens_zero_returns_prompt_logprobs_only(llm):
     assert_no_leaks(llm)
 
 
-def test_growing_sequences_do_not_recompile(llm):
+def test_growing_sequences_do_not_recompile(llm, keep_programs):
     """Block tables have a fixed width and attention loops over the pages in use, so longer
     sequences (more pages) reuse the same programs; only new batch/token buckets compile."""
+    keep_programs(llm.engine.runner)
     params = SamplingParams(max_tokens=4, temperature=0.7, top_k=20, seed=1, ignore_eos=True)
     llm.generate(PROMPTS, params)
     before = llm.engine.runner.num_compiles

@@ -238,8 +238,9 @@ def test_speculative_verification_equals_plain_greedy(model, llm, batched, monke
     assert_no_leaks(spec)
 
 
-def test_full_warmup_covers_every_program(model):
+def test_full_warmup_covers_every_program(model, keep_programs):
     small = LLM(str(model[0]), **{**ENGINE, "max_num_seqs": 2, "max_num_batched_tokens": 16})
+    keep_programs(small.engine.runner)
     small.warmup(full=True)
     compiled = small.engine.runner.num_compiles
     prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[0] * 3]  # hits (slot copies), and a prompt in chunks
