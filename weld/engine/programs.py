@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from weld.engine.batch import PenaltyArrays, SamplingArrays, StopArrays
-from weld.engine.sampler import (apply_allowed, apply_penalties, ban_tokens, sample, token_logprobs,
+from weld.engine.sampler import (all_finite, apply_allowed, apply_penalties, ban_tokens, sample, token_logprobs,
                                  unpack_bitmask)
 from weld.models.common.cache import AttentionBatch
 
@@ -37,7 +37,7 @@ NONFINITE = -2
 
 def finite_rows(logits: jax.Array) -> jax.Array:
     """Whether each row of logits [..., v] is finite throughout ([...])."""
-    return jnp.all(jnp.isfinite(logits), axis=-1)
+    return all_finite(logits)
 
 
 def banned_ids(stop: StopArrays) -> jax.Array:

@@ -15,8 +15,32 @@ import jax
 import jax.numpy as jnp
 
 from weld.engine.batch import PenaltyArrays, SamplingArrays, StopArrays
+from weld.kernels import cpu as cpu_kernels
+from weld.models.common import sharding
 
 _NEG = -1e30
+
+
+def _native(x: jax.Array) -> bool:
+    """Whether a reduction over x's last axis runs as the native kernel (f32 on the CPU, one device)."""
+    return x.dtype == jnp.float32 and x.shape[-1] > 0 and cpu_kernels.available() and sharding.active_mesh() is None
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """int32 [...]: the index of the maximum of x [..., v] over v, as jnp.argmax (the first of ties;
+    a NaN counts as the maximum). On the CPU the native kernel: XLA:CPU's argmax over a vocabulary
+    took longer than the LM head (weld/kernels/cpu/argmax.cc)."""
+    if _native(x):
+        return cpu_kernels.argmax(x)[0]
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
+def all_finite(x: jax.Array) -> jax.Array:
+    """bool [...]: whether x [..., v] is finite throughout each row (the native kernel's second
+    output on the CPU: a program that also takes argmax(x) reads x once for both)."""
+    if _native(x):
+        return cpu_kernels.argmax(x)[1]
+    return jnp.all(jnp.isfinite(x), axis=-1)
 
 
 def _register(cls) -> None:
@@ -131,7 +155,7 @@ def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     Sampling is the Gumbel-max trick: argmax(logits / T + Gumbel noise) is a draw from
     softmax(logits / T) restricted to the tokens the filters keep. All-greedy batches skip it.
     """
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_ids = argmax(logits)
 
     def draw(logits):
         temperature = jnp.maximum(params.temperature, 1e-5)[:, None]
@@ -141,7 +165,7 @@ def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
                               lambda x: filter_logits(x, params.top_k, params.top_p, params.min_p),
                               lambda x: x, scaled)
         noise = gumbel_noise(params.seed_hi, params.seed_lo, params.position, logits.shape[-1])
-        sampled_ids = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+        sampled_ids = argmax(scaled + noise)
         return jnp.where(params.temperature < 1e-5, greedy_ids, sampled_ids)
 
     return jax.lax.cond(jnp.any(params.temperature >= 1e-5), draw, lambda _: greedy_ids, logits)

@@ -46,7 +46,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from weld.engine.sampler import SamplingArrays, filter_logits, gumbel_noise, sample
+from weld.engine.sampler import SamplingArrays, argmax, filter_logits, gumbel_noise, sample
 
 _NEG = -1e30
 _DRAFT_SALT = 0x5BD1E995  # xored into seed_hi: a drafter's noise stream, apart from the target's
@@ -89,8 +89,8 @@ def draft_sample(logits: jax.Array, params: SamplingArrays) -> tuple[jax.Array, 
     scores = sampling_scores(logits, params)
     salted = dataclasses.replace(params, seed_hi=params.seed_hi ^ jnp.uint32(_DRAFT_SALT))
     noise = gumbel_noise(salted.seed_hi, salted.seed_lo, salted.position, logits.shape[-1])
-    sampled = jnp.argmax(scores + noise, axis=-1).astype(jnp.int32)
-    tokens = jnp.where(params.temperature < 1e-5, jnp.argmax(logits, axis=-1).astype(jnp.int32), sampled)
+    sampled = argmax(scores + noise)
+    tokens = jnp.where(params.temperature < 1e-5, argmax(logits), sampled)
     return tokens, jax.nn.softmax(scores, axis=-1)
 
 
@@ -123,7 +123,7 @@ def greedy_accept(target_logits: jax.Array, draft_tokens: jax.Array,
     the target's argmax after them, padded with -1; a row emits num_accepted + 1 tokens.
     """
     k = draft_tokens.shape[1]
-    target_ids = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [b, k+1]
+    target_ids = argmax(target_logits)  # [b, k+1]
     num_accepted = _leading((draft_tokens == target_ids[:, :k]) & _sent(num_drafts, k))
     last = jnp.take_along_axis(target_ids, num_accepted[:, None], axis=1)[:, 0]
     return num_accepted, _emit(draft_tokens, num_accepted, last)
@@ -188,7 +188,7 @@ def rejection_accept(target_logits: jax.Array, draft_tokens: jax.Array, num_draf
         residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_a)
         log_residual = jnp.where(residual > 0, jnp.log(residual), _NEG)
         rejected = num_accepted < jnp.clip(num_drafts, 0, k)
-        last = jnp.argmax(jnp.where(rejected[:, None], log_residual, scores_a) + noise_a, axis=-1).astype(jnp.int32)
+        last = argmax(jnp.where(rejected[:, None], log_residual, scores_a) + noise_a)
         sampled_tokens = _emit(draft_tokens, num_accepted, last)
         greedy = params.temperature < 1e-5
         return (jnp.where(greedy, greedy_accepted, num_accepted),

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from weld.engine.sampler import argmax
 from weld.engine.spec import dspark, ngram
 from weld.models.common.attention import dense_attention, paged_attention, write_kv
 from weld.models.common.cache import AttentionBatch, Cache, CacheSpec, PagedKV
@@ -91,7 +92,7 @@ class DraftModelDrafter:
             pos = jnp.where(j < budget, positions + j, -1)[:, None]  # only the row's own slots
             logits, _, state = self.family.forward(params, self.cfg, tok[:, None], pos, state, batch,
                                                    jnp.zeros((b, 1), jnp.int32))
-            tok = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            tok = argmax(logits[:, 0])
             return state, tok, drafted.at[:, j].set(tok)
 
         state, _, drafted = jax.lax.fori_loop(0, k + 1, step, (state, last, jnp.zeros((b, k + 1), jnp.int32)))
@@ -155,7 +156,7 @@ class DSparkDrafter:
         for j in range(k):  # the Markov head reads the draft before each slot
             logits, conf = dspark.slot_outputs(params, head_logits[:, j], hidden[:, j],
                                                dspark.markov_features(params, embed, prev))
-            prev = dspark.draft_ids(params, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+            prev = dspark.draft_ids(params, argmax(logits))
             tokens.append(prev)
             confidence.append(conf)
         num = dspark.num_to_verify(jnp.stack(confidence, axis=1), self.threshold)

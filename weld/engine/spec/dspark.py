@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from weld.engine.sampler import SamplingArrays
+from weld.engine.sampler import SamplingArrays, argmax
 from weld.engine.spec.acceptance import draft_sample
 from weld.models import llama
 from weld.models.common.attention import dense_attention
@@ -349,7 +349,7 @@ def propose(params: dict, cfg: DraftConfig, target_weights: dict, ctx_kv: list, 
     for j in range(cfg.block_size):  # the Markov head is sequential: slot j reads draft j-1
         logits, conf = slot_outputs(params, head_logits[:, j], hidden[:, j], markov_features(params, embed, prev))
         if sampling is None:
-            prev = draft_ids(params, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+            prev = draft_ids(params, argmax(logits))
         else:
             index, q = draft_sample(logits, dataclasses.replace(sampling, position=anchor_positions + 1 + j))
             prev = draft_ids(params, index)

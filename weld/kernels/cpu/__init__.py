@@ -20,6 +20,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -37,13 +38,14 @@ from weld.utils.errors import InvalidInputError
 
 log = logging.getLogger("weld")
 
-_SOURCES = ("paged_attention.cc", "matmul.cc", "quant_matmul.cc", "norm.cc", "stream.cc")
+_SOURCES = ("paged_attention.cc", "matmul.cc", "quant_matmul.cc", "norm.cc", "argmax.cc", "stream.cc")
 _HEADERS = ("parallel.h", "half.h")
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
           # lets the compiler vectorize the dot products' sums; no NaN/inf assumptions are made
           "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
 _TARGETS = {"weld_paged_attention": "WeldPagedAttention", "weld_packed_matmul": "WeldPackedMatmul",
-            "weld_quant_matmul": "WeldQuantMatmul", "weld_rms_norm": "WeldRmsNorm", "weld_stream_put": "WeldStreamPut"}
+            "weld_quant_matmul": "WeldQuantMatmul", "weld_rms_norm": "WeldRmsNorm", "weld_argmax": "WeldArgmax",
+            "weld_stream_put": "WeldStreamPut"}
 # The quantized matmul's instruction-set paths (its `isa` attribute), fastest last.
 ISAS = ("scalar", "avx2", "avx512vnni")
 # KV pool element types the paged attention kernel reads (widened to f32 as it reads them).
@@ -210,6 +212,18 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
         vmap_method="sequential")
     return call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
                 query_positions.astype(jnp.int32), window=np.int64(sliding_window or 0), scale=np.float32(scale))
+
+
+def argmax(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(the index of the maximum, as jnp.argmax gives it: int32 [...]; whether every value is finite:
+    bool [...]) over the last axis of x [..., v] f32 (argmax.cc). Both come from one call, and XLA
+    merges the calls of a program that asks for both of the same x."""
+    lead, v = x.shape[:-1], x.shape[-1]
+    m = math.prod(lead)
+    call = jax.ffi.ffi_call("weld_argmax", (jax.ShapeDtypeStruct((m,), jnp.int32), jax.ShapeDtypeStruct((m,), jnp.int8)),
+                            vmap_method="sequential")
+    index, finite = call(x.reshape(m, v))
+    return index.reshape(lead), finite.reshape(lead).astype(bool)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
