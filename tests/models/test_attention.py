@@ -66,8 +66,10 @@ def test_every_form_matches_dense_reference(b, t, window, drafter, form, pool_dt
     check_against_reference(b, t, window, drafter, page=PAGE, heads=H, kv_heads=KV, head_dim=E, pool_dtype=pool_dtype)
 
 
-# prefill-sized chunks: several blocks of 16 queries, a window inside the chunk, padding, drafter rows
-LONG = [(2, 40, None, False), (1, 37, 9, False), (3, 20, None, True), (3, 33, 30, False)]
+# prefill-sized chunks: several blocks of 16 queries, a window inside the chunk, padding, drafter rows;
+# a verification's k + 1 queries of one row, which the kernel splits into smaller blocks (uneven ones)
+LONG = [(2, 40, None, False), (1, 37, 9, False), (3, 20, None, True), (3, 33, 30, False), (1, 8, None, True),
+        (1, 8, 5, False)]
 
 
 @pytest.mark.parametrize("b,t,window,drafter", CASES + [(16, 1, None, False), (5, 1, 20, False)] + LONG)

@@ -286,18 +286,24 @@ template <typename T>
 ffi::Error Run(ffi::ThreadPool& pool, Problem<T> P) {
   P.g = P.h / P.kv;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // Item i covers a block of up to kQueryBlock queries of one row and kv heads [chunk * per,
+  // Item i covers a block of up to `qblock` queries of one row and kv heads [chunk * per,
   // (chunk + 1) * per): every kv head (each page is read once per block, front to back) when there
-  // are enough items to keep every thread busy; otherwise one item per kv head.
-  const int64_t blocks = (P.t + kQueryBlock - 1) / kQueryBlock;
-  const int64_t chunks = P.b * blocks >= 2 * threads ? 1 : P.kv;
-  weld::parallel_for(pool, P.b * blocks * chunks, 1, [P, chunks, blocks](int64_t begin, int64_t end) {
-    const int64_t per = P.kv / chunks, nh = per * P.g, nq = std::min<int64_t>(kQueryBlock, P.t);
+  // are enough items to keep every thread busy; otherwise one item per kv head, and the queries in
+  // blocks small enough for at least two items per thread (a verification's k + 1 queries on
+  // 3 kv heads made 3 items for 2 threads: one thread did two, the other one).
+  const int64_t full_blocks = (P.t + kQueryBlock - 1) / kQueryBlock;
+  const int64_t chunks = P.b * full_blocks >= 2 * threads ? 1 : P.kv;
+  const int64_t wanted = 2 * threads, per_query = P.b * chunks;  // items per query block's worth of queries
+  const int64_t qblock = chunks == 1 ? kQueryBlock
+                                     : std::clamp<int64_t>(P.t * per_query / wanted, 1, kQueryBlock);
+  const int64_t blocks = (P.t + qblock - 1) / qblock;
+  weld::parallel_for(pool, P.b * blocks * chunks, 1, [P, chunks, blocks, qblock](int64_t begin, int64_t end) {
+    const int64_t per = P.kv / chunks, nh = per * P.g, nq = std::min<int64_t>(qblock, P.t);
     std::vector<float> scratch(2 * nq * nh * P.e + P.page_size + 8);  // + 8: whole-vector reads of s
     std::vector<HeadState> st(nq * nh);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t chunk = i % chunks, qb = (i / chunks) % blocks, row = i / (chunks * blocks);
-      const int64_t t0 = qb * kQueryBlock, t1 = std::min(P.t, t0 + kQueryBlock);
+      const int64_t t0 = qb * qblock, t1 = std::min(P.t, t0 + qblock);
       attend(P, row, t0, t1, chunk * per, (chunk + 1) * per, scratch.data(), st.data());
     }
   });
