@@ -6,7 +6,8 @@ llama.cpp holding the same GGUF with the same context, each measured after one w
 weld: `weld serve --max-model-len CTX --max-num-seqs N` in a subprocess, one /v1/completions
 request of 16 tokens, then VmRSS from /proc. llama.cpp: llama-cpp-python's `Llama(n_ctx=CTX)` in a
 subprocess (the library llama.cpp's server is built on; its Python interpreter adds ~20 MB), one
-completion of 16 tokens, then VmRSS. Both count the mapped model pages they touched.
+completion of 16 tokens, then VmRSS. Both count the mapped model pages they touched. Each figure
+splits into shared libraries' pages, other mapped files and anonymous memory (/proc/PID/smaps).
 """
 
 from __future__ import annotations
@@ -24,12 +25,24 @@ import urllib.request
 PROMPT = "The committee met on Tuesday to discuss the budget for next year. After a long debate,"
 
 
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
+def rss_mb(pid: int) -> dict:
+    """VmRSS of a process in MB, and how it splits (/proc/PID/smaps): shared libraries' pages
+    (code the process touched, clean and shared with other processes), other mapped files (a
+    memory-mapped model), and anonymous memory (the heap: arrays, compiled programs, Python)."""
+    kinds = {"shared_libraries": 0, "mapped_files": 0, "anonymous": 0}
+    kind = "anonymous"
+    with open(f"/proc/{pid}/smaps") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+            head = line.split(maxsplit=6)
+            if not head[0].endswith(":"):  # a mapping's header: address range, perms, offset, dev, inode[, path]
+                path = head[5].strip() if len(head) > 5 else ""
+                kind = ("anonymous" if not path.startswith("/") else
+                        "shared_libraries" if ".so" in os.path.basename(path) else "mapped_files")
+            elif head[0] == "Rss:":
+                kinds[kind] += int(head[1])
+    with open(f"/proc/{pid}/status") as f:
+        total = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return {"rss_mb": round(total / 1024, 1), **{f"{k}_mb": round(v / 1024, 1) for k, v in kinds.items()}}
 
 
 def free_port() -> int:
@@ -58,7 +71,7 @@ def weld_rss(model: str | None, ctx: int, seqs: int, flags: list[str]) -> dict:
         req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
         urllib.request.urlopen(req, timeout=300).read()
         time.sleep(1)
-        return {"command": "weld " + shlex.join(cmd[3:]), "rss_mb": round(rss_mb(proc.pid), 1)}
+        return {"command": "weld " + shlex.join(cmd[3:]), **rss_mb(proc.pid)}
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -70,15 +83,21 @@ from llama_cpp import Llama
 llm = Llama(sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=os.cpu_count(), verbose=False)
 llm(sys.argv[3], max_tokens=16, temperature=0)
 time.sleep(1)
-with open("/proc/self/status") as f:
-    print(next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) / 1024)
+print("ready", flush=True)
+sys.stdin.read()  # measured from outside until stdin closes
 """
 
 
 def llamacpp_rss(model: str, ctx: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", LLAMACPP, model, str(ctx), PROMPT], check=True,
-                         capture_output=True, text=True).stdout
-    return {"command": f"Llama({os.path.basename(model)!r}, n_ctx={ctx})", "rss_mb": round(float(out.split()[-1]), 1)}
+    proc = subprocess.Popen([sys.executable, "-c", LLAMACPP, model, str(ctx), PROMPT], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"llama.cpp did not load {model} (exit {proc.wait()})")
+        return {"command": f"Llama({os.path.basename(model)!r}, n_ctx={ctx})", **rss_mb(proc.pid)}
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
 
 
 def main() -> None:
