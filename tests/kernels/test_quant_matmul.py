@@ -119,10 +119,11 @@ def close(y, want, rtol=2e-6):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS)
 @pytest.mark.parametrize("m,n,k", [(1, 16, 32), (1, 40, 70), (3, 33, 96), (4, 17, 64), (5, 100, 300),
-                                   (8, 48, 33), (13, 31, 128), (33, 20, 200)])
+                                   (8, 48, 33), (13, 31, 128), (33, 20, 200), (65, 24, 1040)])
 def test_matches_numpy_statement(isa, fmt, m, n, k):
     """k not a multiple of the block, n not a multiple of the panel, row counts across the kernel's
-    row tiles."""
+    row tiles: up to kStreamRows (8) rows the caller quantizes the activations while the panels'
+    threads start, past it they are quantized in parallel first."""
     rng = np.random.default_rng(m * 1000 + n * 10 + k)
     codes, d, mn = random_blocks(rng, n, k, fmt)
     w = quant.from_codes(codes, d, mn, fmt)

@@ -297,6 +297,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* cb = p.codes + b * kBytes;
+    if constexpr (MR >= 4) {  // many rows: the loads wait on compute, so fetch 8 blocks ahead
+      for (int64_t off = 0; off < kBytes; off += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(cb + 8 * kBytes + off), _MM_HINT_T0);
+      }
+    }
     const int8_t* x4[MR];
     for (int i = 0; i < MR; ++i) x4[i] = a.row(r0 + i) + b * kBlock;
     for (int s = 0; s < SUB; ++s) {  // sub-blocks: the whole block, or its halves (groups 0..3, 4..7)
@@ -438,10 +443,15 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   Activations acts(m, nb), second(digits == 2 ? m : 0, nb, true);
   const float* xp = x.typed_data();
   Activations *qp = &acts, *q2 = digits == 2 ? &second : nullptr;
-  weld::parallel_for(pool, m, std::max<int64_t>(1, 4096 / std::max<int64_t>(k, 1)), [=](int64_t begin, int64_t end) {
+  auto quantize = [=](int64_t begin, int64_t end) {
     qp->quantize_rows(xp, k, begin, end);
     if (q2) q2->quantize_rows(xp, k, begin, end, qp);
-  });
+  };
+  // A few rows (decode, verification: the calls that stream the weights) are quantized by the
+  // caller while the pool's helpers wake for the panels (parallel_for_after); many (prefill) in
+  // parallel first.
+  const bool few = m <= kStreamRows;
+  if (!few) weld::parallel_for(pool, m, std::max<int64_t>(1, 4096 / std::max<int64_t>(k, 1)), quantize);
   const uint8_t* cp = codes.typed_data();
   const uint16_t* dp = scales.typed_data();
   const uint16_t* mp = has_mins ? mins.typed_data() : nullptr;
@@ -454,7 +464,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t grain = m <= kStreamRows ? (num_panels + threads - 1) / threads
                                          : std::max<int64_t>(1, 64 / std::max<int64_t>(nb, 1));
-  weld::parallel_for(pool, num_panels, grain, [=](int64_t begin, int64_t end) {
+  auto panels = [=](int64_t begin, int64_t end) {
     for (int64_t pi = begin; pi < end; ++pi) {
       const Panel panel{cp + pi * nb * bytes, dp + pi * ng * kPanel * sub, mp ? mp + pi * ng * kPanel * sub : nullptr,
                         lp, gshift};
@@ -463,7 +473,12 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
       panel_rows(*ap, panel, static_cast<int>(bits), static_cast<int>(sub), offset, isa, m, yp, n, c0, width);
       if (ap2) panel_rows(*ap2, panel, static_cast<int>(bits), static_cast<int>(sub), offset, isa, m, yp, n, c0, width);
     }
-  });
+  };
+  if (few) {
+    weld::parallel_for_after(pool, num_panels, grain, [&] { quantize(0, m); }, panels);
+  } else {
+    weld::parallel_for(pool, num_panels, grain, panels);
+  }
   return ffi::Error::Success();
 }
 
