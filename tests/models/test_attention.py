@@ -83,6 +83,42 @@ def test_kernel_at_model_sizes(b, t, window, drafter, head_dim, heads, kv_heads,
                             pool_dtype=pool_dtype)
 
 
+@pytest.mark.parametrize("page", [5, 48, 128])
+@pytest.mark.parametrize("b,t,window", [(1, 1, None), (1, 8, None), (2, 40, 70), (3, 3, 6)])
+def test_kernel_spans_of_any_page_size(page, b, t, window, monkeypatch):
+    """The kernel folds whole pages into a query's softmax a span of ~64 rows at a time: pages that
+    do not divide it (5: 12 pages, 60 rows), one page short of it (48) or longer (128: one page a
+    span), windows that start inside a span."""
+    monkeypatch.setenv("WELD_CPU_KERNELS", "1")
+    check_against_reference(b, t, window, False, page=page, heads=9, kv_heads=3, head_dim=64)
+
+
+@pytest.mark.parametrize("window", [None, 50, 9])
+def test_kernel_query_does_not_depend_on_its_block(window, monkeypatch):
+    """A query's output is the same bits whether it comes alone (a decode step) or among 16
+    (verification, a prefill chunk): the pages fold into its softmax in spans fixed by position,
+    not by where the block's other queries start (with a window they start elsewhere)."""
+    monkeypatch.setenv("WELD_CPU_KERNELS", "1")
+    assert cpu_kernels.available()
+    rng = np.random.default_rng(11)
+    pages, page, kv, heads, e, t, ctx = 40, 16, 3, 9, 64, 16, 100
+    k_pool = jnp.asarray(rng.standard_normal((pages, page, kv * e)), jnp.float32)
+    v_pool = jnp.asarray(rng.standard_normal((pages, page, kv * e)), jnp.float32)
+    tables = jnp.asarray(rng.permutation(pages)[None, :12].astype(np.int32))
+    q = jnp.asarray(rng.standard_normal((1, t, heads, e)), jnp.float32)
+    positions = np.arange(ctx, ctx + t, dtype=np.int32)[None]
+
+    def run(q, pos):
+        return cpu_kernels.paged_attention(q, k_pool, v_pool, tables, jnp.asarray(pos), scale=0.125,
+                                           sliding_window=window)
+
+    together, lse = run(q, positions)
+    for j in range(t):
+        alone, alone_lse = run(q[:, j:j + 1], positions[:, j:j + 1])
+        np.testing.assert_array_equal(np.asarray(alone)[0, 0], np.asarray(together)[0, j])
+        np.testing.assert_array_equal(np.asarray(alone_lse)[0, 0], np.asarray(lse)[0, j])
+
+
 def check_against_reference(b, t, window, drafter, *, page, heads, kv_heads, head_dim, pool_dtype=jnp.float32):
     """The pools hold pool_dtype; the reference reads the same (rounded) values in float64."""
     PAGE, H, KV, E = page, heads, kv_heads, head_dim

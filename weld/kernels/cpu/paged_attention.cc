@@ -42,6 +42,9 @@ namespace {
 
 constexpr float kMasked = -1e30f;  // the jnp path's mask value: lse of padding rows
 constexpr int64_t kQueryBlock = 16;  // queries of one row that share each page's visit
+// Key rows folded into a query's online softmax at once (whole pages, at least one): its max,
+// rescale and sums are paid once per span instead of once per page.
+constexpr int64_t kSpanRows = 64;
 
 template <typename T>
 struct Problem {
@@ -77,6 +80,15 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
+// The lane sums of 8 vectors at once: lane i of the result is the sum of a[i]'s lanes, each as
+// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) (9 instructions for 8 sums).
+inline __m256 hsum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 // 8 pool elements widened to f32.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const F16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -107,34 +119,31 @@ inline __m256 exp8(__m256 x) {
 #endif
 
 #if WELD_PA_AVX2
-// fold_page for e = 8 * N8 (a compile-time constant, so the loops over e unroll).
+// fold_rows for e = 8 * N8 (a compile-time constant, so the loops over e unroll).
 template <int64_t N8, typename T>
-void fold_page_avx2(const float* __restrict qs, const T* __restrict kp, const T* __restrict vp,
-                    int64_t lo, int64_t hi, int64_t row_stride, int64_t g, HeadState* st, float* __restrict s) {
+void fold_rows_avx2(const float* __restrict qs, const T* const* krow, const T* const* vrow, int64_t lo, int64_t hi,
+                    int64_t g, HeadState* st, float* __restrict s) {
     constexpr int64_t n8 = N8, e = 8 * N8;
     for (int64_t gi = 0; gi < g; ++gi) {
       HeadState& h = st[gi];
       const float* qg = qs + gi * e;
-      // Scores, four rows at a time (independent sums hide the FMA latency).
-      int64_t r = lo;
-      for (; r + 4 <= hi; r += 4) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        const T* k0 = kp + r * row_stride;
+      // Scores, eight rows at a time: eight independent sums (they hide the FMA latency) reduced
+      // together. Past hi the last row is read again and its lanes never used, so no read leaves
+      // the span, and a row's score takes the same instructions wherever it falls.
+      for (int64_t r = lo; r < hi; r += 8) {
+        __m256 a[8];
+        const T* kr[8];
+        for (int i = 0; i < 8; ++i) {
+          a[i] = _mm256_setzero_ps();
+          kr[i] = krow[std::min<int64_t>(r + i, hi - 1)];
+        }
         for (int64_t c = 0; c < n8; ++c) {
           const __m256 qv = _mm256_loadu_ps(qg + 8 * c);
-          a0 = _mm256_fmadd_ps(qv, load8(k0 + 8 * c), a0);
-          a1 = _mm256_fmadd_ps(qv, load8(k0 + row_stride + 8 * c), a1);
-          a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * row_stride + 8 * c), a2);
-          a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * row_stride + 8 * c), a3);
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, load8(kr[i] + 8 * c), a[i]);
         }
-        s[r] = hsum(a0), s[r + 1] = hsum(a1), s[r + 2] = hsum(a2), s[r + 3] = hsum(a3);
+        _mm256_storeu_ps(s + r, hsum8(a));  // s holds span + 8: lanes past hi land in its slack
       }
-      for (; r < hi; ++r) {
-        __m256 a0 = _mm256_setzero_ps();
-        for (int64_t c = 0; c < n8; ++c)
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load8(kp + r * row_stride + 8 * c), a0);
-        s[r] = hsum(a0);
-      }
+      int64_t r;
       float mx = h.m;
       for (r = lo; r < hi; ++r) mx = std::max(mx, s[r]);
       const float correction = std::exp(h.m - mx);
@@ -155,7 +164,7 @@ void fold_page_avx2(const float* __restrict qs, const T* __restrict kp, const T*
       for (int64_t c = 0; c < n8; ++c) acc[c] = _mm256_mul_ps(_mm256_loadu_ps(h.acc + 8 * c), cv);
       for (r = lo; r < hi; ++r) {
         const __m256 w = _mm256_set1_ps(s[r]);
-        const T* vr = vp + r * row_stride;
+        const T* vr = vrow[r];
         for (int64_t c = 0; c < n8; ++c) acc[c] = _mm256_fmadd_ps(w, load8(vr + 8 * c), acc[c]);
       }
       for (int64_t c = 0; c < n8; ++c) _mm256_storeu_ps(h.acc + 8 * c, acc[c]);
@@ -165,19 +174,18 @@ void fold_page_avx2(const float* __restrict qs, const T* __restrict kp, const T*
 }
 #endif
 
-// Folds the rows lo..hi-1 of one page (one kv head's keys kp and values vp, rows row_stride
-// apart) into the g query heads qs [g, e] that share that kv head. s: scratch [page + 8].
+// Folds the key rows lo..hi-1 of a span (krow[r], vrow[r]: one kv head's key and value of row r)
+// into the g query heads qs [g, e] that share that kv head. s: scratch [span + 8].
 template <typename T>
-inline void fold_page(const float* __restrict qs, const T* __restrict kp, const T* __restrict vp,
-                      int64_t lo, int64_t hi, int64_t row_stride, int64_t e, int64_t g, HeadState* st,
-                      float* __restrict s) {
+inline void fold_rows(const float* __restrict qs, const T* const* krow, const T* const* vrow, int64_t lo, int64_t hi,
+                      int64_t e, int64_t g, HeadState* st, float* __restrict s) {
 #if WELD_PA_AVX2
   switch (e) {
-    case 64: return fold_page_avx2<8, T>(qs, kp, vp, lo, hi, row_stride, g, st, s);
-    case 128: return fold_page_avx2<16, T>(qs, kp, vp, lo, hi, row_stride, g, st, s);
-    case 96: return fold_page_avx2<12, T>(qs, kp, vp, lo, hi, row_stride, g, st, s);
-    case 32: return fold_page_avx2<4, T>(qs, kp, vp, lo, hi, row_stride, g, st, s);
-    case 256: return fold_page_avx2<32, T>(qs, kp, vp, lo, hi, row_stride, g, st, s);
+    case 64: return fold_rows_avx2<8, T>(qs, krow, vrow, lo, hi, g, st, s);
+    case 128: return fold_rows_avx2<16, T>(qs, krow, vrow, lo, hi, g, st, s);
+    case 96: return fold_rows_avx2<12, T>(qs, krow, vrow, lo, hi, g, st, s);
+    case 32: return fold_rows_avx2<4, T>(qs, krow, vrow, lo, hi, g, st, s);
+    case 256: return fold_rows_avx2<32, T>(qs, krow, vrow, lo, hi, g, st, s);
     default: break;
   }
 #endif
@@ -185,7 +193,7 @@ inline void fold_page(const float* __restrict qs, const T* __restrict kp, const 
     HeadState& h = st[gi];
     float mx = h.m;
     for (int64_t r = lo; r < hi; ++r) {
-      s[r] = dot(qs + gi * e, kp + r * row_stride, e);
+      s[r] = dot(qs + gi * e, krow[r], e);
       mx = std::max(mx, s[r]);
     }
     const float correction = std::exp(h.m - mx);
@@ -195,7 +203,7 @@ inline void fold_page(const float* __restrict qs, const T* __restrict kp, const 
     for (int64_t r = lo; r < hi; ++r) {
       const float w = std::exp(s[r] - mx);
       sum += w;
-      const T* __restrict vr = vp + r * row_stride;
+      const T* __restrict vr = vrow[r];
       for (int64_t i = 0; i < e; ++i) a[i] += w * to_float(vr[i]);
     }
     h.m = mx;
@@ -209,17 +217,21 @@ inline void prefetch_page(const T* p, int64_t elements) {
   for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
 }
 
+// Pages of one span: kSpanRows rows of whole pages, at least one page.
+inline int64_t span_pages(int64_t page_size) { return std::max<int64_t>(1, kSpanRows / page_size); }
+
 // One work item: queries t0..t1-1 of row `row` (consecutive tokens of one sequence, e.g. a prefill
 // chunk), kv heads kh0..kh1-1 with their g query heads each. Pages are visited once for the whole
-// block, front to back (the next one prefetched): each page is folded into every query of the
-// block that sees part of it while it is in cache. A query with position < 0 is padding.
+// block, front to back, a span of consecutive pages at a time (the next span prefetched): each
+// span is folded into every query of the block that sees part of it while it is in cache. A query
+// with position < 0 is padding. rows: scratch for 2 x the span's rows of pointers.
 template <typename T>
 void attend(const Problem<T>& P, int64_t row, int64_t t0, int64_t t1, int64_t kh0, int64_t kh1, float* scratch,
-            HeadState* st) {
+            HeadState* st, const T** rows) {
   const int64_t e = P.e, g = P.g, nh = (kh1 - kh0) * g, nq = t1 - t0;
   float* acc = scratch;               // [nq, nh, e]
   float* qs = acc + nq * nh * e;      // [nq, nh, e] scaled queries
-  float* s = qs + nq * nh * e;        // [page]
+  float* s = qs + nq * nh * e;        // [span + 8] scores
   int64_t lowest = INT64_MAX, highest = -1;  // the block's visible positions
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t qbase = (row * P.t + t0 + j) * P.h + kh0 * g;  // the query's first head of this item
@@ -243,30 +255,45 @@ void attend(const Problem<T>& P, int64_t row, int64_t t0, int64_t t1, int64_t kh
   };
   if (highest >= 0) {
     const int64_t last_block = std::min<int64_t>(highest / P.page_size, P.nb - 1);
-    for (int64_t block = lowest / P.page_size; block <= last_block; ++block) {
-      const int64_t page = page_of(block);
-      if (block < last_block) {
-        const int64_t next = page_of(block + 1);
-        if (next >= 0) {
-          prefetch_page(P.k_pool + next * page_elements, page_elements);
-          prefetch_page(P.v_pool + next * page_elements, page_elements);
+    const int64_t most = span_pages(P.page_size);
+    const T** krow = rows;
+    const T** vrow = rows + most * P.page_size;
+    for (int64_t block = lowest / P.page_size; block <= last_block;) {
+      if (page_of(block) < 0) {
+        ++block;
+        continue;
+      }
+      // The span: blocks [block, end), every page present, inside one aligned run of `most` blocks,
+      // so a query's rows fold in the same groups whatever the block's other queries see (a decode
+      // step's query and the same query in a verification give the same bits).
+      const int64_t limit = std::min(last_block + 1, (block / most + 1) * most);
+      int64_t end = block + 1;
+      while (end < limit && page_of(end) >= 0) ++end;
+      for (int64_t next = end; next <= std::min(last_block, end + most - 1); ++next) {
+        const int64_t page = page_of(next);
+        if (page >= 0) {
+          prefetch_page(P.k_pool + page * page_elements, page_elements);
+          prefetch_page(P.v_pool + page * page_elements, page_elements);
         }
       }
-      if (page < 0) continue;
-      const int64_t start = block * P.page_size;
-      for (int64_t j = 0; j < nq; ++j) {
-        const int32_t p = P.qpos[row * P.t + t0 + j];
-        const int64_t first = P.window > 0 ? std::max<int64_t>(0, p - P.window + 1) : 0;
-        const int64_t lo = std::max(start, first) - start;
-        const int64_t hi = std::min<int64_t>(P.page_size, p - start + 1);
-        if (p < 0 || lo >= hi) continue;
-        for (int64_t kh = kh0; kh < kh1; ++kh) {
-          const T* kp = P.k_pool + page * page_elements + kh * e;
-          const T* vp = P.v_pool + page * page_elements + kh * e;
+      const int64_t start = block * P.page_size, span = (end - block) * P.page_size;
+      for (int64_t kh = kh0; kh < kh1; ++kh) {
+        for (int64_t r = 0, b = block; b < end; ++b) {  // the kv head's rows, page by page
+          const T* kp = P.k_pool + page_of(b) * page_elements + kh * e;
+          const T* vp = P.v_pool + page_of(b) * page_elements + kh * e;
+          for (int64_t i = 0; i < P.page_size; ++i, ++r) krow[r] = kp + i * row_stride, vrow[r] = vp + i * row_stride;
+        }
+        for (int64_t j = 0; j < nq; ++j) {
+          const int32_t p = P.qpos[row * P.t + t0 + j];
+          const int64_t first = P.window > 0 ? std::max<int64_t>(0, p - P.window + 1) : 0;
+          const int64_t lo = std::max(start, first) - start;
+          const int64_t hi = std::min<int64_t>(span, p - start + 1);
+          if (p < 0 || lo >= hi) continue;
           const int64_t at = j * nh + (kh - kh0) * g;
-          fold_page(qs + at * e, kp, vp, lo, hi, row_stride, e, g, st + at, s);
+          fold_rows(qs + at * e, krow, vrow, lo, hi, e, g, st + at, s);
         }
       }
+      block = end;
     }
   }
   for (int64_t j = 0; j < nq; ++j) {
@@ -299,12 +326,14 @@ ffi::Error Run(ffi::ThreadPool& pool, Problem<T> P) {
   const int64_t blocks = (P.t + qblock - 1) / qblock;
   weld::parallel_for(pool, P.b * blocks * chunks, 1, [P, chunks, blocks, qblock](int64_t begin, int64_t end) {
     const int64_t per = P.kv / chunks, nh = per * P.g, nq = std::min<int64_t>(qblock, P.t);
-    std::vector<float> scratch(2 * nq * nh * P.e + P.page_size + 8);  // + 8: whole-vector reads of s
+    const int64_t span = span_pages(P.page_size) * P.page_size;
+    std::vector<float> scratch(2 * nq * nh * P.e + span + 8);  // + 8: whole-vector reads of s
     std::vector<HeadState> st(nq * nh);
+    std::vector<const T*> rows(2 * span);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t chunk = i % chunks, qb = (i / chunks) % blocks, row = i / (chunks * blocks);
       const int64_t t0 = qb * qblock, t1 = std::min(P.t, t0 + qblock);
-      attend(P, row, t0, t1, chunk * per, (chunk + 1) * per, scratch.data(), st.data());
+      attend(P, row, t0, t1, chunk * per, (chunk + 1) * per, scratch.data(), st.data(), rows.data());
     }
   });
   return ffi::Error::Success();
