@@ -12,6 +12,12 @@ never hands one machine another's binary.
 No compiler, or a failed build, is not an error: weld logs one warning and keeps the jnp path,
 which computes the same thing. WELD_CPU_KERNELS=0 turns the kernels off (read when a program is
 traced; 1, the default, turns them on).
+
+Most kernels pick their vector path when compiled, from the CPU -march=native describes (the
+quantized matmul picks at run time, `quant_isa`). WELD_CPU_MARCH (default native) builds for
+another target instead: `x86-64` compiles the portable scalar paths, which is how the test suite
+checks them on a machine with AVX2 (tests/kernels/test_cpu_baseline_build.py);
+`built_with_avx2()` says which kind the loaded library is.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import logging
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -40,7 +47,7 @@ log = logging.getLogger("weld")
 
 _SOURCES = ("paged_attention.cc", "matmul.cc", "quant_matmul.cc", "norm.cc", "argmax.cc", "stream.cc")
 _HEADERS = ("parallel.h", "half.h")
-_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC",
           # lets the compiler vectorize the dot products' sums; no NaN/inf assumptions are made
           "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
 _TARGETS = {"weld_paged_attention": "WeldPagedAttention", "weld_packed_matmul": "WeldPackedMatmul",
@@ -110,15 +117,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("WELD_KERNEL_CACHE_DIR") or default)
 
 
+def _march() -> str:
+    """The compiler's -march target: WELD_CPU_MARCH, default native."""
+    value = os.environ.get("WELD_CPU_MARCH", "native")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,39}", value):
+        raise InvalidInputError(f"WELD_CPU_MARCH must be a -march target such as native or x86-64, got {value!r}")
+    return value
+
+
 def _build() -> Path:
     here = Path(__file__).parent
+    flags = [*_FLAGS, f"-march={_march()}"]
     sources = [here / name for name in _SOURCES]
     cxx = _compiler()
     include = jax.ffi.include_dir()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256()
     for part in [*(p.read_bytes() for p in sources), *((here / h).read_bytes() for h in _HEADERS),
-                 " ".join(_FLAGS).encode(), version.encode(),
+                 " ".join(flags).encode(), version.encode(),
                  jax.__version__.encode(), _jaxlib_version().encode(),
                  include.encode(), _cpu_id().encode(), platform.machine().encode()]:
         key.update(part)
@@ -129,7 +145,7 @@ def _build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        cmd = [cxx, *_FLAGS, f"-I{include}", f"-I{here}", *map(str, sources), "-o", str(tmp_out)]
+        cmd = [cxx, *flags, f"-I{include}", f"-I{here}", *map(str, sources), "-o", str(tmp_out)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling {', '.join(_SOURCES)} failed: {proc.stderr.strip()[-2000:]}")
@@ -275,6 +291,14 @@ def _packed_matmul_bwd(n, res, g):
 
 
 packed_matmul.defvjp(_packed_matmul_fwd, _packed_matmul_bwd)
+
+
+def built_with_avx2() -> bool:
+    """Whether the loaded library's compile-time paths (attention, packed matmul, norm, argmax) are
+    the AVX2 ones, or the portable scalar ones (a CPU without AVX2 + FMA + F16C, or WELD_CPU_MARCH)."""
+    if not available():
+        raise InvalidInputError("the native CPU kernels are off or unavailable")
+    return bool(_state["lib"].weld_cpu_built_with_avx2())
 
 
 def supported_isas() -> tuple[str, ...]:

@@ -374,6 +374,14 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 
 }  // namespace
 
+// Whether this library's compile-time vector paths are the AVX2 ones (here and in matmul.cc,
+// norm.cc and argmax.cc, which test the same macros), or the portable scalar ones.
+#if WELD_PA_AVX2
+extern "C" int weld_cpu_built_with_avx2() { return 1; }
+#else
+extern "C" int weld_cpu_built_with_avx2() { return 0; }
+#endif
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(WeldPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -1,0 +1,55 @@
+"""The native kernels' portable paths. Attention, the packed matmul, RMSNorm and argmax choose
+their vector path when compiled (-march=native), so on this machine the ordinary tests run the
+AVX2 ones only. Here the library is built with WELD_CPU_MARCH=x86-64 (no AVX2, FMA or F16C) in
+a fresh cache, and those kernels' tests run again in a subprocess against the same references."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from weld.kernels import cpu as cpu_kernels
+from weld.utils.errors import InvalidInputError
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL_TESTS = ["tests/kernels/test_cpu_argmax.py", "tests/models/test_attention.py",
+                "tests/kernels/test_batch_invariant_ops.py",
+                *(f"tests/models/test_layers.py::{name}" for name in (
+                    "test_packed_matmul_matches_numpy", "test_packed_matmul_gradients_match_numpy",
+                    "test_linear_on_packed_weights"))]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def test_the_native_build_takes_the_vector_paths_where_the_cpu_has_them():
+    assert cpu_kernels.available(), cpu_kernels._state.get("error")  # the test machine has a compiler
+    assert cpu_kernels.built_with_avx2() == ({"avx2", "fma", "f16c"} <= cpu_flags())
+
+
+def test_a_bad_march_is_refused(monkeypatch):
+    monkeypatch.setenv("WELD_CPU_MARCH", "native -O0")
+    with pytest.raises(InvalidInputError, match="WELD_CPU_MARCH must be a -march target"):
+        cpu_kernels._march()
+
+
+def test_the_portable_paths_pass_the_kernel_tests(tmp_path):
+    env = {**os.environ, "WELD_CPU_MARCH": "x86-64", "WELD_KERNEL_CACHE_DIR": str(tmp_path), "WELD_CPU_KERNELS": "1"}
+    probe = subprocess.run([sys.executable, "-c", "from weld.kernels import cpu; assert cpu.available(), "
+                            "cpu._state.get('error'); print(cpu.built_with_avx2())"],
+                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.strip() == "False"  # the scalar paths, not the AVX2 ones
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *KERNEL_TESTS],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " skipped" not in run.stdout
