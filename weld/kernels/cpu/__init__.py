@@ -76,6 +76,7 @@ def available() -> bool:
     and registered (built on the first call; a failure is logged once and remembered)."""
     if not enabled() or jax.default_backend() != "cpu":
         return False
+    _march()  # a malformed WELD_CPU_MARCH is the user's error, not a failed build to fall back from
     with _lock:
         if "ok" not in _state:
             try:
