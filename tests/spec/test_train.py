@@ -195,3 +195,23 @@ def test_slot_weights_decay_and_training_resumes_from_its_checkpoint(tmp_path, m
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(Exception, match="other settings"):
         train.train(params, CFG, weights, data, settings, progress=False, checkpoint=checkpoint, settings={"run": 2})
+
+
+def test_features_gathered_on_the_device_train_as_those_sent_from_the_host(monkeypatch):
+    """Where the device holds the features (an accelerator), each step gathers its rows there:
+    the same batches, so the same losses, as gathering them on the host."""
+    weights = random_weights(llama.weight_specs(TARGET), seed=0, scale=3.0)
+    sequences = np.random.default_rng(0).integers(0, TARGET.vocab_size, (6, 24))
+    data = train.build_features(llama, weights, TARGET, CFG, sequences.tolist(), [5] * 6, progress=False)
+    settings = train.TrainConfig(steps=6, lr=3e-3, warmup=2, batch_size=3, anchors=4)
+    params = dspark.init_params(CFG, seed=0, target_weights=weights)
+    _, on_host = train.train(params, CFG, weights, data, settings, progress=False, log_every=1)
+    sent = []
+    monkeypatch.setattr(train, "resident_features", lambda f: sent.append(f.shape) or jax.device_put(f))
+    _, on_device = train.train(params, CFG, weights, data, settings, progress=False, log_every=1)
+    assert sent == [data.features.shape]
+    assert [r["loss"] for r in on_device] == pytest.approx([r["loss"] for r in on_host], rel=1e-5)
+    rows = np.asarray([[2, -1], [0, 5]])
+    np.testing.assert_array_equal(np.asarray(train.gather_features(jnp.asarray(data.features), rows)),
+                                  train.gather_features(data.features, rows))
+    assert not train.gather_features(data.features, rows)[0, 1].any()  # padding is zeros

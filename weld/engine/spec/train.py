@@ -195,38 +195,63 @@ def build_features(family: Any, target_weights: dict, target_cfg: Any, cfg: dspa
 
 
 def sample_blocks(data: Dataset, rows: np.ndarray, num_anchors: int, k: int, rng: np.random.Generator,
-                  vocab_place: np.ndarray | None = None, width: int | None = None) -> dict:
+                  vocab_place: np.ndarray | None = None, width: int | None = None, features: bool = True) -> dict:
     """A batch of blocks: answers `rows`, right-padded to `width` tokens (default: the longest,
     rounded up to 64), and anchors drawn in each answer's continuation so that the k tokens after
     the anchor are the target's (anchor in [prompt_length - 1, length - 1 - k]).
 
     teacher_index / label_index: each teacher token's and label's row in the drafter's head:
     vocab_place[id] (`draft_vocabulary`; its size where the id is outside it), or the id itself
-    when there is no draft vocabulary (vocab_place None)."""
+    when there is no draft vocabulary (vocab_place None).
+
+    features: gather the context features f32 [B, width, n * d] here ("features"); False leaves
+    "feature_rows" int32 [B, width] instead (each position's row of data.features, -1 for
+    padding) for `gather_features` on a device that holds them."""
     lengths, prompts = data.lengths[rows], data.prompt_lengths[rows]
     width = width or -(-int(lengths.max()) // 64) * 64
     low = prompts - 1
     high = lengths - 1 - k
     anchors = low[:, None] + (rng.random((len(rows), num_anchors)) * (high - low + 1)[:, None]).astype(np.int64)
     window = anchors[..., None] + np.arange(k)  # [B, A, k]: the position before each slot
-    tokens = np.zeros((len(rows), width), np.int32)
-    features = np.zeros((len(rows), width, data.features.shape[1]), np.float32)
-    flat = np.zeros((len(rows), num_anchors, k), np.int64)  # flat index of each window position
-    for r, i in enumerate(rows):
-        start, n = data.offsets[i], lengths[r]
-        tokens[r, :n] = data.tokens[start:start + n]
-        features[r, :n] = data.features[start:start + n]
-        flat[r] = start + window[r]
-    positions = np.where(np.arange(width)[None, :] < lengths[:, None], np.arange(width)[None, :], -1)
+    inside = np.arange(width)[None, :] < lengths[:, None]  # [B, width]
+    feature_rows = np.where(inside, data.offsets[rows][:, None] + np.arange(width)[None, :], -1)
+    tokens = np.where(inside, data.tokens[np.maximum(feature_rows, 0)], 0).astype(np.int32)
+    flat = data.offsets[rows][:, None, None] + window  # [B, A, k]: the flat row of each window position
+    positions = np.where(inside, np.arange(width)[None, :], -1)
     take = lambda idx: np.take_along_axis(tokens, idx.reshape(len(rows), -1), axis=1).reshape(idx.shape)  # noqa: E731
     labels = take(window + 1).astype(np.int32)
     teacher_ids = data.teacher_ids[flat.reshape(-1)].reshape(flat.shape + (-1,))
     place = (lambda ids: ids) if vocab_place is None else (lambda ids: vocab_place[ids])  # noqa: E731
-    return dict(features=features, ctx_positions=positions.astype(np.int32),
-                anchor_tokens=take(anchors).astype(np.int32), anchor_positions=anchors.astype(np.int32),
-                prev_tokens=take(window).astype(np.int32), labels=labels, label_index=place(labels),
-                teacher_index=place(teacher_ids),
-                teacher_probs=data.teacher_probs[flat.reshape(-1)].reshape(flat.shape + (-1,)).astype(np.float32))
+    batch = dict(ctx_positions=positions.astype(np.int32),
+                 anchor_tokens=take(anchors).astype(np.int32), anchor_positions=anchors.astype(np.int32),
+                 prev_tokens=take(window).astype(np.int32), labels=labels, label_index=place(labels),
+                 teacher_index=place(teacher_ids),
+                 teacher_probs=data.teacher_probs[flat.reshape(-1)].reshape(flat.shape + (-1,)).astype(np.float32))
+    if features:
+        batch["features"] = gather_features(data.features, feature_rows)
+    else:
+        batch["feature_rows"] = feature_rows.astype(np.int32)
+    return batch
+
+
+def gather_features(source: Any, feature_rows: Any) -> Any:
+    """f32 [B, width, n * d]: source's rows feature_rows [B, width] (-1: zeros). numpy in, numpy
+    out (a memory map reads only those rows); a device array in, a device array out."""
+    xp = np if isinstance(source, np.ndarray) else jnp
+    rows = xp.maximum(feature_rows, 0)
+    picked = source[rows.reshape(-1)].reshape(rows.shape + (source.shape[1],)).astype(xp.float32)
+    return xp.where((feature_rows >= 0)[..., None], picked, xp.float32(0))
+
+
+def resident_features(features: np.ndarray, share: float = 0.5) -> jax.Array | None:
+    """The features copied to the device once, when they take at most `share` of its memory, so
+    that each step gathers its rows there instead of sending them; None where they do not fit
+    or the device does not say how much it holds (the CPU: the host gathers)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit or features.nbytes > share * limit:
+        return None
+    return jax.device_put(features)
 
 
 def draft_vocabulary(data: Dataset, size: int, vocab_size: int) -> np.ndarray:
@@ -390,14 +415,19 @@ def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dat
         if resumed is not None:
             start, params, opt_state, rng, history = resumed
     width = -(-int(data.lengths.max()) // 64) * 64  # one program shape for every step
+    resident = resident_features(data.features)
+    gather = jax.jit(gather_features)
     with Progress(train_cfg.steps, "Training drafter", unit="step",
                   enabled=progress_enabled() if progress is None else progress) as bar:
         bar.update(start)
         for i in range(start, train_cfg.steps):
             rows = rng.choice(len(data), size=train_cfg.batch_size, replace=len(data) < train_cfg.batch_size)
-            batch = sample_blocks(data, rows, train_cfg.anchors, cfg.block_size, rng, place, width)
-            params, opt_state, metrics = step(params, opt_state, {k: jnp.asarray(v) for k, v in batch.items()},
-                                              target_weights)
+            batch = sample_blocks(data, rows, train_cfg.anchors, cfg.block_size, rng, place, width,
+                                  features=resident is None)
+            batch = {k: jnp.asarray(v) for k, v in batch.items()}
+            if resident is not None:
+                batch["features"] = gather(resident, batch.pop("feature_rows"))
+            params, opt_state, metrics = step(params, opt_state, batch, target_weights)
             if i % log_every == 0 or i == train_cfg.steps - 1:
                 metrics = {k: round(float(v), 4) for k, v in jax.device_get(metrics).items()}
                 history.append({"step": i, **metrics})
@@ -455,32 +485,51 @@ def split_prompts(num_prompts: int, eval_fraction: float, seed: int) -> np.ndarr
     return held
 
 
+def load_target(model: str | None, dtype: Any = "auto", progress: bool | None = None):
+    """(family, weights, config, source) of the target, its weights prepared as an engine's on
+    this device (packed for the CPU kernels where they run), without the engine's KV cache."""
+    from weld.engine.llm import resolve_dtype
+    from weld.kernels import cpu as cpu_kernels
+    from weld.models.family import WeightTarget
+    from weld.weights import load_model, resolve_model
+
+    dtype = resolve_dtype(dtype)
+    loaded = load_model(resolve_model(model), dtype=dtype, progress=progress)
+    target = WeightTarget("xla", dtype == jnp.float32 and cpu_kernels.available())
+    return loaded.family, loaded.family.prepare_weights(loaded.weights, loaded.cfg, target), loaded.cfg, loaded.source
+
+
 def train_draft(model: str | None, data_path: str, out: str, *, train_cfg: TrainConfig, draft_overrides: dict,
                 max_prompts: int | None = None, max_new_tokens: int = 256, samples: int = 1, chat: bool = True,
                 eval_fraction: float = 0.05, progress: bool | None = None, log=print,
                 engine_args: dict | None = None) -> dict:
     """`weld train-draft`: answers, features, training, report, the drafter; every stage resumes
     from what `out` already holds. Returns a summary (also saved with the drafter)."""
-    from weld.engine.llm import LLM
-
     started = time.perf_counter()
     _optax()  # fail before the slow part
     out_dir = pathlib.Path(out)
     prompts = read_prompts(data_path)[:max_prompts]
-    engine = dict(max_model_len=None, max_num_seqs=64, kv_cache_memory_gb=1.0)
-    llm = LLM(model, progress=progress, **{**engine, **(engine_args or {})})
-    try:
-        cfg = dspark.DraftConfig.for_target(llm.cfg, **draft_overrides)
-    except ValueError as err:  # a drafter this target cannot feed, e.g. target layers out of range
-        raise InvalidInputError(str(err)) from None
     data_dir = out_dir / "data"
     log(f"answers: {len(prompts)} prompts x {samples} (greedy{', then sampled' if samples > 1 else ''}), "
         f"up to {max_new_tokens} new tokens -> {data_dir / distill.SEQUENCES_FILE}")
-    answers = distill.generate(llm, prompts, data_dir, max_new_tokens=max_new_tokens, samples=samples, chat=chat,
-                               seed=train_cfg.seed, progress=progress, log=log)
-    target_weights, target_cfg, family = llm.model.weights, llm.cfg, llm.model.family
-    source = llm.model.source.name
-    del llm.engine  # the KV cache is not needed any more
+    engine = {"max_model_len": None, "max_num_seqs": 64, "kv_cache_memory_gb": 1.0, **(engine_args or {})}
+    answers = distill.complete_answers(data_dir, len(prompts), samples)
+    if answers is None:  # answers to generate: the engine
+        from weld.engine.llm import LLM
+
+        llm = LLM(model, progress=progress, **engine)
+        answers = distill.generate(llm, prompts, data_dir, max_new_tokens=max_new_tokens, samples=samples,
+                                   chat=chat, seed=train_cfg.seed, progress=progress, log=log)
+        family, target_weights, target_cfg, source = llm.model.family, llm.model.weights, llm.cfg, llm.model.source
+        del llm  # the KV cache is not needed any more
+    else:  # every answer is there: the target's weights alone
+        log(f"{data_dir / distill.SEQUENCES_FILE}: all {len(answers)} answers already generated")
+        family, target_weights, target_cfg, source = load_target(model, engine.get("dtype", "auto"), progress)
+    source = source.name
+    try:
+        cfg = dspark.DraftConfig.for_target(target_cfg, **draft_overrides)
+    except ValueError as err:  # a drafter this target cannot feed, e.g. target layers out of range
+        raise InvalidInputError(str(err)) from None
     held = split_prompts(len(prompts), eval_fraction, train_cfg.seed)
     answers = [a for a in answers if not held[a.prompt_index] or a.sample == 0]  # held out: greedy only
     data = build_features(family, target_weights, target_cfg, cfg, [a.tokens for a in answers],
