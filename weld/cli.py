@@ -142,6 +142,11 @@ def _train_draft_flags(p: argparse.ArgumentParser) -> None:
                    help="share of prompts held out to measure the drafter's acceptance (default: 0.05)")
     g.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
                    help="answers generated at once (default: 64)")
+    from weld.config import DTYPES
+
+    g.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                   help="the target's dtype for answers and features; auto is float32 on CPU, bfloat16 on GPU/TPU "
+                        "(default: auto)")
     g = p.add_argument_group("drafter")
     g.add_argument("--k", type=int, default=7, help="drafts per block (default: 7)")
     g.add_argument("--layers", type=int, default=1, help="drafter transformer layers (default: 1)")
@@ -453,7 +458,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
                           max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, samples=args.samples,
                           chat=not args.raw, eval_fraction=args.eval_fraction, progress=None,
                           log=lambda line: print(f"weld: {line}", file=sys.stderr),
-                          engine_args={"max_num_seqs": args.max_num_seqs})
+                          engine_args={"max_num_seqs": args.max_num_seqs, "dtype": args.dtype})
     print(json.dumps({key: summary[key] for key in ("seconds", "final", "held_out")} | {"out": args.out}, indent=2))
     return 0
 

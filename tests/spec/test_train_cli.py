@@ -27,7 +27,7 @@ def test_bad_input_is_reported_before_loading_the_model(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_train_draft_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys):
+def test_train_draft_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys, monkeypatch):
     from weld.models.llama import Config
 
     directory, _ = tiny_llama_dir
@@ -46,8 +46,10 @@ def test_train_draft_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys
     cfg.check_target(Config.from_hf(json.loads((directory / "config.json").read_text())))
     assert json.loads((out / "config.json").read_text())["training"]["prompts"] == 5
     assert (out / "data" / "sequences.jsonl").read_text().count("\n") == 5
-    # A rerun finds every stage done: the same drafter, nothing generated or trained again.
+    # A rerun finds every stage done: the same drafter, nothing generated or trained again, and
+    # no engine built (the target's weights alone feed the features).
     first = (out / "model.safetensors").read_bytes()
+    monkeypatch.setattr("weld.engine.llm.LLM.__init__", lambda *a, **k: pytest.fail("an engine was built"))
     assert main(args) == 0
-    assert "5 answers already generated, 0 to go" in capsys.readouterr().err
+    assert "all 5 answers already generated" in capsys.readouterr().err
     assert (out / "model.safetensors").read_bytes() == first

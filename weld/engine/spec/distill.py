@@ -78,6 +78,14 @@ def read_sequences(path: str | pathlib.Path) -> list[Answer]:
     return answers
 
 
+def complete_answers(out_dir: str | pathlib.Path, num_prompts: int, samples: int) -> list[Answer] | None:
+    """Every answer `generate` would return, read from out_dir/sequences.jsonl, or None while
+    some are still to be generated."""
+    done = {(a.prompt_index, a.sample): a for a in read_sequences(pathlib.Path(out_dir) / SEQUENCES_FILE)}
+    keys = [(i, s) for i in range(num_prompts) for s in range(samples)]
+    return [done[key] for key in keys] if all(key in done for key in keys) else None
+
+
 def _truncate_torn_line(path: pathlib.Path) -> None:
     """Drops a last line without its newline, so that appending starts on a fresh line."""
     if not path.is_file():
