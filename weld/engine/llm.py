@@ -347,6 +347,8 @@ class LLM:
                                     f"({dcfg.block_size})")
         threshold = dcfg.confidence_threshold if spec.confidence_threshold is None else spec.confidence_threshold
         params = dspark.serving_params(params, dcfg, self.model.weights)
+        if target.pack_for_cpu_kernels and cpu_kernels.available():  # the native integer kernel's form
+            params = dspark.quantized(params)
         return (drafters.DSparkDrafter(dcfg, float(threshold)), params,
                 dataclasses.replace(spec, k=spec.k or dcfg.block_size))
 
