@@ -8,6 +8,7 @@ import importlib.util
 import json
 import pathlib
 
+import numpy as np
 import pytest
 
 from weld import LLM, SamplingParams
@@ -64,3 +65,17 @@ def test_shipped_drafter_is_accepted_on_held_out_prompts(speculative):
     assert stats["spec_num_drafts"] > 20, stats
     assert stats["spec_mean_acceptance_length"] >= FLOOR, stats
     assert stats["num_free_pages"] == stats["num_pages"]
+
+
+def test_the_drafter_runs_in_int8_blocks_on_the_cpu_kernels(speculative):
+    """On the CPU kernels every drafter matrix, the draft head too, is int8 blocks (Q8_0's rule);
+    vectors stay f32."""
+    from weld.kernels import cpu as cpu_kernels
+    from weld.models.common.quant import QuantWeight
+
+    assert cpu_kernels.available()
+    params = speculative.engine.runner.draft_params
+    assert isinstance(params["draft_head"], QuantWeight) and params["draft_head"].fmt == "int8"
+    assert all(isinstance(params["layers"][0][name], QuantWeight) for name in ("wq", "wo", "w_down"))
+    assert isinstance(params["fc"], QuantWeight) and isinstance(params["markov_out"], QuantWeight)
+    assert not isinstance(params["final_norm"], QuantWeight) and params["confidence"].dtype == np.float32
