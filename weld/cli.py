@@ -169,6 +169,8 @@ def _train_draft_flags(p: argparse.ArgumentParser) -> None:
                    help="drafted slot j weighs exp(-j / D) in the loss (default: 4)")
     g.add_argument("--save-every", type=int, default=100, metavar="N", help="steps between checkpoints (default: 100)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    g.add_argument("--init", default=None, metavar="DIR",
+                   help="start from this drafter's weights (same shape and draft vocabulary) instead of fresh ones")
 
 
 def _convert_flags(p: argparse.ArgumentParser) -> None:
@@ -458,7 +460,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
                           max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, samples=args.samples,
                           chat=not args.raw, eval_fraction=args.eval_fraction, progress=None,
                           log=lambda line: print(f"weld: {line}", file=sys.stderr),
-                          engine_args={"max_num_seqs": args.max_num_seqs, "dtype": args.dtype})
+                          engine_args={"max_num_seqs": args.max_num_seqs, "dtype": args.dtype}, init=args.init)
     print(json.dumps({key: summary[key] for key in ("seconds", "final", "held_out")} | {"out": args.out}, indent=2))
     return 0
 

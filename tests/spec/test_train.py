@@ -1,5 +1,7 @@
 """Self-distillation of the drafter on a tiny random llama: the loss falls, checkpoints reload."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -215,3 +217,32 @@ def test_features_gathered_on_the_device_train_as_those_sent_from_the_host(monke
     np.testing.assert_array_equal(np.asarray(train.gather_features(jnp.asarray(data.features), rows)),
                                   train.gather_features(data.features, rows))
     assert not train.gather_features(data.features, rows)[0, 1].any()  # padding is zeros
+
+
+def test_target_features_are_computed_at_full_matmul_precision():
+    """The teacher's program asks for HIGHEST precision on its matrix products (a TPU's default
+    bf16 pass swamps the residual stream's small channels next to its huge ones)."""
+    weights = random_weights(llama.weight_specs(TARGET), seed=0, scale=3.0)
+    lowered = jax.jit(lambda w, t: train._teacher(llama, w, TARGET, t, layers=(0, 1), top=4)).lower(
+        weights, jnp.zeros((2, 64), jnp.int32))
+    dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
+    assert len(dots) >= 2 * TARGET.num_layers
+    assert all("HIGHEST" in line for line in dots), [line for line in dots if "HIGHEST" not in line]
+
+
+def test_a_saved_drafter_is_a_starting_point_of_the_same_shape_and_vocabulary(tmp_path):
+    """`--init DIR`: training starts from a saved drafter; one of another shape or draft
+    vocabulary is refused with a message naming what differs."""
+    from weld.utils.errors import InvalidInputError
+
+    cfg = dspark.DraftConfig.for_target(TARGET, block_size=3, markov_rank=4, intermediate_size=32, draft_vocab_size=16)
+    vocab = np.arange(0, 32, 2, dtype=np.int32)
+    params = dspark.init_params(cfg, seed=3)
+    dspark.save(tmp_path, {**params, dspark.VOCAB_TENSOR: jnp.asarray(vocab)}, cfg)
+    start = train.starting_params(tmp_path, cfg, vocab)
+    assert dspark.VOCAB_TENSOR not in start
+    np.testing.assert_allclose(start["fc"], np.asarray(params["fc"]).astype(np.float16), rtol=0, atol=0)
+    with pytest.raises(InvalidInputError, match="block_size"):
+        train.starting_params(tmp_path, dataclasses.replace(cfg, block_size=4), vocab)
+    with pytest.raises(InvalidInputError, match="draft vocabulary"):
+        train.starting_params(tmp_path, cfg, vocab + 1)
