@@ -246,3 +246,17 @@ def test_a_saved_drafter_is_a_starting_point_of_the_same_shape_and_vocabulary(tm
         train.starting_params(tmp_path, dataclasses.replace(cfg, block_size=4), vocab)
     with pytest.raises(InvalidInputError, match="draft vocabulary"):
         train.starting_params(tmp_path, cfg, vocab + 1)
+
+
+def test_a_torn_drafter_file_is_a_clear_error(tmp_path):
+    """A drafter whose weights file is cut off is refused naming the file (`--init`, `--draft`)."""
+    from weld.utils.errors import InvalidInputError
+
+    cfg = dspark.DraftConfig.for_target(TARGET, block_size=3, markov_rank=4, intermediate_size=32)
+    dspark.save(tmp_path, dspark.init_params(cfg, seed=3), cfg)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+        dspark.load(tmp_path)
+    with pytest.raises(InvalidInputError, match="--init"):
+        train.read_init(tmp_path)

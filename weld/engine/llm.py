@@ -160,8 +160,7 @@ class LLM:
                                  self.cfg.max_position_embeddings)
         eos = tuple(dict.fromkeys(tuple(self.tokenizer.eos_token_ids) + tuple(self.cfg.eos_token_ids)))
         one_device = self.mesh is None
-        target = WeightTarget(config.backend, one_device and self.dtype == jnp.float32 and cpu_kernels.available(),
-                              fuse=one_device)
+        target = WeightTarget.on_this_host(config.backend, self.dtype, one_device)
         drafter, draft_params, spec = self._load_drafter(config.speculative, target, progress)
         self.model.weights = family.prepare_weights(self.model.weights, self.cfg, target)
         if self.mesh is not None:
@@ -347,7 +346,7 @@ class LLM:
                                     f"({dcfg.block_size})")
         threshold = dcfg.confidence_threshold if spec.confidence_threshold is None else spec.confidence_threshold
         params = dspark.serving_params(params, dcfg, self.model.weights)
-        if target.pack_for_cpu_kernels and cpu_kernels.available():  # the native integer kernel's form
+        if target.pack_for_cpu_kernels:  # the native integer kernel's form
             params = dspark.quantized(params)
         return (drafters.DSparkDrafter(dcfg, float(threshold)), params,
                 dataclasses.replace(spec, k=spec.k or dcfg.block_size))

@@ -50,6 +50,16 @@ class WeightTarget:
     # rows would then mix the parts across devices (`weld.models.common.sharding`).
     fuse: bool = True
 
+    @classmethod
+    def on_this_host(cls, backend: str, dtype: Any, one_device: bool = True) -> "WeightTarget":
+        """Where a model of `dtype` runs here: packed for the native CPU kernels when it is f32 on
+        one device and they are built; fused unless split over a mesh."""
+        import jax.numpy as jnp
+
+        from weld.kernels import cpu as cpu_kernels
+
+        return cls(backend, one_device and dtype == jnp.float32 and cpu_kernels.available(), fuse=one_device)
+
 
 @runtime_checkable
 class ModelFamily(Protocol):

@@ -426,8 +426,18 @@ def load(directory: str | pathlib.Path, dtype: Any = jnp.float32) -> tuple[dict,
     document = json.loads(config_path.read_text())
     if document.get("format") != FORMAT:
         raise ValueError(f"{config_path}: format is {document.get('format')!r}, expected {FORMAT!r}")
-    cfg = DraftConfig.from_dict(document["config"])
-    tensors = load_file(str(directory / WEIGHTS_FILE))
+    if not isinstance(document.get("config"), dict):
+        raise ValueError(f"{config_path}: no \"config\" object")
+    try:
+        cfg = DraftConfig.from_dict(document["config"])
+    except TypeError as err:  # a field of the wrong type
+        raise ValueError(f"{config_path}: {err}") from None
+    try:
+        tensors = load_file(str(directory / WEIGHTS_FILE))
+    except OSError:
+        raise
+    except Exception as err:  # safetensors' own error for a torn or foreign file
+        raise ValueError(f"{directory / WEIGHTS_FILE}: not a readable safetensors file ({err})") from None
     specs = weight_specs(cfg)
     expected = {path_str(path) for path, _ in iter_specs(specs)} | ({VOCAB_TENSOR} if cfg.draft_vocab_size else set())
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)

@@ -492,13 +492,21 @@ def split_prompts(num_prompts: int, eval_fraction: float, seed: int) -> np.ndarr
     return held
 
 
-def starting_params(directory: str | pathlib.Path, cfg: dspark.DraftConfig, vocab: np.ndarray | None) -> dict:
-    """A saved drafter's weights (f32) to train on from (`--init`): fine-tuning it, or moving it to
-    features computed elsewhere. It must have cfg's shape and the same draft vocabulary."""
+def read_init(directory: str | pathlib.Path) -> tuple[dict, dspark.DraftConfig]:
+    """The drafter `--init` names (read before the slow stages, so a bad one fails at once)."""
     try:
-        params, saved = dspark.load(directory)
+        return dspark.load(directory)
     except (ValueError, OSError) as err:
         raise InvalidInputError(f"--init {directory}: {err}") from None
+
+
+def starting_params(directory: str | pathlib.Path, cfg: dspark.DraftConfig, vocab: np.ndarray | None,
+                    saved_drafter: tuple[dict, dspark.DraftConfig] | None = None) -> dict:
+    """A saved drafter's weights (f32) to train on from (`--init`): fine-tuning it, or moving it to
+    features computed elsewhere. It must have cfg's shape and the same draft vocabulary.
+    saved_drafter: `read_init(directory)` when already read."""
+    params, saved = saved_drafter or read_init(directory)
+    params = dict(params)
     if saved != cfg:
         changed = sorted(k for k, v in cfg.to_dict().items() if saved.to_dict().get(k) != v)
         raise InvalidInputError(f"--init {directory}: that drafter differs from this one in {', '.join(changed)}")
@@ -512,13 +520,12 @@ def load_target(model: str | None, dtype: Any = "auto", progress: bool | None = 
     """(family, weights, config, source) of the target, its weights prepared as an engine's on
     this device (packed for the CPU kernels where they run), without the engine's KV cache."""
     from weld.engine.llm import resolve_dtype
-    from weld.kernels import cpu as cpu_kernels
     from weld.models.family import WeightTarget
     from weld.weights import load_model, resolve_model
 
     dtype = resolve_dtype(dtype)
     loaded = load_model(resolve_model(model), dtype=dtype, progress=progress)
-    target = WeightTarget("xla", dtype == jnp.float32 and cpu_kernels.available())
+    target = WeightTarget.on_this_host("xla", dtype)
     return loaded.family, loaded.family.prepare_weights(loaded.weights, loaded.cfg, target), loaded.cfg, loaded.source
 
 
@@ -532,6 +539,7 @@ def train_draft(model: str | None, data_path: str, out: str, *, train_cfg: Train
     _optax()  # fail before the slow part
     out_dir = pathlib.Path(out)
     prompts = read_prompts(data_path)[:max_prompts]
+    saved_drafter = None if init is None else read_init(init)
     data_dir = out_dir / "data"
     log(f"answers: {len(prompts)} prompts x {samples} (greedy{', then sampled' if samples > 1 else ''}), "
         f"up to {max_new_tokens} new tokens -> {data_dir / distill.SEQUENCES_FILE}")
@@ -571,9 +579,11 @@ def train_draft(model: str | None, data_path: str, out: str, *, train_cfg: Train
             < len(vocab)))
         log(f"draft vocabulary: the {len(vocab)} most frequent tokens, {covered:.1%} of the held-out answers' tokens")
     params = (dspark.init_params(cfg, seed=train_cfg.seed, target_weights=target_weights) if init is None
-              else starting_params(init, cfg, vocab))
+              else starting_params(init, cfg, vocab, saved_drafter))
     settings = {"draft": cfg.to_dict(), "train": dataclasses.asdict(train_cfg), "answers": len(answers),
-                "tokens": int(data.lengths.sum()), "init": None if init is None else str(init)}
+                "tokens": int(data.lengths.sum())}
+    if init is not None:  # (absent otherwise, so that runs saved before --init existed still resume)
+        settings["init"] = str(init)
     params, history = train(params, cfg, target_weights, train_data, train_cfg, progress=progress,
                             checkpoint=Checkpoint(out_dir / CHECKPOINT_DIR), settings=settings, draft_vocab=vocab)
     if vocab is not None:
