@@ -4,6 +4,7 @@ plain decoding, whatever the proposer drafts."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -255,18 +256,24 @@ def test_dspark_paged_drafts_match_dense_reference(tiny_llama_dir, dspark_dir, p
     anchor, position = tokens[-1], len(tokens) - 1
     tables = np.zeros((1, runner.max_pages_per_seq), np.int32)
     tables[0, :len(seq.block_table)] = seq.block_table
-    _, paged, num = jax.jit(lambda st: drafter.propose(runner.draft_params, st, runner.weights,
-                                                       jnp.asarray([anchor]), jnp.asarray([position]),
-                                                       jnp.asarray(tables), jnp.asarray([4]), 3))(runner.draft_state)
     params, cfg = runner.draft_params, drafter.cfg
     features, _ = target_hidden_states(llm.model.family, runner.weights, llm.cfg, jnp.asarray([tokens[:-1]]), cfg.target_layers)
     context = dspark.project_context(params, cfg, features)
     ctx_positions = jnp.arange(len(tokens) - 1)[None]
     ctx_kv = dspark.context_kv(params, cfg, context, ctx_positions)
-    dense = dspark.propose(params, cfg, runner.weights, ctx_kv, ctx_positions, jnp.asarray([anchor]),
-                           jnp.asarray([position]), threshold=drafter.threshold)
-    assert np.asarray(paged).tolist() == np.asarray(dense.tokens).tolist()
-    assert int(num[0]) == int(dense.num_drafts[0])
+    # every draft sent (0), the drafter's own threshold, none sent (above any confidence): the
+    # engine's drafter skips its head when no row would send a draft, so it must then send none
+    for threshold in (0.0, drafter.threshold, 1.01):
+        engine_drafter = dataclasses.replace(drafter, threshold=threshold)
+        _, paged, num = jax.jit(lambda st: engine_drafter.propose(runner.draft_params, st, runner.weights,
+                                                                  jnp.asarray([anchor]), jnp.asarray([position]),
+                                                                  jnp.asarray(tables), jnp.asarray([4]), 3))(
+            runner.draft_state)
+        dense = dspark.propose(params, cfg, runner.weights, ctx_kv, ctx_positions, jnp.asarray([anchor]),
+                               jnp.asarray([position]), threshold=threshold)
+        sent = int(dense.num_drafts[0])
+        assert int(num[0]) == sent == {0.0: 3, 1.01: 0}.get(threshold, sent)
+        assert np.asarray(paged)[0, :sent].tolist() == np.asarray(dense.tokens)[0, :sent].tolist()
     llm.engine.abort("r")
     assert_no_leak(llm)
 

@@ -136,28 +136,38 @@ class DSparkDrafter:
         x = jnp.concatenate([embed[last][:, None, :],
                              jnp.broadcast_to(params["mask_embed"].astype(embed.dtype), (b, s - 1, d))], axis=1)
         slot_positions = positions[:, None] + jnp.arange(s)
-        sees_before = jnp.broadcast_to(jnp.where(budget > 0, positions - 1, -1)[:, None], (b, s))
-        no_write = jnp.full((b, s), -1, jnp.int32)
+        sees_before = jnp.where(budget > 0, positions - 1, -1)[:, None]
         pages = list(state.layers)
+        last_layer = len(params["layers"]) - 1
         for i, lw in enumerate(params["layers"]):
             def attend(q, keys, values, i=i):
+                m = q.shape[1]  # the slots whose outputs are read; the new K/V are not written (-1)
                 out_ctx, k_pool, v_pool, lse_ctx = paged_attention(
-                    q, keys, values, pages[i].k, pages[i].v, no_write, tables, query_positions=sees_before,
-                    return_lse=True)
+                    q, keys[:, :m], values[:, :m], pages[i].k, pages[i].v, jnp.full((b, m), -1, jnp.int32), tables,
+                    query_positions=jnp.broadcast_to(sees_before, (b, m)), return_lse=True)
                 pages[i] = dataclasses.replace(pages[i], k=k_pool, v=v_pool)
-                out_blk, lse_blk = dense_attention(q, keys, values, jnp.ones((1, s, s), bool))  # slots see each other
+                out_blk, lse_blk = dense_attention(q, keys, values, jnp.ones((1, m, s), bool))  # slots see each other
                 w_ctx = jax.nn.sigmoid(lse_ctx - lse_blk)[..., None]  # share of the context's keys
                 return w_ctx * out_ctx.astype(jnp.float32) + (1 - w_ctx) * out_blk
 
-            x = dspark.layer(cfg, lw, x, slot_positions, attend)
-        hidden = rms_norm(x[:, 1:k + 1], params["final_norm"], cfg.rms_norm_eps)  # [b, k, d]
-        head_logits = linear(hidden, dspark.draft_head(params, target_weights))  # [b, k, n]: once per block
-        prev, tokens, confidence = last, [], []
-        for j in range(k):  # the Markov head reads the draft before each slot
-            logits, conf = dspark.slot_outputs(params, head_logits[:, j], hidden[:, j],
-                                               dspark.markov_features(params, embed, prev))
-            prev = dspark.draft_ids(params, argmax(logits))
-            tokens.append(prev)
-            confidence.append(conf)
-        num = dspark.num_to_verify(jnp.stack(confidence, axis=1), self.threshold)
-        return Cache(layers=pages), jnp.stack(tokens, axis=1), num
+            # the last layer computes only the k slots whose hidden states are read
+            x = dspark.layer(cfg, lw, x, slot_positions, attend, slice(1, k + 1) if i == last_layer else slice(None))
+        hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)  # [b, k, d]
+
+        def drafts(hidden):
+            head_logits = linear(hidden, dspark.draft_head(params, target_weights))  # [b, k, n]: once per block
+            prev, tokens, confidence = last, [], []
+            for j in range(k):  # the Markov head reads the draft before each slot
+                logits, conf = dspark.slot_outputs(params, head_logits[:, j], hidden[:, j],
+                                                   dspark.markov_features(params, embed, prev))
+                prev = dspark.draft_ids(params, argmax(logits))
+                tokens.append(prev)
+                confidence.append(conf)
+            return jnp.stack(tokens, axis=1), dspark.num_to_verify(jnp.stack(confidence, axis=1), self.threshold)
+
+        # A row sends nothing unless its first slot's confidence (which reads neither the head nor
+        # the Markov loop) reaches the threshold: when no row's does, the block costs its layers only.
+        first = dspark.confidence(params, hidden[:, 0], dspark.markov_features(params, embed, last))
+        tokens, num = jax.lax.cond(jnp.any(first >= self.threshold), drafts,
+                                   lambda _: (jnp.zeros((b, k), jnp.int32), jnp.zeros((b,), jnp.int32)), hidden)
+        return Cache(layers=pages), tokens, num

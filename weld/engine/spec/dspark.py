@@ -239,16 +239,21 @@ def rope(cfg: DraftConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
     return Rope(cfg.head_dim, cfg.rope_theta, max_position_embeddings=1)(x, positions)
 
 
-def layer(cfg: DraftConfig, lw: dict, x: jax.Array, positions: jax.Array, attend) -> jax.Array:
+def layer(cfg: DraftConfig, lw: dict, x: jax.Array, positions: jax.Array, attend,
+          rows: slice = slice(None)) -> jax.Array:
     """One drafter layer (a llama block) over slots x [b, n, d] at positions [b, n]; attend(q, k, v)
-    -> [b, n, h, e] is the attention over whatever the slots see (the context and the block)."""
+    -> [b, m, h, e] is the attention of queries q [b, m, h, e] over whatever the slots see (the
+    context and the block's keys k and values v [b, n, kv, e]). rows: the slots whose outputs
+    are wanted ([b, m, d] out); every slot is still a key and a value (a serving block's last
+    layer: its anchor slot's output is never read)."""
     b, n, _ = x.shape
     h, kv, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     y = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-    q = rope(cfg, linear(y, lw["wq"]).reshape(b, n, h, e), positions)
+    x, out_positions = x[:, rows], positions[:, rows]
+    q = rope(cfg, linear(y[:, rows], lw["wq"]).reshape(b, x.shape[1], h, e), out_positions)
     k = rope(cfg, linear(y, lw["wk"]).reshape(b, n, kv, e), positions)
     v = linear(y, lw["wv"]).reshape(b, n, kv, e)
-    x = x + linear(attend(q, k, v).astype(x.dtype).reshape(b, n, h * e), lw["wo"])
+    x = x + linear(attend(q, k, v).astype(x.dtype).reshape(b, x.shape[1], h * e), lw["wo"])
     return x + swiglu(rms_norm(x, lw["mlp_norm"], cfg.rms_norm_eps), lw["w_gate"], lw["w_up"], lw["w_down"])
 
 
