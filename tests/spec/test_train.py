@@ -221,7 +221,7 @@ def test_features_gathered_on_the_device_train_as_those_sent_from_the_host(monke
 
 def test_target_features_are_computed_at_full_matmul_precision():
     """The teacher's program asks for HIGHEST precision on its matrix products (a TPU's default
-    bf16 pass swamps the residual stream's small channels next to its huge ones)."""
+    multiplies f32 in one bf16 pass), so the features are the model's on any machine."""
     weights = random_weights(llama.weight_specs(TARGET), seed=0, scale=3.0)
     lowered = jax.jit(lambda w, t: train._teacher(llama, w, TARGET, t, layers=(0, 1), top=4)).lower(
         weights, jnp.zeros((2, 64), jnp.int32))

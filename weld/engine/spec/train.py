@@ -116,11 +116,11 @@ class Dataset:
 def _teacher(family: Any, weights: dict, cfg: Any, tokens: jax.Array, *, layers: tuple[int, ...], top: int):
     """Target features f16 [b, t, n * d] and the teacher's top tokens and probabilities [b, t, top].
 
-    Matrix products at full precision: a TPU's default multiplies f32 in one bf16 pass, whose
-    error follows the largest inputs. SmolLM2's residual stream has a few channels near 25,000,
-    so that error (~100) swamps the small channels that carry the drafter's information, and a
-    drafter trained on such features drafts nonsense from a CPU's exact ones (measured: held-out
-    acceptance 2.40 on TPU features, 1.15 on CPU features of the same answers)."""
+    Matrix products at full precision, so that features are the model's wherever they are made
+    (a TPU's default multiplies f32 in one bf16 pass). Measured on SmolLM2 (2026-12-06): TPU
+    features at either precision are within 1-2% of the CPU's, as close as the CPU's integer
+    kernels are to its exact f32 path, so precision does not explain why drafters trained on a
+    TPU failed on the CPU (benchmarks/results/spec_dspark_2026-12-06_evening.md)."""
     with jax.default_matmul_precision("highest"):
         features, final = target_hidden_states(family, weights, cfg, tokens, layers)
         probs = jax.nn.softmax(family.lm_head(weights, cfg, final).astype(jnp.float32), axis=-1)
