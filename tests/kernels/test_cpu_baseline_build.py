@@ -1,7 +1,9 @@
-"""The native kernels' portable paths. Attention, the packed matmul, RMSNorm and argmax choose
-their vector path when compiled (-march=native), so on this machine the ordinary tests run the
-AVX2 ones only. Here the library is built with WELD_CPU_MARCH=x86-64 (no AVX2, FMA or F16C) in
-a fresh cache, and those kernels' tests run again in a subprocess against the same references."""
+"""The native kernels' other paths. Attention, the packed matmul, RMSNorm and argmax choose
+their vector path when compiled (-march=native), so on this machine the ordinary tests run only
+the widest one it has. Here the library is built with WELD_CPU_MARCH=x86-64 (no AVX2, FMA or
+F16C: the scalar paths) and, on a CPU with AVX-512, x86-64-v3 (AVX2 without AVX-512: attention's
+8-lane path) in a fresh cache, and those kernels' tests run again in a subprocess against the same
+references."""
 
 from __future__ import annotations
 
@@ -34,6 +36,14 @@ def cpu_flags() -> set[str]:
 def test_the_native_build_takes_the_vector_paths_where_the_cpu_has_them():
     assert cpu_kernels.available(), cpu_kernels._state.get("error")  # the test machine has a compiler
     assert cpu_kernels.built_with_avx2() == ({"avx2", "fma", "f16c"} <= cpu_flags())
+    assert cpu_kernels.built_with_avx512() == ({"avx2", "fma", "f16c", "avx512f"} <= cpu_flags())
+
+
+# (march, built with AVX2, built with AVX-512, tests): the paths -march=native does not build
+# here; AVX-512 changes attention's path only
+ATTENTION_TESTS = ["tests/models/test_attention.py", "tests/kernels/test_batch_invariant_ops.py"]
+OTHER_BUILDS = [("x86-64", False, False, KERNEL_TESTS)] + (
+    [("x86-64-v3", True, False, ATTENTION_TESTS)] if {"avx2", "fma", "f16c", "avx512f"} <= cpu_flags() else [])
 
 
 def test_a_bad_march_is_refused(monkeypatch):
@@ -43,14 +53,15 @@ def test_a_bad_march_is_refused(monkeypatch):
         cpu_kernels.available()
 
 
-def test_the_portable_paths_pass_the_kernel_tests(tmp_path):
-    env = {**os.environ, "WELD_CPU_MARCH": "x86-64", "WELD_KERNEL_CACHE_DIR": str(tmp_path), "WELD_CPU_KERNELS": "1"}
+@pytest.mark.parametrize("march,avx2,avx512,tests", OTHER_BUILDS, ids=[build[0] for build in OTHER_BUILDS])
+def test_the_other_paths_pass_the_kernel_tests(tmp_path, march, avx2, avx512, tests):
+    env = {**os.environ, "WELD_CPU_MARCH": march, "WELD_KERNEL_CACHE_DIR": str(tmp_path), "WELD_CPU_KERNELS": "1"}
     probe = subprocess.run([sys.executable, "-c", "from weld.kernels import cpu; assert cpu.available(), "
-                            "cpu._state.get('error'); print(cpu.built_with_avx2())"],
+                            "cpu._state.get('error'); print(cpu.built_with_avx2(), cpu.built_with_avx512())"],
                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert probe.returncode == 0, probe.stderr[-2000:]
-    assert probe.stdout.strip() == "False"  # the scalar paths, not the AVX2 ones
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *KERNEL_TESTS],
+    assert probe.stdout.split() == [str(avx2), str(avx512)]  # the paths this build is for
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *tests],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " skipped" not in run.stdout

@@ -83,6 +83,22 @@ def test_kernel_at_model_sizes(b, t, window, drafter, head_dim, heads, kv_heads,
                             pool_dtype=pool_dtype)
 
 
+# head sizes and query heads per kv head (g) that the vector paths take in pieces: the AVX-512
+# path weighs the values of up to 4 (e 32, 64), 2 (96, 128) or 1 (256) heads at once
+HEAD_GROUPS = [(64, 20, 4), (128, 12, 4), (256, 4, 2), (32, 8, 1), (96, 6, 2)]
+
+
+@pytest.mark.parametrize("b,t,window", [(1, 1, None), (2, 40, 70), (3, 3, 6)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", HEAD_GROUPS)
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_head_groups(b, t, window, head_dim, heads, kv_heads, pool_dtype, monkeypatch):
+    """Every head size the vector paths unroll, with g heads per kv head split into whole groups
+    and a remainder (5 = 4 + 1, 3 = 2 + 1, 8 = 4 + 4)."""
+    monkeypatch.setenv("WELD_CPU_KERNELS", "1")
+    check_against_reference(b, t, window, False, page=16, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                            pool_dtype=pool_dtype)
+
+
 @pytest.mark.parametrize("page", [5, 48, 128])
 @pytest.mark.parametrize("b,t,window", [(1, 1, None), (1, 8, None), (2, 40, 70), (3, 3, 6)])
 def test_kernel_spans_of_any_page_size(page, b, t, window, monkeypatch):
@@ -94,14 +110,15 @@ def test_kernel_spans_of_any_page_size(page, b, t, window, monkeypatch):
 
 
 @pytest.mark.parametrize("window", [None, 50, 9])
-def test_kernel_query_does_not_depend_on_its_block(window, monkeypatch):
+@pytest.mark.parametrize("e,heads,kv", [(64, 9, 3), (64, 20, 4), (128, 12, 4)])
+def test_kernel_query_does_not_depend_on_its_block(window, e, heads, kv, monkeypatch):
     """A query's output is the same bits whether it comes alone (a decode step) or among 16
     (verification, a prefill chunk): the pages fold into its softmax in spans fixed by position,
     not by where the block's other queries start (with a window they start elsewhere)."""
     monkeypatch.setenv("WELD_CPU_KERNELS", "1")
     assert cpu_kernels.available()
     rng = np.random.default_rng(11)
-    pages, page, kv, heads, e, t, ctx = 40, 16, 3, 9, 64, 16, 100
+    pages, page, t, ctx = 40, 16, 16, 100
     k_pool = jnp.asarray(rng.standard_normal((pages, page, kv * e)), jnp.float32)
     v_pool = jnp.asarray(rng.standard_normal((pages, page, kv * e)), jnp.float32)
     tables = jnp.asarray(rng.permutation(pages)[None, :12].astype(np.int32))

@@ -16,8 +16,9 @@ traced; 1, the default, turns them on).
 Most kernels pick their vector path when compiled, from the CPU -march=native describes (the
 quantized matmul picks at run time, `quant_isa`). WELD_CPU_MARCH (default native) builds for
 another target instead: `x86-64` compiles the portable scalar paths, which is how the test suite
-checks them on a machine with AVX2 (tests/kernels/test_cpu_baseline_build.py);
-`built_with_avx2()` says which kind the loaded library is.
+checks them on a machine with AVX2, and `x86-64-v3` the AVX2 ones on a machine with AVX-512
+(tests/kernels/test_cpu_baseline_build.py); `built_with_avx2()` and `built_with_avx512()` say which
+kind the loaded library is.
 """
 
 from __future__ import annotations
@@ -300,6 +301,14 @@ def built_with_avx2() -> bool:
     if not available():
         raise InvalidInputError("the native CPU kernels are off or unavailable")
     return bool(_state["lib"].weld_cpu_built_with_avx2())
+
+
+def built_with_avx512() -> bool:
+    """Whether the loaded library's attention takes its AVX-512 path (16 lanes; -march with
+    AVX-512F) rather than the AVX2 or scalar one."""
+    if not available():
+        raise InvalidInputError("the native CPU kernels are off or unavailable")
+    return bool(_state["lib"].weld_cpu_built_with_avx512())
 
 
 def supported_isas() -> tuple[str, ...]:

@@ -32,6 +32,11 @@
 #define WELD_PA_AVX2 1
 #include <immintrin.h>
 #endif
+// AVX-512 (16 lanes) for head sizes that are a multiple of 16, where -march has it; the AVX2
+// path stays for other sizes and CPUs (tests/kernels/test_cpu_baseline_build.py builds it here).
+#if WELD_PA_AVX2 && defined(__AVX512F__)
+#define WELD_PA_AVX512 1
+#endif
 
 namespace ffi = xla::ffi;
 using weld::BF16;
@@ -174,11 +179,151 @@ void fold_rows_avx2(const float* __restrict qs, const T* const* krow, const T* c
 }
 #endif
 
+#if WELD_PA_AVX512
+// The lane sums of 16 vectors at once: lane i of the result is the sum of a[i]'s lanes, in one
+// tree for every vector wherever it sits (lanes j + 8, then + 4, + 2, + 1), so that a key's score
+// has the same bits in any group of 16.
+inline __m512 hsum16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // quarters 0, 1 of a[2i] and of a[2i + 1]: lanes j + (j + 8)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // quarter k: a[4i + k]'s four partial sums
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // quarter k: two partial sums of a[8i + k], then two of a[8i + 4 + k]
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // quarter k, element j: the sum of a[k + 4 j]; put it in lane k + 4 j
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const F16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const BF16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// exp8's rule on 16 lanes.
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));
+}
+
+// The weighted sum of value rows lo..hi-1 for G query heads at once: acc[gi] = acc[gi] *
+// correction[gi] + sum_r w[gi][r] v_r, each head's sum one chain of fused multiply-adds over the
+// rows in order (the same bits as a head alone); the value row's loads are shared by the G heads,
+// and the G x N16 independent chains keep both FMA units busy.
+template <int64_t N16, int G, typename T>
+inline void weigh_values_avx512(const T* const* vrow, int64_t lo, int64_t hi, const float* const* w,
+                                const float* correction, HeadState* st) {
+  __m512 acc[G][N16];
+  for (int gi = 0; gi < G; ++gi) {
+    const __m512 cv = _mm512_set1_ps(correction[gi]);
+    for (int64_t c = 0; c < N16; ++c) acc[gi][c] = _mm512_mul_ps(_mm512_loadu_ps(st[gi].acc + 16 * c), cv);
+  }
+  for (int64_t r = lo; r < hi; ++r) {
+    const T* vr = vrow[r];
+    __m512 v[N16];
+    for (int64_t c = 0; c < N16; ++c) v[c] = load16(vr + 16 * c);
+    for (int gi = 0; gi < G; ++gi) {
+      const __m512 wv = _mm512_set1_ps(w[gi][r]);
+      for (int64_t c = 0; c < N16; ++c) acc[gi][c] = _mm512_fmadd_ps(wv, v[c], acc[gi][c]);
+    }
+  }
+  for (int gi = 0; gi < G; ++gi)
+    for (int64_t c = 0; c < N16; ++c) _mm512_storeu_ps(st[gi].acc + 16 * c, acc[gi][c]);
+}
+
+// fold_rows for e = 16 * N16: fold_rows_avx2's steps on 16 lanes (scores of 16 rows at a time),
+// the g heads' weighted sums of values taken together (weigh_values_avx512). s: [g, span + 16].
+template <int64_t N16, typename T>
+void fold_rows_avx512(const float* __restrict qs, const T* const* krow, const T* const* vrow, int64_t lo, int64_t hi,
+                      int64_t g, HeadState* st, float* __restrict s, int64_t stride) {
+  constexpr int64_t e = 16 * N16;
+  constexpr int kMostHeads = N16 <= 4 ? 4 : N16 <= 8 ? 2 : 1;  // G x N16 accumulators in 32 registers
+  float correction[kMostHeads];
+  const float* w[kMostHeads];
+  for (int64_t g0 = 0; g0 < g; g0 += kMostHeads) {
+    const int heads = static_cast<int>(std::min<int64_t>(kMostHeads, g - g0));
+    for (int gi = 0; gi < heads; ++gi) {
+      HeadState& h = st[g0 + gi];
+      const float* qg = qs + (g0 + gi) * e;
+      float* sg = s + gi * stride;
+      for (int64_t r = lo; r < hi; r += 16) {  // past hi the last row is read again (see fold_rows_avx2)
+        __m512 a[16];
+        const T* kr[16];
+        for (int i = 0; i < 16; ++i) {
+          a[i] = _mm512_setzero_ps();
+          kr[i] = krow[std::min<int64_t>(r + i, hi - 1)];
+        }
+        for (int64_t c = 0; c < N16; ++c) {
+          const __m512 qv = _mm512_loadu_ps(qg + 16 * c);
+          for (int i = 0; i < 16; ++i) a[i] = _mm512_fmadd_ps(qv, load16(kr[i] + 16 * c), a[i]);
+        }
+        _mm512_storeu_ps(sg + r, hsum16(a));  // sg holds span + 16: lanes past hi land in its slack
+      }
+      __m512 top = _mm512_set1_ps(h.m);
+      for (int64_t r = lo; r < hi; r += 16) {
+        const __mmask16 keep = static_cast<__mmask16>((1u << std::min<int64_t>(16, hi - r)) - 1u);
+        top = _mm512_mask_max_ps(top, keep, top, _mm512_loadu_ps(sg + r));
+      }
+      const float mx = _mm512_reduce_max_ps(top);
+      correction[gi] = std::exp(h.m - mx);
+      __m512 sums = _mm512_setzero_ps();  // lane j: the weights of rows lo + j, lo + 16 + j, ...
+      const __m512 mv = _mm512_set1_ps(mx);
+      for (int64_t r = lo; r < hi; r += 16) {
+        const __mmask16 keep = static_cast<__mmask16>((1u << std::min<int64_t>(16, hi - r)) - 1u);
+        const __m512 wv = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + r), mv)));
+        _mm512_storeu_ps(sg + r, wv);
+        sums = _mm512_add_ps(sums, wv);
+      }
+      h.m = mx;
+      h.l = h.l * correction[gi] + _mm512_reduce_add_ps(sums);
+      w[gi] = sg;
+    }
+    switch (heads) {
+      case 4: if constexpr (kMostHeads >= 4) weigh_values_avx512<N16, 4, T>(vrow, lo, hi, w, correction, st + g0); break;
+      case 3: if constexpr (kMostHeads >= 3) weigh_values_avx512<N16, 3, T>(vrow, lo, hi, w, correction, st + g0); break;
+      case 2: if constexpr (kMostHeads >= 2) weigh_values_avx512<N16, 2, T>(vrow, lo, hi, w, correction, st + g0); break;
+      default: weigh_values_avx512<N16, 1, T>(vrow, lo, hi, w, correction, st + g0); break;
+    }
+  }
+}
+#endif
+
 // Folds the key rows lo..hi-1 of a span (krow[r], vrow[r]: one kv head's key and value of row r)
-// into the g query heads qs [g, e] that share that kv head. s: scratch [span + 8].
+// into the g query heads qs [g, e] that share that kv head. s: scratch [4, stride] for scores,
+// stride = the longest span + 16.
 template <typename T>
 inline void fold_rows(const float* __restrict qs, const T* const* krow, const T* const* vrow, int64_t lo, int64_t hi,
-                      int64_t e, int64_t g, HeadState* st, float* __restrict s) {
+                      int64_t e, int64_t g, HeadState* st, float* __restrict s, int64_t stride) {
+#if WELD_PA_AVX512
+  switch (e) {
+    case 64: return fold_rows_avx512<4, T>(qs, krow, vrow, lo, hi, g, st, s, stride);
+    case 128: return fold_rows_avx512<8, T>(qs, krow, vrow, lo, hi, g, st, s, stride);
+    case 96: return fold_rows_avx512<6, T>(qs, krow, vrow, lo, hi, g, st, s, stride);
+    case 32: return fold_rows_avx512<2, T>(qs, krow, vrow, lo, hi, g, st, s, stride);
+    case 256: return fold_rows_avx512<16, T>(qs, krow, vrow, lo, hi, g, st, s, stride);
+    default: break;
+  }
+#endif
 #if WELD_PA_AVX2
   switch (e) {
     case 64: return fold_rows_avx2<8, T>(qs, krow, vrow, lo, hi, g, st, s);
@@ -231,7 +376,8 @@ void attend(const Problem<T>& P, int64_t row, int64_t t0, int64_t t1, int64_t kh
   const int64_t e = P.e, g = P.g, nh = (kh1 - kh0) * g, nq = t1 - t0;
   float* acc = scratch;               // [nq, nh, e]
   float* qs = acc + nq * nh * e;      // [nq, nh, e] scaled queries
-  float* s = qs + nq * nh * e;        // [span + 8] scores
+  float* s = qs + nq * nh * e;        // [4, stride] scores
+  const int64_t stride = span_pages(P.page_size) * P.page_size + 16;
   int64_t lowest = INT64_MAX, highest = -1;  // the block's visible positions
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t qbase = (row * P.t + t0 + j) * P.h + kh0 * g;  // the query's first head of this item
@@ -290,7 +436,7 @@ void attend(const Problem<T>& P, int64_t row, int64_t t0, int64_t t1, int64_t kh
           const int64_t hi = std::min<int64_t>(span, p - start + 1);
           if (p < 0 || lo >= hi) continue;
           const int64_t at = j * nh + (kh - kh0) * g;
-          fold_rows(qs + at * e, krow, vrow, lo, hi, e, g, st + at, s);
+          fold_rows(qs + at * e, krow, vrow, lo, hi, e, g, st + at, s, stride);
         }
       }
       block = end;
@@ -327,7 +473,7 @@ ffi::Error Run(ffi::ThreadPool& pool, Problem<T> P) {
   weld::parallel_for(pool, P.b * blocks * chunks, 1, [P, chunks, blocks, qblock](int64_t begin, int64_t end) {
     const int64_t per = P.kv / chunks, nh = per * P.g, nq = std::min<int64_t>(qblock, P.t);
     const int64_t span = span_pages(P.page_size) * P.page_size;
-    std::vector<float> scratch(2 * nq * nh * P.e + span + 8);  // + 8: whole-vector reads of s
+    std::vector<float> scratch(2 * nq * nh * P.e + 4 * (span + 16));  // + 16: whole-vector reads of s
     std::vector<HeadState> st(nq * nh);
     std::vector<const T*> rows(2 * span);
     for (int64_t i = begin; i < end; ++i) {
@@ -380,6 +526,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 extern "C" int weld_cpu_built_with_avx2() { return 1; }
 #else
 extern "C" int weld_cpu_built_with_avx2() { return 0; }
+#endif
+// Whether attention's 16-lane path is compiled in (-march with AVX-512F).
+#if WELD_PA_AVX512
+extern "C" int weld_cpu_built_with_avx512() { return 1; }
+#else
+extern "C" int weld_cpu_built_with_avx512() { return 0; }
 #endif
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(WeldPagedAttention, PagedAttentionImpl,
