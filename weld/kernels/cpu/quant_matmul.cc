@@ -106,6 +106,28 @@ struct Activations {
     }
   }
   const int8_t* row(int64_t r) const { return q.data() + r * nb * kBlock; }
+
+  // The VNNI path's copy, tiles of kTileRows rows (the last padded with zeros): per tile and block,
+  // the 8 groups of 4 codes of each row as words [g][row], then the scales [row], the scaled sums
+  // [row] and the half sums [2][row]. A tile's broadcasts and scales are then fixed offsets from
+  // one pointer, not a pointer per row (which spilled the general registers at 8 rows).
+  static constexpr int64_t kTileRows = 8;
+  static constexpr int64_t kTileWords = 8 * kTileRows + 4 * kTileRows;  // one block of one tile
+  std::vector<int32_t> tiles;
+  void tile_rows(int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t i = r % kTileRows;
+      int32_t* t = tiles.data() + (r / kTileRows) * nb * kTileWords;
+      for (int64_t b = 0; b < nb; ++b, t += kTileWords) {
+        for (int64_t g = 0; g < 8; ++g) std::memcpy(t + g * kTileRows + i, row(r) + b * kBlock + 4 * g, 4);
+        const float f[4] = {scale[r * nb + b], scaled_sum[r * nb + b], half_sum[2 * (r * nb + b)],
+                            half_sum[2 * (r * nb + b) + 1]};
+        for (int j = 0; j < 4; ++j) std::memcpy(t + 8 * kTileRows + j * kTileRows + i, f + j, 4);
+      }
+    }
+  }
+  // tile r0 / kTileRows's words of block b
+  const int32_t* tile(int64_t r0, int64_t b) const { return tiles.data() + ((r0 / kTileRows) * nb + b) * kTileWords; }
   // scale * the code sum of sub-block s of block b (the whole block when sub == 1)
   float sum(int64_t r, int64_t b, int sub, int s) const {
     return sub == 1 ? scaled_sum[r * nb + b] : half_sum[2 * (r * nb + b) + s];
@@ -114,13 +136,6 @@ struct Activations {
     for (int64_t j = 0; j < width; ++j) y[j] = accumulate ? y[j] + acc[j] : acc[j];
   }
 };
-
-// Four activation codes as one 32-bit word (what a broadcast feeds the dot products).
-inline int32_t load4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
 
 struct Panel {
   const uint8_t* codes;  // [nb, bytes]
@@ -302,15 +317,16 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
         _mm_prefetch(reinterpret_cast<const char*>(cb + 8 * kBytes + off), _MM_HINT_T0);
       }
     }
-    const int8_t* x4[MR];
-    for (int i = 0; i < MR; ++i) x4[i] = a.row(r0 + i) + b * kBlock;
+    constexpr int64_t R = Activations::kTileRows;
+    const int32_t* x4 = a.tile(r0, b);  // [8 groups][R rows], then scales, sums, half sums [R] each
+    const float* xf = reinterpret_cast<const float*>(x4 + 8 * R);
     for (int s = 0; s < SUB; ++s) {  // sub-blocks: the whole block, or its halves (groups 0..3, 4..7)
       __m512i acc[MR];
       for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
       if constexpr (BITS == 8) {
         for (int g = s * (8 / SUB); g < (s + 1) * (8 / SUB); ++g) {
           const __m512i w = _mm512_loadu_si512(cb + g * 64);
-          for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, _mm512_set1_epi32(load4(x4[i] + 4 * g)));
+          for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, _mm512_set1_epi32(x4[g * R + i]));
         }
       } else {
         __m512i planes[2];
@@ -327,8 +343,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
             hi = _mm512_shuffle_epi8(table, hi);
           }
           for (int i = 0; i < MR; ++i) {
-            if (SUB == 1 || s == 0) acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(load4(x4[i] + 4 * g)));
-            if (SUB == 1 || s == 1) acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(load4(x4[i] + 4 * g + 16)));
+            if (SUB == 1 || s == 0) acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(x4[g * R + i]));
+            if (SUB == 1 || s == 1) acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(x4[(g + 4) * R + i]));
           }
         }
       }
@@ -336,9 +352,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma"))) void panel_vnni(
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.d + at)));
       const __m512 mv = p.mn ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.mn + at)))
                              : _mm512_mul_ps(d, _mm512_set1_ps(-offset));
+      const float* sums = xf + (SUB == 1 ? R : (2 + s) * R);  // the block's sums, or this half's
       for (int i = 0; i < MR; ++i) {
-        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_set1_ps(a.scale[(r0 + i) * a.nb + b]));
-        accf[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.sum(r0 + i, b, SUB, s)), _mm512_fmadd_ps(d, t, accf[i]));
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_set1_ps(xf[i]));
+        accf[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sums[i]), _mm512_fmadd_ps(d, t, accf[i]));
       }
     }
   }
@@ -443,9 +460,19 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   Activations acts(m, nb), second(digits == 2 ? m : 0, nb, true);
   const float* xp = x.typed_data();
   Activations *qp = &acts, *q2 = digits == 2 ? &second : nullptr;
+  const bool tiled = isa == kVnni;
+  const int64_t tile_words = (m + Activations::kTileRows - 1) / Activations::kTileRows * nb * Activations::kTileWords;
+  if (tiled) {
+    acts.tiles.assign(tile_words, 0);
+    if (q2) second.tiles.assign(tile_words, 0);
+  }
   auto quantize = [=](int64_t begin, int64_t end) {
     qp->quantize_rows(xp, k, begin, end);
     if (q2) q2->quantize_rows(xp, k, begin, end, qp);
+    if (tiled) {
+      qp->tile_rows(begin, end);
+      if (q2) q2->tile_rows(begin, end);
+    }
   };
   // A few rows (decode, verification: the calls that stream the weights) are quantized by the
   // caller while the pool's helpers wake for the panels (parallel_for_after); many (prefill) in
