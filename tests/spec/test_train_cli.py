@@ -38,9 +38,18 @@ def test_train_draft_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys
     args = ["train-draft", "--model", str(directory), "--data", str(prompts), "--out", str(out), "--steps", "8",
             "--max-new-tokens", "16", "--k", "3", "--target-layers", "0,1", "--batch-size", "2", "--anchors", "4",
             "--eval-fraction", "0.2", "--save-every", "4", "--draft-vocab", "64"]
+    # the held-out report is of the drafter as written: a save whose confidence head always says
+    # send (bias + 100) shows in it as every draft sent, whatever the trained head says
+    real_save = dspark.save
+
+    def lossy_save(directory, params, cfg, metadata=None):
+        real_save(directory, {**params, "confidence_bias": params["confidence_bias"] + 100.0}, cfg, metadata)
+
+    monkeypatch.setattr(dspark, "save", lossy_save)
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["final"]["step"] == 7 and len(report["held_out"]["per_position"]) == 3
+    assert report["held_out"]["sent"] == 3.0
     params, cfg = dspark.load(out)
     assert cfg.block_size == 3 and cfg.target_layers == (0, 1) and cfg.draft_vocab_size == 64
     cfg.check_target(Config.from_hf(json.loads((directory / "config.json").read_text())))
