@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import jax
@@ -69,6 +70,7 @@ def main() -> None:
         raise SystemExit(f"--context must be in [0, {MAX_CONTEXT}] and --runs in [1, {MAX_RUNS}]")
     if not cpu_kernels.available():
         raise SystemExit("the native CPU kernels are unavailable here (WELD_CPU_KERNELS, a compiler, a CPU backend)")
+    load = os.getloadavg()
     rng = np.random.default_rng(0)
     results = []
     for b, t in cases:
@@ -84,7 +86,7 @@ def main() -> None:
         print(f"{b:3d} rows x {t:5d} queries: {us:9.1f} us per call")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"context": args.context, "runs": args.runs, "machine": machine_info(), "results": results}, f,
+            json.dump({"context": args.context, "runs": args.runs, "machine": machine_info(load), "results": results}, f,
                       indent=1)
 
 
