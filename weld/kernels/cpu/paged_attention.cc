@@ -102,24 +102,60 @@ inline __m256 load8(const BF16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-// exp of 8 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial
-// (relative error ~2e-7). Inputs below -87 (masked scores) give 0.
+// exp's constants, for every vector width: x = n ln2 + r with ln2 in two parts (hi exact in
+// f32), |r| <= ln2 / 2, exp(r) ~ 1 + r + r^2 p(r) with p of degree 4 (relative error ~2e-7);
+// inputs below kExpLow (masked scores) give 0.
+constexpr float kExpLow = -87.0f, kExpHigh = 88.0f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[5] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                               5.0000001201e-1f};
+
+// exp of 8 lanes (kExp*'s rule).
 inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 lo = _mm256_set1_ps(kExpLow);
   const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(kExpHigh));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x));
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 5; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// One vector width's operations for `scores`.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int64_t kLanes = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load_q(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename T>
+  static V load(const T* p) { return load8(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store_sums(float* p, const V* a) { _mm256_storeu_ps(p, hsum8(a)); }
+};
+
+// Scores of rows lo..hi-1 against one query head qg [e = W::kLanes * NV] into s[lo..hi-1],
+// W::kLanes rows at a time: as many independent sums (they hide the FMA latency), reduced
+// together in one fixed tree, so a row's score has the same bits wherever it falls. Past hi the
+// last row is read again and its lanes never used (s holds kLanes of slack past the span).
+template <typename W, int64_t NV, typename T>
+inline void scores(const float* __restrict qg, const T* const* krow, int64_t lo, int64_t hi, float* __restrict s) {
+  constexpr int64_t L = W::kLanes;
+  for (int64_t r = lo; r < hi; r += L) {
+    typename W::V a[L];
+    const T* kr[L];
+    for (int i = 0; i < L; ++i) {
+      a[i] = W::zero();
+      kr[i] = krow[std::min<int64_t>(r + i, hi - 1)];
+    }
+    for (int64_t c = 0; c < NV; ++c) {
+      const typename W::V qv = W::load_q(qg + L * c);
+      for (int i = 0; i < L; ++i) a[i] = W::fma(qv, W::template load<T>(kr[i] + L * c), a[i]);
+    }
+    W::store_sums(s + r, a);
+  }
 }
 #endif
 
@@ -132,22 +168,7 @@ void fold_rows_avx2(const float* __restrict qs, const T* const* krow, const T* c
     for (int64_t gi = 0; gi < g; ++gi) {
       HeadState& h = st[gi];
       const float* qg = qs + gi * e;
-      // Scores, eight rows at a time: eight independent sums (they hide the FMA latency) reduced
-      // together. Past hi the last row is read again and its lanes never used, so no read leaves
-      // the span, and a row's score takes the same instructions wherever it falls.
-      for (int64_t r = lo; r < hi; r += 8) {
-        __m256 a[8];
-        const T* kr[8];
-        for (int i = 0; i < 8; ++i) {
-          a[i] = _mm256_setzero_ps();
-          kr[i] = krow[std::min<int64_t>(r + i, hi - 1)];
-        }
-        for (int64_t c = 0; c < n8; ++c) {
-          const __m256 qv = _mm256_loadu_ps(qg + 8 * c);
-          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, load8(kr[i] + 8 * c), a[i]);
-        }
-        _mm256_storeu_ps(s + r, hsum8(a));  // s holds span + 8: lanes past hi land in its slack
-      }
+      scores<Lanes8, N8>(qg, krow, lo, hi, s);
       int64_t r;
       float mx = h.m;
       for (r = lo; r < hi; ++r) mx = std::max(mx, s[r]);
@@ -207,24 +228,30 @@ inline __m512 load16(const BF16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// exp8's rule on 16 lanes.
+// exp of 16 lanes (kExp*'s rule, as exp8).
 inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __m512 lo = _mm512_set1_ps(kExpLow);
   const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(kExpHigh));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 5; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));
 }
+
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int64_t kLanes = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load_q(const float* p) { return _mm512_loadu_ps(p); }
+  template <typename T>
+  static V load(const T* p) { return load16(p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store_sums(float* p, const V* a) { _mm512_storeu_ps(p, hsum16(a)); }
+};
 
 // The weighted sum of value rows lo..hi-1 for G query heads at once: acc[gi] = acc[gi] *
 // correction[gi] + sum_r w[gi][r] v_r, each head's sum one chain of fused multiply-adds over the
@@ -266,19 +293,7 @@ void fold_rows_avx512(const float* __restrict qs, const T* const* krow, const T*
       HeadState& h = st[g0 + gi];
       const float* qg = qs + (g0 + gi) * e;
       float* sg = s + gi * stride;
-      for (int64_t r = lo; r < hi; r += 16) {  // past hi the last row is read again (see fold_rows_avx2)
-        __m512 a[16];
-        const T* kr[16];
-        for (int i = 0; i < 16; ++i) {
-          a[i] = _mm512_setzero_ps();
-          kr[i] = krow[std::min<int64_t>(r + i, hi - 1)];
-        }
-        for (int64_t c = 0; c < N16; ++c) {
-          const __m512 qv = _mm512_loadu_ps(qg + 16 * c);
-          for (int i = 0; i < 16; ++i) a[i] = _mm512_fmadd_ps(qv, load16(kr[i] + 16 * c), a[i]);
-        }
-        _mm512_storeu_ps(sg + r, hsum16(a));  // sg holds span + 16: lanes past hi land in its slack
-      }
+      scores<Lanes16, N16>(qg, krow, lo, hi, sg);
       __m512 top = _mm512_set1_ps(h.m);
       for (int64_t r = lo; r < hi; r += 16) {
         const __mmask16 keep = static_cast<__mmask16>((1u << std::min<int64_t>(16, hi - r)) - 1u);
