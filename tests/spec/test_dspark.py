@@ -220,6 +220,12 @@ def test_checkpoint_round_trip_and_loud_failures(tmp_path):
     assert cfg == DRAFT
     for (a, b) in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):  # stored as f16
         np.testing.assert_array_equal(np.asarray(a, np.float16).astype(np.float32), b)
+    # arrays in another memory order (as a TPU's can reach the host) are saved as they read
+    fortran = jax.tree.map(lambda x: np.asfortranarray(np.asarray(x)), params)
+    assert any(not x.flags.c_contiguous for x in jax.tree.leaves(fortran))
+    dspark.save(tmp_path / "f", fortran, DRAFT)
+    for (a, b) in zip(jax.tree.leaves(params), jax.tree.leaves(dspark.load(tmp_path / "f")[0])):
+        np.testing.assert_array_equal(np.asarray(a, np.float16).astype(np.float32), b)
     small = dataclasses.replace(DRAFT, draft_vocab_size=5)
     vocab = jnp.asarray([1, 4, 9, 16, 25], jnp.int32)
     dspark.save(tmp_path / "v", {**random_weights(dspark.weight_specs(small)), "draft_vocab": vocab}, small)

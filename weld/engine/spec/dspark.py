@@ -408,10 +408,12 @@ def save(directory: str | pathlib.Path, params: dict, cfg: DraftConfig, metadata
 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {path_str(path): np.asarray(_leaf(params, path), np.float16)
+    # C order: safetensors writes an array's buffer as it lies in memory, and a TPU's arrays can
+    # reach the host in another order (a TPU-trained drafter was saved scrambled that way)
+    tensors = {path_str(path): np.ascontiguousarray(_leaf(params, path), np.float16)
                for path, _ in iter_specs(weight_specs(cfg))}
     if cfg.draft_vocab_size:
-        tensors[VOCAB_TENSOR] = np.asarray(params[VOCAB_TENSOR], np.int32)
+        tensors[VOCAB_TENSOR] = np.ascontiguousarray(params[VOCAB_TENSOR], np.int32)
     document = {"format": FORMAT, "version": 1, "config": cfg.to_dict(), **({"training": metadata} if metadata else {})}
     # each file under a temporary name, then renamed: an interrupted save leaves no half-written file
     save_file(tensors, str(directory / (WEIGHTS_FILE + ".tmp")), metadata={"format": FORMAT})
