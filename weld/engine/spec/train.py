@@ -588,8 +588,9 @@ def train_draft(model: str | None, data_path: str, out: str, *, train_cfg: Train
                             checkpoint=Checkpoint(out_dir / CHECKPOINT_DIR), settings=settings, draft_vocab=vocab)
     if vocab is not None:
         params = {**params, dspark.VOCAB_TENSOR: jnp.asarray(vocab)}
-    # The held-out report measures the drafter as written, read back the way `--draft` reads it:
-    # a TPU-trained drafter once scored 2.34 in memory and 1.17 from its file (cause not yet found).
+    # The held-out report measures the drafter as written, read back the way `--draft` reads it
+    # (a TPU-trained drafter once scored 2.34 in memory and 1.17 from a file written in the wrong
+    # memory order: `dspark.save`).
     dspark.save(out_dir, params, cfg)
     report = evaluate(dspark.load(out_dir)[0], cfg, target_weights, eval_data)
     summary = dict(model=source, data=str(data_path), prompts=len(prompts), held_out_prompts=int(held.sum()),
