@@ -413,7 +413,7 @@ void panel_rows(const Activations& a, const Panel& p, int bits, int sub, float o
     for (int64_t r = 0; r < m; ++r) panel_scalar(a, p, bits, sub, offset, r, y + r * n + c0, width);
     return;
   }
-  const int64_t most = isa == kVnni ? 8 : 4;
+  const int64_t most = isa == kVnni ? Activations::kTileRows : 4;  // VNNI tiles start on a tile of the copy
   for (int64_t r = 0; r < m;) {
     const int64_t rows = std::min(most, m - r);
     switch (rows) {
