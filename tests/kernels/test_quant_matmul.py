@@ -170,6 +170,48 @@ def test_extreme_codes_zero_blocks_and_scales(isa, fmt):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
+def test_activation_codes_are_exact(isa):
+    """Every path quantizes the activations to the same codes: half-way cases round to even, NaNs
+    are left out of max|x| (and quantize to -127), whole blocks (the vector forms) and a block cut
+    short by k (the scalar loop). The weights are the identity in q4_1 with d = 1 and mins 0, so
+    the product is each code times its block's scale, one f32 rounding: y / sx gives the codes back
+    exactly, and any code off by one shows. With two digits, y = sx q + sx2 q2 in f32."""
+    k = 2 * quant.BLOCK + 13
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((5, k)).astype(np.float32) * np.float32(3)
+    x[1, :quant.BLOCK] = np.arange(quant.BLOCK) - 15.5  # ties at inv = 127 / 15.5: not exact
+    x[2, 0], x[2, 1:quant.BLOCK] = 127.0, np.arange(1, quant.BLOCK) * 0.5 - 8.0  # inv = 1: x.5 ties
+    x[2, quant.BLOCK:2 * quant.BLOCK] = -np.arange(quant.BLOCK) * 4 - 0.5  # another scale's ties
+    # NaNs, one in the lane of its block's max (13: lane 13 of the first 16, lane 5 of the second 8)
+    x[3, 13], x[3, 29], x[3, 5], x[3, 62] = 50.0, np.nan, np.nan, np.nan
+    x[4, 2 * quant.BLOCK:] = np.arange(13) * 0.5 + 0.5  # ties in the short block (max 6.5 -> 127)
+    codes = np.eye(k, dtype=np.uint8)
+    w = quant.from_codes(codes, np.ones((k, num_scales("q4_1", k)), np.float32),
+                         np.zeros((k, num_scales("q4_1", k)), np.float32), "q4_1")
+    nb = -(-k // quant.BLOCK)
+    xb = np.zeros((5, nb * quant.BLOCK), np.float32)
+    xb[:, :k] = x
+    xb = xb.reshape(5, nb, quant.BLOCK)
+    amax = np.nanmax(np.abs(xb), axis=-1)
+
+    def digit(value, levels):
+        inv = np.where(amax > 0, np.float32(levels) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        with np.errstate(invalid="ignore"):
+            q = np.nan_to_num(np.rint(value * inv[..., None]), nan=-127.0)
+        return np.clip(q, -127, 127), (amax / np.float32(levels)).astype(np.float32)
+
+    q, sx = digit(xb, 127.0)
+    y1 = (q * sx[..., None]).astype(np.float32)  # an exact product of an int8 and an f32, rounded once
+    assert np.sum(q[2, 0] % 2 == 0) > 8 and np.array_equal(q[2, 0, 1:5], [-8, -7, -6, -6])  # the ties are there
+    np.testing.assert_array_equal(run(x, w, isa, digits=1), y1.reshape(5, -1)[:, :k])
+    residual = (xb.astype(np.float64) - q * sx[..., None].astype(np.float64)).astype(np.float32)
+    q2, sx2 = digit(residual, 32258.0)
+    y2 = (y1 + (q2 * sx2[..., None]).astype(np.float32)).astype(np.float32)
+    np.testing.assert_array_equal(run(x, w, isa, digits=2), y2.reshape(5, -1)[:, :k])
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
 def test_hand_checked_product(isa):
     """One block, one output: w = 0.5 (c - 128) with c = 129, x = 1: y = 32 * 0.5 = 16; with
     c = 130 on the odd inputs, y = 16 * 0.5 + 16 * 1.0 = 24."""

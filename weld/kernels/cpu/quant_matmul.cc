@@ -75,36 +75,124 @@ struct Activations {
         accumulate(accumulate_) {}
 
   // first: null for the first digit (x itself), else the first digit, whose residual is quantized.
-  void quantize_rows(const float* x, int64_t k, int64_t begin, int64_t end, const Activations* first = nullptr) {
+  // A whole block takes the isa's vector form (the same operations lane by lane: the same codes);
+  // a block cut short by k, and the scalar isa, the loop below.
+  void quantize_rows(const float* x, int64_t k, int64_t begin, int64_t end, int64_t isa,
+                     const Activations* first = nullptr) {
     const float levels = first ? 32258.0f : 127.0f;  // the residual is within half a first step
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t lo = b * kBlock, hi = std::min(k, lo + kBlock);
-        float amax = 0.0f;
-        for (int64_t j = lo; j < hi; ++j) amax = std::max(amax, std::fabs(x[r * k + j]));
-        const float s = amax / levels, inv = amax > 0.0f ? levels / amax : 0.0f;
+        const float* xb = x + r * k + lo;
+        const int8_t* q1 = first ? first->row(r) + lo : nullptr;
         const float s1 = first ? first->scale[r * nb + b] : 0.0f;
-        const int8_t* q1 = first ? first->row(r) : nullptr;
-        int8_t* out = q.data() + r * nb * kBlock;
-        int32_t sum = 0;
-        for (int64_t j = lo; j < hi; ++j) {
-          const float v = first ? std::fma(-static_cast<float>(q1[j]), s1, x[r * k + j]) : x[r * k + j];
-          const int32_t c = std::clamp(static_cast<int32_t>(std::nearbyint(v * inv)), -127, 127);
-          out[j] = static_cast<int8_t>(c);
-          sum += c;
+        int8_t* out = q.data() + r * nb * kBlock + lo;
+        float s;
+        int32_t halves[2];
+        if (hi - lo == kBlock && isa == kVnni) {
+          s = quantize_block_avx512(xb, q1, s1, levels, out, halves);
+        } else if (hi - lo == kBlock && isa == kAvx2) {
+          s = quantize_block_avx2(xb, q1, s1, levels, out, halves);
+        } else {
+          s = quantize_block_scalar(xb, hi - lo, q1, s1, levels, out, halves);
         }
-        // the first half block's sum in a pass of its own: one running sum keeps the loop above
-        // vectorized (an indexed pair of sums made the quantization ~7x slower)
-        int32_t first_half = 0;
-        for (int64_t j = lo; j < std::min(hi, lo + kBlock / 2); ++j) first_half += out[j];
-        const int32_t total[2] = {first_half, sum - first_half};
         scale[r * nb + b] = s;
-        scaled_sum[r * nb + b] = s * static_cast<float>(total[0] + total[1]);
-        half_sum[2 * (r * nb + b)] = s * static_cast<float>(total[0]);
-        half_sum[2 * (r * nb + b) + 1] = s * static_cast<float>(total[1]);
+        scaled_sum[r * nb + b] = s * static_cast<float>(halves[0] + halves[1]);
+        half_sum[2 * (r * nb + b)] = s * static_cast<float>(halves[0]);
+        half_sum[2 * (r * nb + b) + 1] = s * static_cast<float>(halves[1]);
       }
     }
   }
+  // One block of `len` <= 32 inputs (q1: the first digit's codes, for a residual): its codes, the
+  // sums of its halves' codes; returns its scale max|x| / levels (NaNs ignored, as std::max does).
+  static float quantize_block_scalar(const float* x, int64_t len, const int8_t* q1, float s1, float levels, int8_t* out,
+                                     int32_t halves[2]) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < len; ++j) amax = std::max(amax, std::fabs(x[j]));
+    const float inv = amax > 0.0f ? levels / amax : 0.0f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < len; ++j) {
+      const float v = q1 ? std::fma(-static_cast<float>(q1[j]), s1, x[j]) : x[j];
+      const int32_t c = std::clamp(static_cast<int32_t>(std::nearbyint(v * inv)), -127, 127);
+      out[j] = static_cast<int8_t>(c);
+      sum += c;
+    }
+    // the first half's sum in a pass of its own: one running sum keeps the loop above vectorized
+    // where the compiler can (an indexed pair of sums made it ~7x slower)
+    halves[0] = 0;
+    for (int64_t j = 0; j < std::min<int64_t>(len, kBlock / 2); ++j) halves[0] += out[j];
+    halves[1] = sum - halves[0];
+    return amax / levels;
+  }
+#if defined(__x86_64__)
+  // Lane by lane the scalar form's operations: max_ps returns its second operand where either is a
+  // NaN (as std::max(amax, NaN) keeps amax), cvtps rounds half to even (nearbyint's default mode),
+  // and a NaN or an overflow converts to INT32_MIN, clamped to -127 (the scalar cast gives the same).
+  __attribute__((target("avx512f,avx512bw"))) static float quantize_block_avx512(
+      const float* x, const int8_t* q1, float s1, float levels, int8_t* out, int32_t halves[2]) {
+    __m512 v[2] = {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)};
+    const __m512 m = _mm512_max_ps(_mm512_abs_ps(v[1]), _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_setzero_ps()));
+    const float amax = _mm512_reduce_max_ps(m);
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
+    for (int h = 0; h < 2; ++h) {
+      if (q1) {
+        const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + 16 * h))));
+        v[h] = _mm512_fnmadd_ps(c1, _mm512_set1_ps(s1), v[h]);
+      }
+      __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], inv));
+      c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), _mm512_cvtepi32_epi8(c));
+      halves[h] = _mm512_reduce_add_epi32(c);
+    }
+    return amax / levels;
+  }
+  __attribute__((target("avx2,fma"))) static float quantize_block_avx2(const float* x, const int8_t* q1, float s1,
+                                                                       float levels, int8_t* out, int32_t halves[2]) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+      m = _mm256_max_ps(_mm256_and_ps(v[i], abs_mask), m);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? levels / amax : 0.0f);
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i) {
+      if (q1) {
+        const __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q1 + 8 * i))));
+        v[i] = _mm256_fnmadd_ps(c1, _mm256_set1_ps(s1), v[i]);
+      }
+      c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      c[i] = _mm256_min_epi32(_mm256_max_epi32(c[i], _mm256_set1_epi32(-127)), _mm256_set1_epi32(127));
+    }
+    // int32 -> int8 (in range, so saturation is exact); packs interleave 128-bit lanes, the
+    // permutation puts the 4-byte groups back in order
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bytes);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i t = _mm256_add_epi32(c[2 * h], c[2 * h + 1]);
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+      halves[h] = _mm_cvtsi128_si32(s4);
+    }
+    return amax / levels;
+  }
+#else
+  static float quantize_block_avx512(const float* x, const int8_t* q1, float s1, float levels, int8_t* out,
+                                     int32_t halves[2]) {
+    return quantize_block_scalar(x, kBlock, q1, s1, levels, out, halves);
+  }
+  static float quantize_block_avx2(const float* x, const int8_t* q1, float s1, float levels, int8_t* out,
+                                   int32_t halves[2]) {
+    return quantize_block_scalar(x, kBlock, q1, s1, levels, out, halves);
+  }
+#endif
   const int8_t* row(int64_t r) const { return q.data() + r * nb * kBlock; }
 
   // The VNNI path's copy, tiles of kTileRows rows (the last padded with zeros): per tile and block,
@@ -467,8 +555,8 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     if (q2) second.tiles.assign(tile_words, 0);
   }
   auto quantize = [=](int64_t begin, int64_t end) {
-    qp->quantize_rows(xp, k, begin, end);
-    if (q2) q2->quantize_rows(xp, k, begin, end, qp);
+    qp->quantize_rows(xp, k, begin, end, isa);
+    if (q2) q2->quantize_rows(xp, k, begin, end, isa, qp);
     if (tiled) {
       qp->tile_rows(begin, end);
       if (q2) q2->tile_rows(begin, end);
