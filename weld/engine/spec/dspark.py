@@ -213,15 +213,17 @@ def serving_params(params: dict, cfg: DraftConfig, target_weights: dict) -> dict
 
 
 def quantized(params: dict) -> dict:
-    """params with every matrix (the drafter's own and `serving_params`' draft head) in int8
-    blocks (Q8_0's rule), for the CPU's native integer kernel: a round then reads about one
-    byte a weight instead of four (SmolLM2's drafter: ~40 MB of f32 a round, the draft head
-    half of it). Vectors (norms, the mask slot, the confidence head) and ids stay as they are."""
+    """params with every matrix (the drafter's own and `serving_params`' draft head) in Q8_0
+    blocks, for the CPU's native integer kernel: a round then reads about one byte a weight
+    instead of four, and its activations take one int8 digit (not the two of the "int8" mode:
+    a block's rows make these matmuls compute-bound, and a draft needs no more). Vectors (norms,
+    the mask slot, the confidence head) and ids stay as they are."""
     from weld.models.common import quant
 
     def convert(x):
         if isinstance(x, jax.Array) and x.ndim == 2 and jnp.issubdtype(x.dtype, jnp.floating):
-            return quant.quantize(np.asarray(x, np.float32), "int8")
+            q = quant.quantize(np.asarray(x, np.float32), "int8")  # Q8_0's codes and scales
+            return quant.QuantWeight(q.codes, q.scales, q.mins, q.n, q.k, "q8_0")
         return x
 
     return jax.tree.map(convert, params)
