@@ -34,6 +34,46 @@ def test_filters_match_reference(top_k, top_p, min_p):
         np.testing.assert_array_equal(out[row] > -1e29, expect)
 
 
+def test_filters_on_a_large_vocabulary_from_each_tier():
+    """Rows whose cuts lie inside the 256 largest logits, inside the 4,096 largest, and past them
+    (a full sort), in one batch: each row keeps what the numpy statement keeps, and the same as
+    when it is alone (a row's result depends on its own logits only). top_p is put half-way
+    between two tokens' cumulative masses, so the f32 sums cannot tip the boundary."""
+    import jax
+
+    from weld.engine.sampler import FILTER_CANDIDATES, _cuts
+
+    v = 12000
+    assert FILTER_CANDIDATES[-1] < 8000 < v
+    rng = np.random.default_rng(3)
+    rows, params = [], []
+    for scale, top_k, nucleus_at in [(4.0, 0, 100), (0.4, 0, 1000), (0.4, 0, 8000), (0.4, 1000, None),
+                                     (0.4, 6000, None), (4.0, 20, None), (0.4, 3000, 2000)]:
+        logits = rng.standard_normal(v) * scale
+        top_p = 1.0
+        if nucleus_at is not None:
+            kept = np.sort(logits)[::-1][:top_k or v]
+            p = np.exp(kept - kept[0]) / np.exp(kept - kept[0]).sum()
+            before = np.cumsum(p) - p
+            top_p = (before[nucleus_at - 1] + before[nucleus_at]) / 2  # keeps exactly nucleus_at tokens
+        rows.append(logits.astype(np.float32))
+        params.append((top_k, np.float32(top_p)))
+    logits = np.stack(rows)
+    top_k = jnp.asarray([k for k, _ in params], jnp.int32)
+    top_p = jnp.asarray([p for _, p in params], jnp.float32)
+    out = np.asarray(filter_logits(jnp.asarray(logits), top_k, top_p, jnp.zeros(len(rows))))
+    for row, (k, p) in enumerate(params):
+        expect = reference_keep(logits[row].astype(np.float64), k, float(p), 0.0)
+        np.testing.assert_array_equal(out[row] > -1e29, expect, err_msg=f"row {row}")
+        alone = filter_logits(jnp.asarray(logits[row:row + 1]), top_k[row:row + 1], top_p[row:row + 1], jnp.zeros(1))
+        np.testing.assert_array_equal(np.asarray(alone)[0], out[row])
+    assert [int(np.sum(out[r] > -1e29)) for r in (0, 1, 2, 3, 5, 6)] == [100, 1000, 8000, 1000, 20, 2000]
+    # and the rows that fit in the first candidates are settled there, the others not
+    for size, settled in zip(FILTER_CANDIDATES, ([1, 0, 0, 0, 0, 1, 0], [1, 1, 0, 1, 0, 1, 1])):
+        cand = jax.lax.top_k(jnp.asarray(logits), size)[0]
+        assert np.asarray(_cuts(jnp.asarray(logits), cand, top_k, top_p)[2]).tolist() == [bool(x) for x in settled]
+
+
 def arrays(b, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0):
     return SamplingArrays(jnp.full(b, temperature, jnp.float32), jnp.full(b, top_k, jnp.int32),
                           jnp.full(b, top_p, jnp.float32), jnp.full(b, min_p, jnp.float32),
