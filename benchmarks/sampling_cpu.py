@@ -26,6 +26,8 @@ CONFIGS = {
     "temperature 0.7, top_p 0.9": dict(temperature=0.7, top_p=0.9),
     "temperature 1.0, top_p 0.95": dict(temperature=1.0, top_p=0.95),
     "temperature 0.8, top_k 40": dict(temperature=0.8, top_k=40),
+    # flat rows: nuclei of thousands of tokens, past the sampler's first candidates
+    "temperature 1.5, top_p 0.95": dict(temperature=1.5, top_p=0.95),
 }
 
 

@@ -35,16 +35,16 @@ def test_filters_match_reference(top_k, top_p, min_p):
 
 
 def test_filters_on_a_large_vocabulary_from_each_tier():
-    """Rows whose cuts lie inside the 256 largest logits, inside the 4,096 largest, and past them
-    (a full sort), in one batch: each row keeps what the numpy statement keeps, and the same as
-    when it is alone (a row's result depends on its own logits only). top_p is put half-way
-    between two tokens' cumulative masses, so the f32 sums cannot tip the boundary."""
+    """Rows whose cuts lie inside the 256 largest logits and rows whose cuts lie past them (the
+    search over the whole row), in one batch: each row keeps what the numpy statement keeps, and
+    the same as when it is alone (a row's result depends on its own logits only). top_p is put
+    half-way between two tokens' cumulative masses, so the f32 sums cannot tip the boundary."""
     import jax
 
     from weld.engine.sampler import FILTER_CANDIDATES, _cuts
 
     v = 12000
-    assert FILTER_CANDIDATES[-1] < 8000 < v
+    assert FILTER_CANDIDATES < 1000
     rng = np.random.default_rng(3)
     rows, params = [], []
     for scale, top_k, nucleus_at in [(4.0, 0, 100), (0.4, 0, 1000), (0.4, 0, 8000), (0.4, 1000, None),
@@ -68,10 +68,43 @@ def test_filters_on_a_large_vocabulary_from_each_tier():
         alone = filter_logits(jnp.asarray(logits[row:row + 1]), top_k[row:row + 1], top_p[row:row + 1], jnp.zeros(1))
         np.testing.assert_array_equal(np.asarray(alone)[0], out[row])
     assert [int(np.sum(out[r] > -1e29)) for r in (0, 1, 2, 3, 5, 6)] == [100, 1000, 8000, 1000, 20, 2000]
-    # and the rows that fit in the first candidates are settled there, the others not
-    for size, settled in zip(FILTER_CANDIDATES, ([1, 0, 0, 0, 0, 1, 0], [1, 1, 0, 1, 0, 1, 1])):
-        cand = jax.lax.top_k(jnp.asarray(logits), size)[0]
-        assert np.asarray(_cuts(jnp.asarray(logits), cand, top_k, top_p)[2]).tolist() == [bool(x) for x in settled]
+    # and the rows that fit in the first candidates are settled there, the others by the search
+    cand = jax.lax.top_k(jnp.asarray(logits), FILTER_CANDIDATES)[0]
+    settled = np.asarray(_cuts(jnp.asarray(logits), cand, top_k, top_p)[2]).tolist()
+    assert settled == [True, False, False, False, False, True, False]
+
+
+def test_searched_cuts_equal_the_sorted_ones_with_ties():
+    """The search's k-th logit and nucleus threshold are the sorted list's, exactly, on rows of
+    many tied values (a top-k cut inside a run of ties counts only part of it), with -inf, -0
+    and +0 among them: top_p is put inside a tie group's share of the cumulative mass."""
+    from weld.engine.sampler import _cuts, _searched_cuts
+
+    rng = np.random.default_rng(11)
+    b, v = 24, 3000
+    logits = np.round(rng.standard_normal((b, v)) * 3) / 2  # ~25 distinct values a row
+    logits[:, :40] = -np.inf
+    logits[::2, 40:60] = -0.0
+    logits = logits.astype(np.float32)
+    top_k = rng.choice([0, 0, 1, 7, 100, 1000, 2999, 3000, 5000], b)
+    top_p = np.ones(b, np.float32)
+    for row in range(b):
+        k = top_k[row] if 0 < top_k[row] < v else v
+        kept = np.sort(logits[row].astype(np.float64))[::-1][:k]
+        p = np.exp(kept - kept[0]) / np.exp(kept - kept[0]).sum()
+        ends = np.cumsum(p)
+        last = np.flatnonzero(np.r_[kept[1:] != kept[:-1], True])  # last index of each tie group
+        starts = np.r_[0.0, ends[last[:-1]]]
+        groups = np.flatnonzero(ends[last] - starts > 1e-4)  # those of some mass
+        if row % 3:  # inside a random group, or the last one (in a top-k cut: the k-th's ties)
+            g = groups[-1] if row % 3 == 2 else rng.choice(groups)
+            top_p[row] = (starts[g] + ends[last[g]]) / 2  # the threshold is that group's value
+    args = jnp.asarray(logits), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p)
+    want = _cuts(args[0], -jnp.sort(-args[0], axis=-1), *args[1:])
+    got = _searched_cuts(*args)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    assert np.sum(np.isfinite(np.asarray(want[0]))) >= 8 and np.sum(np.isfinite(np.asarray(want[1]))) >= 8
 
 
 def arrays(b, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0):
