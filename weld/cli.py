@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _train_draft_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="PATH_OR_ID",
                    help="the target: GGUF file, HF directory, weld checkpoint or hub id (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--data", required=True, metavar="FILE", help="text file of prompts")
+    p.add_argument("--data", required=True, action="append", metavar="FILE",
+                   help="text file of prompts; repeat it to train on several files' prompts, in that order")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="where to write the drafter; its data/ and checkpoint/ let an interrupted run resume")
     g = p.add_argument_group("data")

@@ -7,6 +7,13 @@ prompts (`chat.txt`, `copy_edit.txt`) are left out, so the benchmark measures th
 requests it has not seen: `held_out_subjects` lists them and a test checks the file against them.
 
     python benchmarks/prompts/make_train_prompts.py            # rewrites train_dspark.txt
+    python benchmarks/prompts/make_train_prompts.py --self 4000  # writes train_dspark_self.txt
+
+`--self N` asks the model itself for requests instead (as Magpie does): the model continues
+its chat template up to where a user's message begins, sampled (temperature 1.0, top_p 0.95,
+a seed per request), and what it writes as that message is a request in the model's own
+idiom, on whatever subjects it brings up. Kept: one line of 6 to 60 words that does not end
+mid-sentence (",", ":", "-"), once each, none touching a held-out subject.
 """
 
 from __future__ import annotations
@@ -154,12 +161,47 @@ def held_out(prompt: str) -> bool:
     return any(subject in text for subject in HELD_OUT_SUBJECTS)
 
 
+def self_prompts(count: int, seed: int = 0, model: str | None = None, batch: int = 64) -> list[str]:
+    """`count` requests the model writes itself (see the module's docstring), in order of seed;
+    asks for more until that many pass the filters (at most 4x count tries)."""
+    from weld import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=batch, max_model_len=512)
+    template = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
+                                                      add_generation_prompt=False)
+    prefix = template[:template.index("\x00")]  # everything before the user's words
+    out: dict[str, None] = {}
+    tried = 0
+    while len(out) < count and tried < 4 * count:
+        n = min(4 * batch, 4 * count - tried)
+        params = [SamplingParams(max_tokens=80, temperature=1.0, top_p=0.95, seed=seed * 1_000_003 + tried + i,
+                                 stop=["\n"]) for i in range(n)]
+        for request in llm.generate([prefix] * n, params, use_tqdm=False):
+            text = " ".join(request.outputs[0].text.split())
+            if (request.outputs[0].finish_reason == "stop" and 6 <= len(text.split()) <= 60
+                    and text[-1] not in ",:-" and not held_out(text)):
+                out.setdefault(text)
+        tried += n
+        print(f"{len(out)} kept of {tried}", flush=True)
+    return list(out)[:count]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(HERE / "train_dspark.txt"))
+    parser.add_argument("--self", dest="self_count", type=int, default=0, metavar="N",
+                        help="write N requests the model writes itself (default out: train_dspark_self.txt)")
+    parser.add_argument("--model", default=None, help="with --self: the model (default: the bundled one)")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    items = prompts(args.seed)
+    if not 0 <= args.self_count <= 100_000:
+        parser.error("--self takes 0..100000")
+    if args.self_count:
+        items = self_prompts(args.self_count, args.seed, args.model)
+        args.out = args.out or str(HERE / "train_dspark_self.txt")
+    else:
+        items = prompts(args.seed)
+        args.out = args.out or str(HERE / "train_dspark.txt")
     pathlib.Path(args.out).write_text("\n".join(items) + "\n", encoding="utf-8")
     print(f"{len(items)} prompts -> {args.out}")
 

@@ -42,6 +42,12 @@ def test_training_prompts_stay_clear_of_the_held_out_benchmark_prompts():
     training = (PROMPTS / "train_dspark.txt").read_text().splitlines()
     assert training == make.prompts(), "train_dspark.txt is not what make_train_prompts.py writes"
     assert not any(make.held_out(p) for p in training)
+    # the requests the model wrote itself (`--self`): sampled, so not regenerated here, but held
+    # to the same rule, one line each, once each
+    written = (PROMPTS / "train_dspark_self.txt").read_text().splitlines()
+    assert len(written) >= 1000 and len(set(written)) == len(written)
+    assert not any(make.held_out(p) for p in written)
+    assert all(6 <= len(p.split()) <= 60 for p in written)
 
 
 def test_the_bundled_model_has_a_drafter_and_it_matches():

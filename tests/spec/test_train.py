@@ -96,6 +96,18 @@ def test_read_prompts_takes_paragraphs_or_lines(tmp_path):
         train.read_prompts(lines)
 
 
+def test_prompt_files_are_read_one_after_another(tmp_path):
+    from weld.engine.spec import distill
+
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("one\ntwo\n")
+    second.write_text("a paragraph\nover two lines\n\nanother one\n")
+    assert distill.read_prompt_files([second, first]) == ["a paragraph over two lines", "another one", "one", "two"]
+    assert distill.read_prompt_files(str(first)) == ["one", "two"]
+    with pytest.raises(Exception, match="no such file"):
+        distill.read_prompt_files([first, tmp_path / "missing.txt"])
+
+
 def tiny_data(tmp_path=None, seed=0):
     weights = random_weights(llama.weight_specs(TARGET), seed=seed, scale=3.0)
     rng = np.random.default_rng(seed)

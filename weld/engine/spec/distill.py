@@ -44,6 +44,14 @@ def read_prompts(path: str | pathlib.Path) -> list[str]:
     return prompts
 
 
+def read_prompt_files(paths: str | pathlib.Path | Sequence[str | pathlib.Path]) -> list[str]:
+    """`read_prompts` of one file, or of several, one after another (the answers' prompt indices
+    count through them in that order)."""
+    if isinstance(paths, (str, pathlib.Path)):
+        paths = [paths]
+    return [prompt for path in paths for prompt in read_prompts(path)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Answer:
     """One of the target's answers: prompt + continuation as token ids."""

@@ -529,7 +529,7 @@ def load_target(model: str | None, dtype: Any = "auto", progress: bool | None = 
     return loaded.family, loaded.family.prepare_weights(loaded.weights, loaded.cfg, target), loaded.cfg, loaded.source
 
 
-def train_draft(model: str | None, data_path: str, out: str, *, train_cfg: TrainConfig, draft_overrides: dict,
+def train_draft(model: str | None, data_path: str | Sequence[str], out: str, *, train_cfg: TrainConfig, draft_overrides: dict,
                 max_prompts: int | None = None, max_new_tokens: int = 256, samples: int = 1, chat: bool = True,
                 eval_fraction: float = 0.05, progress: bool | None = None, log=print,
                 engine_args: dict | None = None, init: str | None = None) -> dict:
@@ -538,7 +538,7 @@ def train_draft(model: str | None, data_path: str, out: str, *, train_cfg: Train
     started = time.perf_counter()
     _optax()  # fail before the slow part
     out_dir = pathlib.Path(out)
-    prompts = read_prompts(data_path)[:max_prompts]
+    prompts = distill.read_prompt_files(data_path)[:max_prompts]
     saved_drafter = None if init is None else read_init(init)
     data_dir = out_dir / "data"
     log(f"answers: {len(prompts)} prompts x {samples} (greedy{', then sampled' if samples > 1 else ''}), "
@@ -593,7 +593,8 @@ def train_draft(model: str | None, data_path: str, out: str, *, train_cfg: Train
     # memory order: `dspark.save`).
     dspark.save(out_dir, params, cfg)
     report = evaluate(dspark.load(out_dir)[0], cfg, target_weights, eval_data)
-    summary = dict(model=source, data=str(data_path), prompts=len(prompts), held_out_prompts=int(held.sum()),
+    data = [str(data_path)] if isinstance(data_path, (str, pathlib.Path)) else [str(path) for path in data_path]
+    summary = dict(model=source, data=" + ".join(data), prompts=len(prompts), held_out_prompts=int(held.sum()),
                    samples_per_prompt=samples, max_new_tokens=max_new_tokens, answers=len(answers),
                    generated_tokens=generated, train_answers=len(train_data), eval_answers=len(eval_data),
                    train=dataclasses.asdict(train_cfg), final=history[-1] if history else {}, held_out=report,
