@@ -7,7 +7,7 @@ prompts (`chat.txt`, `copy_edit.txt`) are left out, so the benchmark measures th
 requests it has not seen: `held_out_subjects` lists them and a test checks the file against them.
 
     python benchmarks/prompts/make_train_prompts.py            # rewrites train_dspark.txt
-    python benchmarks/prompts/make_train_prompts.py --self 4000  # writes train_dspark_self.txt
+    python benchmarks/prompts/make_train_prompts.py --self 2500  # writes train_dspark_self.txt
 
 `--self N` asks the model itself for requests instead (as Magpie does): the model continues
 its chat template up to where a user's message begins, sampled (temperature 1.0, top_p 0.95,
