@@ -32,12 +32,13 @@ def _run(devices: int, configs: list[str]) -> dict:
     # the default suite: each kind of layer under expert parallelism, and a planted bug (data
     # parallelism runs in the default suite through the engine, test_sharded_engine.py)
     # (KDA stands for Gated DeltaNet's grouped channels here; Gemma 3 under TP runs in the slow set)
-    # and KV heads fewer than the devices (whole on each)
-    # (and experts over the data-parallel ranks)
-    # (and linear-attention state slots over the data-parallel ranks)
-    (4, ["moe_ep", "mla_ep", "kda_ep", "gpt_oss_ep", "dense_kv2", "moe_ep_dp", "gdn_dp", "moe_ep_wrong_expert"]),
+    # and linear-attention state slots over the data-parallel ranks
+    (4, ["moe_ep", "mla_ep", "kda_ep", "gdn_dp", "moe_ep_wrong_expert"]),
+    # the slow set adds gpt-oss, KV heads fewer than the devices (whole on each), experts over the
+    # data-parallel ranks, and the plain layouts
     # (a planted bug the interpreter stops with an out-of-bounds DMA ends its process: last)
-    pytest.param(4, ["dense", "moe", "mla", "gdn", "gdn_ep", "gdn_kv2", "gemma3", "gpt_oss", "moe_dp", "mla_dp", "mla_ep_dp",
+    pytest.param(4, ["gpt_oss_ep", "dense_kv2", "moe_ep_dp",
+                     "dense", "moe", "mla", "gdn", "gdn_ep", "gdn_kv2", "gemma3", "gpt_oss", "moe_dp", "mla_dp", "mla_ep_dp",
                      "kda_ep_dp", "dense_without_all_reduce",
                      "moe_ep_every_pair_computed", "gdn_flat_channels", "gdn_dp_global_slots"], marks=pytest.mark.slow),
     pytest.param(8, ["dense", "moe_ep", "moe_ep_only", "mla", "mla_ep", "mla_without_all_reduce"],

@@ -23,6 +23,7 @@ kind the loaded library is.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -46,9 +47,10 @@ from weld.utils.errors import InvalidInputError
 
 log = logging.getLogger("weld")
 
-_SOURCES = ("paged_attention.cc", "matmul.cc", "quant_matmul.cc", "norm.cc", "argmax.cc", "stream.cc")
+# (the slowest to compile first: the build runs them side by side)
+_SOURCES = ("quant_matmul.cc", "paged_attention.cc", "matmul.cc", "norm.cc", "argmax.cc", "stream.cc")
 _HEADERS = ("parallel.h", "half.h")
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC",
+_FLAGS = ["-O3", "-std=c++17", "-fPIC",
           # lets the compiler vectorize the dot products' sums; no NaN/inf assumptions are made
           "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"]
 _TARGETS = {"weld_paged_attention": "WeldPagedAttention", "weld_packed_matmul": "WeldPackedMatmul",
@@ -147,10 +149,20 @@ def _build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        cmd = [cxx, *flags, f"-I{include}", f"-I{here}", *map(str, sources), "-o", str(tmp_out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"compiling {', '.join(_SOURCES)} failed: {proc.stderr.strip()[-2000:]}")
+
+        def run(what: str, cmd: list[str]) -> None:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"compiling {what} failed: {proc.stderr.strip()[-2000:]}")
+
+        # one object per source, as many at once as there are cores (the first build's wait is
+        # the slowest source's, quant_matmul.cc, instead of their sum), then one link
+        objects = [Path(tmp) / f"{source.stem}.o" for source in sources]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+            for job in [pool.submit(run, source.name, [cxx, *flags, f"-I{include}", f"-I{here}", "-c", str(source),
+                                                       "-o", str(obj)]) for source, obj in zip(sources, objects)]:
+                job.result()
+        run(", ".join(_SOURCES), [cxx, *flags, "-shared", *map(str, objects), "-o", str(tmp_out)])
         os.replace(tmp_out, out)  # atomic: a concurrent build of the same key writes the same bytes
     return out
 
