@@ -29,7 +29,7 @@ from weld.engine.sampling_params import MAX_LOGPROBS
 from weld.engine.scheduler import SchedulerOutput, bucket
 from weld.kernels import cpu as cpu_kernels
 from weld.models.common import sharding
-from weld.utils.memory import memory_maps, release_free_memory
+from weld.utils.memory import drop_tracing_caches, memory_maps, release_free_memory
 from weld.utils.progress import Progress
 
 logger = logging.getLogger("weld.engine")
@@ -267,6 +267,7 @@ class ModelRunner:
             logger.info("compiled %s (%s%s) in %.1f s: %d programs", name, shapes,
                         "".join(f", {k} {v}" for k, v in sorted(static.items()) if k != "cfg"),
                         time.perf_counter() - start, len(self._programs))
+            drop_tracing_caches()
             release_free_memory()  # compiling frees ~100 MB of temporaries that glibc would keep
             return out
         return self._run_program(name, program, args, static)
