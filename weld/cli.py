@@ -143,6 +143,12 @@ def _train_draft_flags(p: argparse.ArgumentParser) -> None:
                    help="share of prompts held out to measure the drafter's acceptance (default: 0.05)")
     g.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
                    help="answers generated at once (default: 64)")
+    from weld.config import TRAIN_FEATURES
+
+    g.add_argument("--features", default="stored", choices=TRAIN_FEATURES,
+                   help="stored: run the target once over every answer before training and keep its features on "
+                        "disk (~3.5 KB a token for SmolLM2); online: run it inside each training step instead, "
+                        "nothing stored (large answer sets, on an accelerator) (default: stored)")
     from weld.config import DTYPES
 
     g.add_argument("--dtype", default="auto", choices=list(DTYPES),
@@ -461,7 +467,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
                           max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, samples=args.samples,
                           chat=not args.raw, eval_fraction=args.eval_fraction, progress=None,
                           log=lambda line: print(f"weld: {line}", file=sys.stderr),
-                          engine_args={"max_num_seqs": args.max_num_seqs, "dtype": args.dtype}, init=args.init)
+                          engine_args={"max_num_seqs": args.max_num_seqs, "dtype": args.dtype}, init=args.init,
+                          features=args.features)
     print(json.dumps({key: summary[key] for key in ("seconds", "final", "held_out")} | {"out": args.out}, indent=2))
     return 0
 

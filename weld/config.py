@@ -20,6 +20,9 @@ from weld.utils.errors import InvalidInputError
 
 BACKENDS = ("xla", "megakernel")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# `weld train-draft --features`: run the target over every answer before training (its features
+# kept on disk), or inside each training step
+TRAIN_FEATURES = ("stored", "online")
 # --kv-cache-dtype (vLLM's flag): "auto" stores K/V in the model's dtype.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The KV pool's memory when no size is given: at most this, and no more than max_num_seqs

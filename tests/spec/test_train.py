@@ -231,6 +231,32 @@ def test_features_gathered_on_the_device_train_as_those_sent_from_the_host(monke
     assert not train.gather_features(data.features, rows)[0, 1].any()  # padding is zeros
 
 
+@pytest.mark.parametrize("vocab_size", [0, 10])
+def test_online_training_runs_the_target_in_each_step_and_trains_as_stored_features_do(vocab_size):
+    """`train_draft(features="online")`: a data set of the answers alone (`token_dataset`), the
+    target run inside each step (`online_teacher`): the same batches as the stored features
+    give, so the same losses step after step (with and without a draft vocabulary, whose rows
+    the teacher's tokens are placed on); without the target's family it is refused."""
+    import dataclasses
+
+    weights, sequences, stored = tiny_data()
+    online = train.token_dataset(sequences, [5] * 6, CFG.block_size)
+    assert online.features is None and np.array_equal(online.tokens, stored.tokens)
+    cfg = dataclasses.replace(CFG, draft_vocab_size=vocab_size)
+    vocab = train.draft_vocabulary(stored, vocab_size, TARGET.vocab_size) if vocab_size else None
+    settings = train.TrainConfig(steps=6, lr=3e-3, warmup=2, batch_size=3, anchors=4)
+    params = dspark.init_params(cfg, seed=0, target_weights=weights)
+    _, from_stored = train.train(params, cfg, weights, stored, settings, progress=False, log_every=1, draft_vocab=vocab)
+    _, from_online = train.train(params, cfg, weights, online, settings, progress=False, log_every=1, draft_vocab=vocab,
+                                 target=(llama, TARGET))
+    for key in ("loss", "tv", "ce", "top1"):
+        assert [r[key] for r in from_online] == pytest.approx([r[key] for r in from_stored], rel=1e-4, abs=1e-6), key
+    with pytest.raises(ValueError, match="pass target"):
+        train.train(params, cfg, weights, online, settings, progress=False, draft_vocab=vocab)
+    with pytest.raises(ValueError, match="pass target"):
+        train.train(params, cfg, weights, stored, settings, progress=False, draft_vocab=vocab, target=(llama, TARGET))
+
+
 def test_target_features_are_computed_at_full_matmul_precision():
     """The teacher's program asks for HIGHEST precision on its matrix products (a TPU's default
     multiplies f32 in one bf16 pass), so the features are the model's on any machine."""

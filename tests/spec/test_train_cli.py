@@ -15,6 +15,9 @@ def test_bad_input_is_reported_before_loading_the_model(tmp_path, capsys):
     prompts.write_text("hello\n")
     assert main(["train-draft", "--data", str(prompts), "--out", str(tmp_path / "d"), "--target-layers", "1,x"]) == 1
     assert "--target-layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse's choices
+        main(["train-draft", "--data", str(prompts), "--out", str(tmp_path / "d"), "--features", "later"])
+    assert "invalid choice: 'later'" in capsys.readouterr().err
     assert main(["train-draft", "--data", str(prompts), "--out", str(tmp_path / "d"), "--steps", "0"]) == 1
     assert "steps must be >= 1" in capsys.readouterr().err
     for flag, value, needle in (("--samples", "0", "--samples must be >= 1"),
@@ -27,7 +30,8 @@ def test_bad_input_is_reported_before_loading_the_model(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_train_draft_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("features", ["stored", "online"])
+def test_train_draft_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys, monkeypatch, features):
     from weld.models.llama import Config
 
     directory, _ = tiny_llama_dir
@@ -37,7 +41,7 @@ def test_train_draft_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys
     out = tmp_path / "drafter"
     args = ["train-draft", "--model", str(directory), "--data", str(prompts), "--out", str(out), "--steps", "8",
             "--max-new-tokens", "16", "--k", "3", "--target-layers", "0,1", "--batch-size", "2", "--anchors", "4",
-            "--eval-fraction", "0.2", "--save-every", "4", "--draft-vocab", "64"]
+            "--eval-fraction", "0.2", "--save-every", "4", "--draft-vocab", "64", "--features", features]
     # the held-out report is of the drafter as written: a save whose confidence head always says
     # send (bias + 100) shows in it as every draft sent, whatever the trained head says
     real_save = dspark.save
@@ -54,6 +58,8 @@ def test_train_draft_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys
     assert cfg.block_size == 3 and cfg.target_layers == (0, 1) and cfg.draft_vocab_size == 64
     cfg.check_target(Config.from_hf(json.loads((directory / "config.json").read_text())))
     assert json.loads((out / "config.json").read_text())["training"]["prompts"] == 5
+    assert json.loads((out / "config.json").read_text())["training"]["features"] == features
+    assert (out / "data" / "features").exists() == (features == "stored")  # online: nothing stored
     assert (out / "data" / "sequences.jsonl").read_text().count("\n") == 5
     # A rerun finds every stage done: the same drafter, nothing generated or trained again, and
     # no engine built (the target's weights alone feed the features).

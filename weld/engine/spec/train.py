@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from weld.config import TRAIN_FEATURES
 from weld.engine.spec import distill, dspark
 from weld.engine.spec.distill import read_prompts  # noqa: F401  (re-exported: `train.read_prompts`)
 from weld.engine.spec.features import target_hidden_states
@@ -97,9 +98,10 @@ class Dataset:
     offsets: np.ndarray  # int64 [N]
     lengths: np.ndarray  # int32 [N]
     prompt_lengths: np.ndarray  # int32 [N]
-    features: np.ndarray  # f16 [total, len(target_layers) * d]: the drafter's context
-    teacher_ids: np.ndarray  # int32 [total, K]: the target's most likely next tokens after each position
-    teacher_probs: np.ndarray  # f16 [total, K]: their probabilities (temperature 1)
+    # What the target computed (None: computed inside each training step, `online_teacher`):
+    features: np.ndarray | None = None  # f16 [total, len(target_layers) * d]: the drafter's context
+    teacher_ids: np.ndarray | None = None  # int32 [total, K]: the target's most likely next tokens after each position
+    teacher_probs: np.ndarray | None = None  # f16 [total, K]: their probabilities (temperature 1)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -135,24 +137,31 @@ def _write_json(path: pathlib.Path, document: dict) -> None:
     os.replace(tmp, path)
 
 
-def build_features(family: Any, target_weights: dict, target_cfg: Any, cfg: dspark.DraftConfig,
-                   sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
-                   directory: str | pathlib.Path | None = None, batch_tokens: int = 4096,
-                   progress: bool | None = None) -> Dataset:
-    """Runs the target once over every answer and keeps what training reads. Answers whose
-    continuation is shorter than k + 1 tokens (no room for one block) are dropped.
-
-    directory: where the arrays live (memory maps; a rerun keeps the batches already done), or
-    None to keep them in memory. Answers go through in batches of similar length padded to a
-    multiple of 64 tokens, about batch_tokens tokens per batch."""
-    k = cfg.block_size
+def token_dataset(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], k: int) -> Dataset:
+    """The answers alone (nothing the target computed). Answers whose continuation is shorter
+    than k + 1 tokens (no room for one block) are dropped."""
     keep = [i for i, (s, p) in enumerate(zip(sequences, prompt_lengths)) if len(s) - p >= k + 1 and p >= 1]
     if not keep:
         raise InvalidInputError(f"no answer has a continuation of at least k + 1 = {k + 1} tokens")
     lengths = np.asarray([len(sequences[i]) for i in keep], np.int32)
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    return Dataset(tokens=np.concatenate([np.asarray(sequences[i], np.int32) for i in keep]),
+                   offsets=np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64), lengths=lengths,
+                   prompt_lengths=np.asarray([prompt_lengths[i] for i in keep], np.int32))
+
+
+def build_features(family: Any, target_weights: dict, target_cfg: Any, cfg: dspark.DraftConfig,
+                   sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+                   directory: str | pathlib.Path | None = None, batch_tokens: int = 4096,
+                   progress: bool | None = None) -> Dataset:
+    """Runs the target once over every answer and keeps what training reads (`token_dataset`'s
+    answers, with the target's features and teacher).
+
+    directory: where the arrays live (memory maps; a rerun keeps the batches already done), or
+    None to keep them in memory. Answers go through in batches of similar length padded to a
+    multiple of 64 tokens, about batch_tokens tokens per batch."""
+    answers = token_dataset(sequences, prompt_lengths, cfg.block_size)
+    tokens, offsets, lengths = answers.tokens, answers.offsets, answers.lengths
     total, width = int(lengths.sum()), len(cfg.target_layers) * cfg.hidden_size
-    tokens = np.concatenate([np.asarray(sequences[i], np.int32) for i in keep])
     fingerprint = hashlib.sha256(tokens.tobytes() + json.dumps(
         [list(cfg.target_layers), TEACHER_TOP, target_cfg.num_layers, target_cfg.hidden_size]).encode()).hexdigest()
     arrays = {"features": ((total, width), np.float16), "teacher_ids": ((total, TEACHER_TOP), np.int32),
@@ -197,8 +206,7 @@ def build_features(family: Any, target_weights: dict, target_cfg: Any, cfg: dspa
                     array.flush()
                 _write_json(index_path, {"fingerprint": fingerprint, "batches_done": number + 1})
             bar.update(1)
-    return Dataset(tokens=tokens, offsets=offsets, lengths=lengths,
-                   prompt_lengths=np.asarray([prompt_lengths[i] for i in keep], np.int32), **out)
+    return dataclasses.replace(answers, **out)
 
 
 def sample_blocks(data: Dataset, rows: np.ndarray, num_anchors: int, k: int, rng: np.random.Generator,
@@ -213,7 +221,11 @@ def sample_blocks(data: Dataset, rows: np.ndarray, num_anchors: int, k: int, rng
 
     features: gather the context features f32 [B, width, n * d] here ("features"); False leaves
     "feature_rows" int32 [B, width] instead (each position's row of data.features, -1 for
-    padding) for `gather_features` on a device that holds them."""
+    padding) for `gather_features` on a device that holds them.
+
+    A data set without the target's arrays (`token_dataset`) gives "tokens" int32 [B, width]
+    and "window" int32 [B, A, k] (the position before each slot) instead of the features and
+    the teacher, for `online_teacher` to compute inside the step."""
     lengths, prompts = data.lengths[rows], data.prompt_lengths[rows]
     width = width or -(-int(lengths.max()) // 64) * 64
     low = prompts - 1
@@ -227,13 +239,14 @@ def sample_blocks(data: Dataset, rows: np.ndarray, num_anchors: int, k: int, rng
     positions = np.where(inside, np.arange(width)[None, :], -1)
     take = lambda idx: np.take_along_axis(tokens, idx.reshape(len(rows), -1), axis=1).reshape(idx.shape)  # noqa: E731
     labels = take(window + 1).astype(np.int32)
-    teacher_ids = data.teacher_ids[flat.reshape(-1)].reshape(flat.shape + (-1,))
     place = (lambda ids: ids) if vocab_place is None else (lambda ids: vocab_place[ids])  # noqa: E731
     batch = dict(ctx_positions=positions.astype(np.int32),
                  anchor_tokens=take(anchors).astype(np.int32), anchor_positions=anchors.astype(np.int32),
-                 prev_tokens=take(window).astype(np.int32), labels=labels, label_index=place(labels),
-                 teacher_index=place(teacher_ids),
-                 teacher_probs=data.teacher_probs[flat.reshape(-1)].reshape(flat.shape + (-1,)).astype(np.float32))
+                 prev_tokens=take(window).astype(np.int32), labels=labels, label_index=place(labels))
+    if data.teacher_ids is None:  # online: the step runs the target over these tokens
+        return {**batch, "tokens": tokens, "window": window.astype(np.int32)}
+    batch["teacher_index"] = place(data.teacher_ids[flat.reshape(-1)].reshape(flat.shape + (-1,)))
+    batch["teacher_probs"] = data.teacher_probs[flat.reshape(-1)].reshape(flat.shape + (-1,)).astype(np.float32)
     if features:
         batch["features"] = gather_features(data.features, feature_rows)
     else:
@@ -248,6 +261,25 @@ def gather_features(source: Any, feature_rows: Any) -> Any:
     rows = xp.maximum(feature_rows, 0)
     picked = source[rows.reshape(-1)].reshape(rows.shape + (source.shape[1],)).astype(xp.float32)
     return xp.where((feature_rows >= 0)[..., None], picked, xp.float32(0))
+
+
+def online_teacher(family: Any, target_weights: dict, target_cfg: Any, batch: dict, *, layers: tuple[int, ...],
+                   vocab_place: jax.Array | None = None) -> dict:
+    """An online batch (`sample_blocks` on a `token_dataset`) made whole on the device: the
+    target runs over its tokens (`_teacher`, as `build_features` runs it) and gives the context
+    features (zeros past each answer's end, f16 as stored) and the teacher at the blocks' slots.
+    The same batch `build_features`' arrays give, without holding them for every answer."""
+    batch = dict(batch)
+    tokens, window = batch.pop("tokens"), batch.pop("window")
+    features, ids, probs = _teacher(family, target_weights, target_cfg, tokens, layers=layers, top=TEACHER_TOP)
+    inside = (batch["ctx_positions"] >= 0)[..., None]
+    batch["features"] = jnp.where(inside, features.astype(jnp.float32), jnp.float32(0))
+    b, a, k = window.shape
+    at = lambda x: jnp.take_along_axis(x, window.reshape(b, a * k)[..., None], axis=1).reshape(b, a, k, -1)  # noqa: E731
+    ids = at(ids)
+    batch["teacher_index"] = ids if vocab_place is None else vocab_place[ids]
+    batch["teacher_probs"] = at(probs).astype(jnp.float32)
+    return batch
 
 
 def resident_features(features: np.ndarray, share: float = 0.5) -> jax.Array | None:
@@ -402,13 +434,26 @@ class Checkpoint:
 
 def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dataset, train_cfg: TrainConfig,
           progress: bool | None = None, log_every: int = 10, checkpoint: Checkpoint | None = None,
-          settings: dict | None = None, draft_vocab: np.ndarray | None = None) -> tuple[dict, list[dict]]:
+          settings: dict | None = None, draft_vocab: np.ndarray | None = None,
+          target: tuple[Any, Any] | None = None) -> tuple[dict, list[dict]]:
     """Runs train_cfg.steps optimizer steps (resuming from `checkpoint` when it holds a run of
     the same `settings`); returns the trained params and the logged metrics. draft_vocab: the
-    draft vocabulary's ids (`draft_vocabulary`) when cfg has one."""
+    draft vocabulary's ids (`draft_vocabulary`) when cfg has one.
+
+    data without the target's arrays (`token_dataset`) trains online: each step's batch is made
+    whole by running the target (`online_teacher`); target: (family, config) of target_weights,
+    which must then be the whole target's."""
     if bool(cfg.draft_vocab_size) != (draft_vocab is not None):
         raise ValueError(f"draft_vocab_size is {cfg.draft_vocab_size}: pass draft_vocab exactly when it is not 0")
+    if (data.features is None) != (target is not None):
+        raise ValueError("pass target (family, config) exactly when the data set holds no features (online)")
     place = None if draft_vocab is None else vocab_places(draft_vocab, cfg.vocab_size)
+    teach = None
+    if target is not None:  # the target's weights are the program's argument (not constants in it)
+        teach = functools.partial(jax.jit(functools.partial(online_teacher, target[0]),
+                                          static_argnames=("target_cfg", "layers")),
+                                  target_weights, target_cfg=target[1], layers=cfg.target_layers,
+                                  vocab_place=None if place is None else jnp.asarray(place))
     target_weights = shared_weights(target_weights, draft_vocab)
     params = jax.tree.map(jnp.copy, params)  # the step donates its params: keep the caller's
     optimizer = make_optimizer(train_cfg)
@@ -422,7 +467,7 @@ def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dat
         if resumed is not None:
             start, params, opt_state, rng, history = resumed
     width = -(-int(data.lengths.max()) // 64) * 64  # one program shape for every step
-    resident = resident_features(data.features)
+    resident = None if teach is not None else resident_features(data.features)
     gather = jax.jit(gather_features)
     with Progress(train_cfg.steps, "Training drafter", unit="step",
                   enabled=progress_enabled() if progress is None else progress) as bar:
@@ -432,7 +477,9 @@ def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dat
             batch = sample_blocks(data, rows, train_cfg.anchors, cfg.block_size, rng, place, width,
                                   features=resident is None)
             batch = {k: jnp.asarray(v) for k, v in batch.items()}
-            if resident is not None:
+            if teach is not None:
+                batch = teach(batch=batch)
+            elif resident is not None:
                 batch["features"] = gather(resident, batch.pop("feature_rows"))
             params, opt_state, metrics = step(params, opt_state, batch, target_weights)
             if i % log_every == 0 or i == train_cfg.steps - 1:
@@ -532,9 +579,16 @@ def load_target(model: str | None, dtype: Any = "auto", progress: bool | None = 
 def train_draft(model: str | None, data_path: str | Sequence[str], out: str, *, train_cfg: TrainConfig, draft_overrides: dict,
                 max_prompts: int | None = None, max_new_tokens: int = 256, samples: int = 1, chat: bool = True,
                 eval_fraction: float = 0.05, progress: bool | None = None, log=print,
-                engine_args: dict | None = None, init: str | None = None) -> dict:
+                engine_args: dict | None = None, init: str | None = None, features: str = "stored") -> dict:
     """`weld train-draft`: answers, features, training, report, the drafter; every stage resumes
-    from what `out` already holds. Returns a summary (also saved with the drafter)."""
+    from what `out` already holds. Returns a summary (also saved with the drafter).
+
+    features: "stored" runs the target once over every answer before training and keeps what
+    it computed on disk (~3.5 KB a token for SmolLM2's three target layers); "online" runs it
+    inside each training step instead (nothing stored: for answers whose features would not fit,
+    on an accelerator where the target's pass costs little beside the step)."""
+    if features not in TRAIN_FEATURES:
+        raise InvalidInputError(f"features must be one of {', '.join(TRAIN_FEATURES)}, got {features!r}")
     started = time.perf_counter()
     _optax()  # fail before the slow part
     out_dir = pathlib.Path(out)
@@ -563,11 +617,19 @@ def train_draft(model: str | None, data_path: str | Sequence[str], out: str, *, 
         raise InvalidInputError(str(err)) from None
     held = split_prompts(len(prompts), eval_fraction, train_cfg.seed)
     answers = [a for a in answers if not held[a.prompt_index] or a.sample == 0]  # held out: greedy only
-    data = build_features(family, target_weights, target_cfg, cfg, [a.tokens for a in answers],
-                          [a.prompt_length for a in answers], directory=data_dir / FEATURES_DIR, progress=progress)
+    sequences, prompt_lengths = [a.tokens for a in answers], [a.prompt_length for a in answers]
+    if features == "online":  # the target's arrays for the held-out answers only (the report reads them)
+        data = token_dataset(sequences, prompt_lengths, cfg.block_size)
+        evaluated = [i for i, a in enumerate(answers) if held[a.prompt_index]]
+    else:
+        data = build_features(family, target_weights, target_cfg, cfg, sequences, prompt_lengths,
+                              directory=data_dir / FEATURES_DIR, progress=progress)
     kept = [a for a in answers if len(a.tokens) - a.prompt_length >= cfg.block_size + 1 and a.prompt_length >= 1]
     is_eval = np.asarray([bool(held[a.prompt_index]) for a in kept])
     train_data, eval_data = data.subset(np.flatnonzero(~is_eval)), data.subset(np.flatnonzero(is_eval))
+    if features == "online" and is_eval.any():
+        eval_data = build_features(family, target_weights, target_cfg, cfg, [sequences[i] for i in evaluated],
+                                   [prompt_lengths[i] for i in evaluated], progress=progress)
     generated = int((data.lengths - data.prompt_lengths).sum())
     log(f"{len(train_data)} training / {len(eval_data)} held-out answers, {generated} generated tokens; drafter: "
         f"{cfg.num_layers} layer(s), k={cfg.block_size}, target layers {list(cfg.target_layers)}, "
@@ -584,8 +646,11 @@ def train_draft(model: str | None, data_path: str | Sequence[str], out: str, *, 
                 "tokens": int(data.lengths.sum())}
     if init is not None:  # (absent otherwise, so that runs saved before --init existed still resume)
         settings["init"] = str(init)
+    if features != "stored":  # (likewise)
+        settings["features"] = features
     params, history = train(params, cfg, target_weights, train_data, train_cfg, progress=progress,
-                            checkpoint=Checkpoint(out_dir / CHECKPOINT_DIR), settings=settings, draft_vocab=vocab)
+                            checkpoint=Checkpoint(out_dir / CHECKPOINT_DIR), settings=settings, draft_vocab=vocab,
+                            target=(family, target_cfg) if features == "online" else None)
     if vocab is not None:
         params = {**params, dspark.VOCAB_TENSOR: jnp.asarray(vocab)}
     # The held-out report measures the drafter as written, read back the way `--draft` reads it
@@ -595,7 +660,7 @@ def train_draft(model: str | None, data_path: str | Sequence[str], out: str, *, 
     report = evaluate(dspark.load(out_dir)[0], cfg, target_weights, eval_data)
     data = [str(data_path)] if isinstance(data_path, (str, pathlib.Path)) else [str(path) for path in data_path]
     summary = dict(model=source, data=" + ".join(data), prompts=len(prompts), held_out_prompts=int(held.sum()),
-                   samples_per_prompt=samples, max_new_tokens=max_new_tokens, answers=len(answers),
+                   samples_per_prompt=samples, max_new_tokens=max_new_tokens, features=features, answers=len(answers),
                    generated_tokens=generated, train_answers=len(train_data), eval_answers=len(eval_data),
                    train=dataclasses.asdict(train_cfg), final=history[-1] if history else {}, held_out=report,
                    seconds=round(time.perf_counter() - started, 1))
