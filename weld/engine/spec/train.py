@@ -618,7 +618,7 @@ def train_draft(model: str | None, data_path: str | Sequence[str], out: str, *, 
     held = split_prompts(len(prompts), eval_fraction, train_cfg.seed)
     answers = [a for a in answers if not held[a.prompt_index] or a.sample == 0]  # held out: greedy only
     sequences, prompt_lengths = [a.tokens for a in answers], [a.prompt_length for a in answers]
-    if features == "online":  # the target's arrays for the held-out answers only (the report reads them)
+    if features == "online":  # the target's arrays for the held-out answers only, for the report
         data = token_dataset(sequences, prompt_lengths, cfg.block_size)
         evaluated = [i for i, a in enumerate(answers) if held[a.prompt_index]]
     else:
@@ -627,9 +627,6 @@ def train_draft(model: str | None, data_path: str | Sequence[str], out: str, *, 
     kept = [a for a in answers if len(a.tokens) - a.prompt_length >= cfg.block_size + 1 and a.prompt_length >= 1]
     is_eval = np.asarray([bool(held[a.prompt_index]) for a in kept])
     train_data, eval_data = data.subset(np.flatnonzero(~is_eval)), data.subset(np.flatnonzero(is_eval))
-    if features == "online" and is_eval.any():
-        eval_data = build_features(family, target_weights, target_cfg, cfg, [sequences[i] for i in evaluated],
-                                   [prompt_lengths[i] for i in evaluated], progress=progress)
     generated = int((data.lengths - data.prompt_lengths).sum())
     log(f"{len(train_data)} training / {len(eval_data)} held-out answers, {generated} generated tokens; drafter: "
         f"{cfg.num_layers} layer(s), k={cfg.block_size}, target layers {list(cfg.target_layers)}, "
@@ -657,6 +654,9 @@ def train_draft(model: str | None, data_path: str | Sequence[str], out: str, *, 
     # (a TPU-trained drafter once scored 2.34 in memory and 1.17 from a file written in the wrong
     # memory order: `dspark.save`).
     dspark.save(out_dir, params, cfg)
+    if features == "online" and len(eval_data):  # the report's features, after training (it starts at once)
+        eval_data = build_features(family, target_weights, target_cfg, cfg, [sequences[i] for i in evaluated],
+                                   [prompt_lengths[i] for i in evaluated], progress=progress)
     report = evaluate(dspark.load(out_dir)[0], cfg, target_weights, eval_data)
     data = [str(data_path)] if isinstance(data_path, (str, pathlib.Path)) else [str(path) for path in data_path]
     summary = dict(model=source, data=" + ".join(data), prompts=len(prompts), held_out_prompts=int(held.sum()),
