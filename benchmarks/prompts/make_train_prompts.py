@@ -192,12 +192,16 @@ def main() -> None:
     parser.add_argument("--self", dest="self_count", type=int, default=0, metavar="N",
                         help="write N requests the model writes itself (default out: train_dspark_self.txt)")
     parser.add_argument("--model", default=None, help="with --self: the model (default: the bundled one)")
+    parser.add_argument("--batch", type=int, default=64,
+                        help="with --self: requests written at once (the engine's max_num_seqs; default: 64)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not 0 <= args.self_count <= 100_000:
         parser.error("--self takes 0..100000")
+    if not 1 <= args.batch <= 4096:
+        parser.error("--batch takes 1..4096")
     if args.self_count:
-        items = self_prompts(args.self_count, args.seed, args.model)
+        items = self_prompts(args.self_count, args.seed, args.model, args.batch)
         args.out = args.out or str(HERE / "train_dspark_self.txt")
     else:
         items = prompts(args.seed)
