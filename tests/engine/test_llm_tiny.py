@@ -240,14 +240,14 @@ def test_each_new_program_hands_compile_temporaries_back(tiny_llama_dir, monkeyp
     from jax import monitoring
 
     from weld.engine import runner as runner_module
-    from weld.utils import memory
 
     directory, _ = tiny_llama_dir
     llm = LLM(model=str(directory), max_model_len=128, kv_cache_memory_gb=0.01)
     trims, drops, events = [], [], []
     monkeypatch.setattr(runner_module, "release_free_memory", lambda: trims.append(llm.engine.runner.num_compiles))
+    drop = runner_module.drop_tracing_caches
     monkeypatch.setattr(runner_module, "drop_tracing_caches",
-                        lambda: (drops.append(llm.engine.runner.num_compiles), memory.drop_tracing_caches()))
+                        lambda: (drops.append(llm.engine.runner.num_compiles), drop()))
     params = SamplingParams(max_tokens=6, temperature=0)
     llm.generate(["The quick brown fox"], params)
     compiled = llm.engine.runner.num_compiles

@@ -27,20 +27,6 @@ def release_free_memory() -> bool:
     return bool(trim is not None and trim(0) >= 0)
 
 
-def drop_tracing_caches() -> None:
-    """Drops JAX's tracing and lowering caches (jaxprs, lowered modules; what `jax.clear_caches`
-    clears besides the compiled executables): a served bundled model held ~28 MB in them after
-    its first prefill and decode compiled. Programs already compiled keep running from the
-    executable caches; the next new shape is traced from scratch (it would be traced anyway)."""
-    try:
-        from jax._src import util
-    except ImportError:  # JAX moved it: keep the caches
-        return
-    clear = getattr(util, "clear_all_caches", None)
-    if clear is not None:
-        clear()
-
-
 def release_mapped(data: np.memmap | None, begin: int, end: int) -> None:
     """Drops the resident pages of bytes [begin, end) of a read-only mapped file (MADV_DONTNEED;
     a later read maps them in again from the file). A loader calls it once a tensor is copied out,
