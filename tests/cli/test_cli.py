@@ -294,3 +294,18 @@ def test_async_warmup_full_leaves_nothing_to_compile(tiny_llama_dir, keep_progra
         assert engine.llm.engine.runner.num_compiles == compiled
     finally:
         engine.shutdown()
+
+
+def test_serve_warmup_has_the_runner_drop_tracing_caches(tiny_llama_dir):
+    """`weld serve`'s warm-up (even "none") makes the runner drop JAX's tracing caches after
+    each run of compiles (a served process's memory); a plain engine keeps them."""
+    from weld.engine.async_llm import AsyncLLM
+    from weld.server.app import warmup
+
+    engine = AsyncLLM(str(tiny_llama_dir[0]), max_model_len=64, kv_cache_memory_gb=0.01, max_num_seqs=2)
+    try:
+        assert not engine.engine.runner.drop_traces
+        warmup(engine, "none")
+        assert engine.engine.runner.drop_traces and engine.engine.runner.num_compiles == 0
+    finally:
+        engine.shutdown()

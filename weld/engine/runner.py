@@ -63,7 +63,10 @@ def drop_tracing_caches() -> None:
     """Drops JAX's tracing and lowering caches (jaxprs, lowered modules; what `jax.clear_caches`
     clears besides the compiled executables): a served bundled model held ~28 MB in them after
     its first prefill and decode compiled. Programs already compiled keep running from the
-    executable caches; the next new shape is traced from scratch (it would be traced anyway)."""
+    executable caches. Where the runner is told to (`drop_traces`: `weld serve`), it drops them
+    on the first call after a run of compiles. The cost is tracing again: the programs compiled
+    later trace their shared parts from scratch (the megakernel's engine tests ran 1.6-2x
+    longer with the caches dropped; a CPU warm-up of 32 programs 5-10%)."""
     try:
         from jax._src import util
     except ImportError:  # JAX moved it: keep the caches
@@ -184,6 +187,10 @@ class ModelRunner:
         self.eos_token_ids = np.asarray(sorted(set(eos_token_ids)) or [-1], np.int32)
         self._programs: set[tuple] = set()  # the keys of the programs compiled and held now
         self._num_compiles = 0
+        self._traced = False  # programs compiled since JAX's tracing caches were last dropped
+        # drop JAX's tracing caches on the first call after a run of compiles (`drop_tracing_caches`):
+        # what a long-lived server sets (memory); off, the next compiles reuse the traces
+        self.drop_traces = False
         self.num_evictions = 0  # times `_make_room` dropped every compiled program
         decode_fwd = decode_forward(family, cfg, backend)  # the verification block runs where decode runs
         prefill_fwd = family.forward
@@ -281,9 +288,13 @@ class ModelRunner:
             logger.info("compiled %s (%s%s) in %.1f s: %d programs", name, shapes,
                         "".join(f", {k} {v}" for k, v in sorted(static.items()) if k != "cfg"),
                         time.perf_counter() - start, len(self._programs))
-            drop_tracing_caches()
+            self._traced = True
             release_free_memory()  # compiling frees ~100 MB of temporaries that glibc would keep
             return out
+        if self._traced and self.drop_traces:  # the first call after a run of compiles (a warm-up, a new shape)
+            drop_tracing_caches()  # once, not after each compile (the next compiles reuse the traces)
+            release_free_memory()
+            self._traced = False
         return self._run_program(name, program, args, static)
 
     def _run_program(self, name: str, program, args, static):
