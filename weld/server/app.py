@@ -284,7 +284,7 @@ def warmup(engine: Any, mode: str = "basic") -> None:
     """Compiles before the first request arrives: "basic" the batch-1 prefill and decode
     programs (one request through the async path), "full" every shape the scheduler can make
     (`LLM.warmup(full=True)`), "none" nothing. From here on the runner drops JAX's tracing
-    caches after each run of compiles (a served process's memory: ~44 MB of the bundled model's)."""
+    caches after each run of compiles (a served process's memory: ~32 MB of the bundled model's)."""
     from weld.engine.sampling_params import SamplingParams
 
     engine.engine.runner.drop_traces = True
