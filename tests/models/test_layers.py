@@ -243,6 +243,22 @@ def test_int4_g128_rows_layout_and_values_by_hand():
     np.testing.assert_array_equal(np.asarray(both.unpacked()), np.concatenate([by_hand, by_hand[:2]]))
 
 
+def test_columns_of_a_matrix_are_taken_exactly_or_refused():
+    """`quant.take_columns` (tiled value heads regrouped for the tensor-parallel megakernel): an
+    array's and an "int8_channel" matrix's inputs reordered exactly (its per-output scales stay);
+    a format whose scales span blocks of inputs is refused."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 64)).astype(np.float32)
+    index = rng.permutation(64)[:48]
+    np.testing.assert_array_equal(np.asarray(quant.take_columns(jnp.asarray(w), index)), w[:, index])
+    q = quant.quantize(w, "int8_channel")
+    taken = quant.take_columns(q, index)
+    assert taken.shape == (6, 48) and taken.fmt == "int8_channel"
+    np.testing.assert_array_equal(np.asarray(taken.unpacked()), np.asarray(q.unpacked())[:, index])
+    with pytest.raises(ValueError, match="inputs of a int4_g128_rows matrix cannot be reordered"):
+        quant.take_columns(quant.quantize(w, "int4_g128_rows"), index)
+
+
 def test_the_int4_experts_mix_picks_a_format_per_kind():
     mix = "int8_channel_int4_experts"
     assert [quant.leaf_mode(kind, mix) for kind in ("linear", "head", "expert", None)] == \

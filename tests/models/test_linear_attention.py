@@ -226,12 +226,14 @@ def test_qwen3_5_vlm_checkpoint_loads_its_text_model(tiny_model_dir, tmp_path):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("kind", ["gdn", "gdn_tiled", "kda"])
 def test_grouped_channels_compute_as_flat(kind):
     """`DeltaNet.shards` (the tensor-parallel megakernel's layout: w_qkv's rows, the conv's and
     the conv windows' channels in groups of [q | k | v] per device's heads) gives the XLA
     forward the flat layout's outputs and states, prefill (across a chunk boundary) and decode;
-    the grouped windows are the flat ones reordered."""
+    the grouped windows are the flat ones reordered. Tiled value heads (llama.cpp's Qwen3.5
+    order) are regrouped by key head in that layout (`la.value_head_order`): the same outputs,
+    the states' value heads reordered."""
     import dataclasses
 
     from weld.models import kimi_linear, qwen3_next
@@ -242,12 +244,13 @@ def test_grouped_channels_compute_as_flat(kind):
     from weld.models.family import WeightTarget
 
     lin, full = "linear_attention", "full_attention"
-    if kind == "gdn":
+    if kind.startswith("gdn"):
         family = qwen3_next
         cfg = qwen3_next.Config(
             architecture="qwen3_next", vocab_size=64, hidden_size=32, intermediate_size=40, num_layers=2,
             num_heads=4, num_kv_heads=2, head_dim=16, layer_types=(lin, full), rotary_dim=4,
-            linear=la.DeltaNet(num_k_heads=4, num_v_heads=8, k_dim=8, v_dim=4, conv_width=4))
+            linear=la.DeltaNet(num_k_heads=4, num_v_heads=8, k_dim=8, v_dim=4, conv_width=4,
+                               tiled_v_heads=kind == "gdn_tiled"))
     else:
         family = kimi_linear
         cfg = kimi_linear.Config(
@@ -258,8 +261,12 @@ def test_grouped_channels_compute_as_flat(kind):
                     scale=mla_scale(8, 8, RopeScaling())),
             moe=moe_lib.MoE(num_experts=4, top_k=2, intermediate_size=16))
     grouped = dataclasses.replace(cfg, linear=dataclasses.replace(cfg.linear, shards=2))
-    order = la.grouped_channels(grouped.linear)
+    order = la.stored_channels(grouped.linear)
     assert sorted(order) == list(range(cfg.linear.conv_channels)) and list(order) != sorted(order)
+    heads = la.value_head_order(grouped.linear)
+    assert (heads is not None) == (kind == "gdn_tiled")
+    heads = np.arange(cfg.linear.num_v_heads) if heads is None else heads
+    assert heads.tolist() == ([0, 4, 1, 5, 2, 6, 3, 7] if kind == "gdn_tiled" else list(range(len(heads))))
     weights = random_weights(family.weight_specs(cfg), seed=3)
     target = WeightTarget(backend="megakernel")
     flat_w = family.prepare_weights(jax.tree.map(lambda a: a, weights), cfg, target)
@@ -279,4 +286,4 @@ def test_grouped_channels_compute_as_flat(kind):
     np.testing.assert_allclose(g_logits, flat_logits, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(g_step, flat_step, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(g_state.conv), np.asarray(flat_state.conv)[:, order], atol=1e-6)
-    np.testing.assert_allclose(np.asarray(g_state.state), np.asarray(flat_state.state), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g_state.state), np.asarray(flat_state.state)[:, heads], atol=1e-5)

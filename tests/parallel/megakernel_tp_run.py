@@ -97,6 +97,9 @@ CONFIGS = {"dense": (DENSE, None), "moe": (MOE, None), "dense_without_all_reduce
            "mla_without_all_reduce": (MLA_MOE, None),
            "gdn": (NEXT, None), "gdn_ep": (NEXT, (2, DEVICES // 2)), "kda_ep": (KIMI, (2, DEVICES // 2)),
            "gdn_flat_channels": (NEXT, None),
+           # llama.cpp's Qwen3.5 order: value head p served by key head p mod 4, regrouped at load
+           "gdn_tiled": (dataclasses.replace(NEXT, linear=dataclasses.replace(NEXT.linear, tiled_v_heads=True)), None),
+           "gdn_tiled_not_regrouped": (dataclasses.replace(NEXT, linear=dataclasses.replace(NEXT.linear, tiled_v_heads=True)), None),
            # data parallel: 2 ranks, each its own row over its own pages, tensor parallel within
            "moe_dp": (GROUPED, {"dp": 2}), "mla_dp": (MLA_MOE, {"dp": 2}),
            # and its own block of the recurrent-state slots (rank-major global ids made local)
@@ -170,13 +173,17 @@ def run(name):
     # the kernel's model: a linear model's q/k/v channels grouped per device (weights, conv windows)
     k_cfg = megakernel.tensor_parallel_config(cfg, mesh)
     flat = name.endswith("_flat_channels")  # planted: grouped in the kernel's config, flat in the weights and windows
-    order = la.grouped_channels(k_cfg.linear) if hasattr(cfg, "linear") and not flat else None
-    k_weights = family.prepare_weights(jax.tree.map(lambda a: a, weights), cfg if flat else k_cfg,
-                                       WeightTarget(backend="megakernel"))
+    order = la.stored_channels(k_cfg.linear) if hasattr(cfg, "linear") and not flat else None
+    heads = la.value_head_order(k_cfg.linear) if hasattr(cfg, "linear") else None
+    # planted: tiled value heads left as stored (the kernel's model shares key heads grouped)
+    prep_cfg = cfg if flat else k_cfg if not name.endswith("_not_regrouped") else dataclasses.replace(
+        k_cfg, linear=dataclasses.replace(k_cfg.linear, tiled_v_heads=False))
+    k_weights = family.prepare_weights(jax.tree.map(lambda a: a, weights), prep_cfg, WeightTarget(backend="megakernel"))
 
-    def grouped(c, forward=True):  # the conv windows in the kernel's channel order (or back)
+    def grouped(c, forward=True):  # the conv windows (and regrouped value heads' states) in the kernel's order (or back)
         idx = None if order is None else order if forward else np.argsort(order)
-        return type(c)(layers=[RecurrentState(conv=x.conv[:, idx], state=x.state)
+        hidx = None if heads is None else heads if forward else np.argsort(heads)
+        return type(c)(layers=[RecurrentState(conv=x.conv[:, idx], state=x.state if hidx is None else x.state[:, hidx])
                                if isinstance(x, RecurrentState) and idx is not None else x for x in c.layers])
     options = megakernel.KernelOptions(tile_rows=16, vocab_tile_rows=16, ring_depth=3, pages_per_kv_tile=2,
                                        interpret=pltpu.InterpretParams(dma_execution_mode="on_wait",

@@ -40,7 +40,8 @@ def _run(devices: int, configs: list[str]) -> dict:
     pytest.param(4, ["gpt_oss_ep", "dense_kv2", "moe_ep_dp",
                      "dense", "moe", "mla", "gdn", "gdn_ep", "gdn_kv2", "gemma3", "gpt_oss", "moe_dp", "mla_dp", "mla_ep_dp",
                      "kda_ep_dp", "dense_without_all_reduce",
-                     "moe_ep_every_pair_computed", "gdn_flat_channels", "gdn_dp_global_slots"], marks=pytest.mark.slow),
+                     "gdn_tiled", "moe_ep_every_pair_computed", "gdn_flat_channels", "gdn_tiled_not_regrouped",
+                     "gdn_dp_global_slots"], marks=pytest.mark.slow),
     pytest.param(8, ["dense", "moe_ep", "moe_ep_only", "mla", "mla_ep", "mla_without_all_reduce"],
                  marks=pytest.mark.slow)])
 def test_tensor_parallel_megakernel_equals_one_device_xla(devices, configs):
@@ -48,7 +49,7 @@ def test_tensor_parallel_megakernel_equals_one_device_xla(devices, configs):
     for name in configs:
         row = result[name]
         if name.endswith(("_without_all_reduce", "_wrong_expert", "_every_pair_computed", "_flat_channels",
-                          "_global_slots")):
+                          "_global_slots", "_not_regrouped")):
             # NaN counts as wrong: a planted bug may read ring slots nothing has written yet
             assert not row["max_rel_err"] <= 1e-2 and not row["greedy_equal"], row
         else:
@@ -130,6 +131,9 @@ def test_layouts_the_kernel_cannot_split_are_refused_in_one_line():
                                    kv_pool_heads=whole_kv)
         whole = megakernel.spec_for(model, batch=2, page_size=4, weight_dtype=jnp.float32, kv_dtype=jnp.float32)
         assert whole.shard(tensor, shards, ranks) == want, (model.architecture, tensor, shards, ranks)
+    # tiled value heads (llama.cpp's Qwen3.5 order) split too: regrouped by key head in the layout
     tiled = dataclasses.replace(hybrid, linear=dataclasses.replace(hybrid.linear, tiled_v_heads=True))
-    with pytest.raises(ValueError, match=r"do not split: tiled value heads$"):
-        megakernel.check_mesh(tiled, mesh((1, 2), ("dp", "tp")))
+    megakernel.check_mesh(tiled, mesh((1, 2), ("dp", "tp")))
+    k_tiled = megakernel.tensor_parallel_config(tiled, mesh((1, 2), ("dp", "tp")))
+    assert k_tiled.linear.tiled_v_heads and not k_tiled.linear.tiled_sharing
+    assert not megakernel.local_config(k_tiled, 2).linear.tiled_v_heads

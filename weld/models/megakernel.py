@@ -141,7 +141,7 @@ def spec_for(cfg, *, batch: int, tokens_per_row: int = 1, page_size: int, weight
         linear_layers=linear_layers, linear_kind=cfg.linear.kind, linear_k_heads=cfg.linear.num_k_heads,
         linear_v_heads=cfg.linear.num_v_heads, linear_k_dim=cfg.linear.k_dim, linear_v_dim=cfg.linear.v_dim,
         conv_width=cfg.linear.conv_width, linear_norm_eps=cfg.linear.norm_eps,
-        gate_lower_bound=float(cfg.linear.gate_lower_bound or 0.0), tiled_v_heads=cfg.linear.tiled_v_heads)
+        gate_lower_bound=float(cfg.linear.gate_lower_bound or 0.0), tiled_v_heads=cfg.linear.tiled_sharing)
     return MegakernelSpec(
         hidden=cfg.hidden_size, intermediate=max(getattr(cfg, "intermediate_size", 0), 1), vocab=cfg.vocab_size,
         num_layers=cfg.num_layers, weight_bytes=1 if int8 else jnp.dtype(weight_dtype).itemsize,
@@ -330,8 +330,6 @@ def local_config(cfg, tensor: int, expert_shards: int = 1, expert_ranks: int = 1
     bad = [f"{name} {n} over {k} devices" for name, (n, k) in split.items() if n % k]
     if whole_kv and tensor % cfg.num_kv_heads:
         bad.append(f"{cfg.num_kv_heads} KV heads (whole on every device) into {tensor} devices")
-    if net is not None and net.tiled_v_heads and net.num_v_heads != net.num_k_heads:
-        bad.append("tiled value heads")
     if bad:
         raise ValueError(f"the tensor-parallel megakernel splits heads, KV heads, intermediates, experts and the "
                          f"vocabulary evenly; this model's do not split: {', '.join(bad)}")
@@ -342,7 +340,8 @@ def local_config(cfg, tensor: int, expert_shards: int = 1, expert_ranks: int = 1
         local["intermediate_size"] = cfg.intermediate_size // tensor
     if net is not None:
         local["linear"] = dataclasses.replace(net, num_k_heads=net.num_k_heads // tensor,
-                                              num_v_heads=net.num_v_heads // tensor, shards=1)
+                                              num_v_heads=net.num_v_heads // tensor, shards=1,
+                                              tiled_v_heads=False)  # regrouped (`la.value_head_order`)
     if mla:
         local["mla"] = dataclasses.replace(mla, num_heads=mla.num_heads // tensor)
     else:

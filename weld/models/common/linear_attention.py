@@ -33,7 +33,7 @@ import numpy as np
 from weld.models.common.cache import Recurrent, RecurrentState, gather_slots, scatter_slots
 from weld.models.common.decoder import Rows
 from weld.models.common.layers import linear
-from weld.models.common.quant import concat_rows, take_rows
+from weld.models.common.quant import concat_rows, take_columns, take_rows
 from weld.models.common.spec import WeightSpec
 
 CHUNK = 64  # tokens per chunk of the parallel form
@@ -62,13 +62,15 @@ class DeltaNet:
     norm_eps: float = 1e-6  # of the gated output norm
     kind: str = "gdn"
     gate_lower_bound: float | None = None  # KDA only: a floor (< 0) on the log-decay
-    # The value heads' order: grouped by key head (HF: key head j serves value heads j r .. j r + r - 1)
-    # or tiled (llama.cpp's Qwen3.5 GGUFs: value head p is served by key head p mod Hk).
+    # The value heads' order as the checkpoint stores them: grouped by key head (HF: key head j
+    # serves value heads j r .. j r + r - 1) or tiled (llama.cpp's Qwen3.5 GGUFs: value head p is
+    # served by key head p mod Hk).
     tiled_v_heads: bool = False
     # The fused q/k/v channels (GDN's w_qkv rows, the conv's rows and the conv windows' channels)
     # in this many groups, each [q | k | v] of its share of the heads (`grouped_channels`): the
     # tensor-parallel megakernel's layout, where each device's contiguous share is its own heads'
-    # channels. 1: [q_all | k_all | v_all]. The XLA forward reads either.
+    # channels. 1: [q_all | k_all | v_all]. The XLA forward reads either. Tiled value heads are
+    # put in grouped order for it (`value_head_order`): a device's key heads then serve its own.
     shards: int = 1
 
     def __post_init__(self):
@@ -88,10 +90,15 @@ class DeltaNet:
                              f"{self.num_k_heads} key heads")
         if self.conv_width < 2:
             raise ValueError(f"invalid linear attention: conv width {self.conv_width} < 2")
-        tiled = self.tiled_v_heads and self.num_v_heads != self.num_k_heads  # a key head's value heads apart
-        if self.shards > 1 and (self.num_k_heads % self.shards or tiled):
-            raise ValueError(f"invalid linear attention: {self.num_k_heads} key heads"
-                             f"{' with tiled value heads' if tiled else ''} do not split into {self.shards} groups")
+        if self.shards > 1 and self.num_k_heads % self.shards:
+            raise ValueError(f"invalid linear attention: {self.num_k_heads} key heads do not split into "
+                             f"{self.shards} groups")
+
+    @property
+    def tiled_sharing(self) -> bool:
+        """Whether the computation shares key heads tiled (value head p served by key head p mod
+        Hk): a tiled checkpoint's order, unless the layout regrouped it (`value_head_order`)."""
+        return self.tiled_v_heads and self.num_v_heads != self.num_k_heads and self.shards == 1
 
     @property
     def key_dim(self) -> int:
@@ -110,6 +117,19 @@ class DeltaNet:
         return Recurrent(self.conv_channels, self.conv_width, (self.num_v_heads, self.k_dim, self.v_dim))
 
 
+def value_head_order(net: DeltaNet) -> np.ndarray | None:
+    """The stored value head at each value head position of the layout, or None where the two
+    agree. Tiled value heads (`DeltaNet.tiled_v_heads`) cannot be split with their key heads into
+    `shards` groups (key head j's value heads are j, j + Hk, ...), so that layout puts them in
+    grouped order: position j r + m holds stored head m Hk + j. A relabelling of the value heads
+    (every tensor indexed by one moves with it: `group_channels`), so the model computes the same."""
+    r = net.num_v_heads // net.num_k_heads
+    if not (net.tiled_v_heads and r > 1 and net.shards > 1):
+        return None
+    heads = np.arange(net.num_v_heads)
+    return heads % r * net.num_k_heads + heads // r
+
+
 def grouped_channels(net: DeltaNet) -> np.ndarray:
     """The flat channel ([q_all | k_all | v_all]) at each position of the grouped layout
     (`DeltaNet.shards` groups, each [q | k | v] of 1/shards of the key heads and the value heads
@@ -119,13 +139,35 @@ def grouped_channels(net: DeltaNet) -> np.ndarray:
                                  2 * net.key_dim + g * vd:2 * net.key_dim + (g + 1) * vd] for g in range(n)])
 
 
+def _value_channels(net: DeltaNet, heads: np.ndarray) -> np.ndarray:
+    """The channels of value heads `heads`, head by head."""
+    return (heads[:, None] * net.v_dim + np.arange(net.v_dim)).reshape(-1)
+
+
+def stored_channels(net: DeltaNet) -> np.ndarray:
+    """The stored flat channel at each position of the layout: `grouped_channels`, with tiled
+    value heads regrouped (`value_head_order`)."""
+    order, heads = grouped_channels(net), value_head_order(net)
+    if heads is None:
+        return order
+    return np.concatenate([np.arange(2 * net.key_dim), 2 * net.key_dim + _value_channels(net, heads)])[order]
+
+
 def group_channels(net: DeltaNet, lw: dict) -> None:
     """One layer's weights, loaded flat, in `net.shards` groups, in place: GDN's w_qkv rows and
-    the conv's (KDA's three convs fused first). A no-op for shards 1 and other layers."""
+    the conv's (KDA's three convs fused first); tiled value heads in grouped order
+    (`value_head_order`: the value channels of w_qkv and the conv, w_z's rows, w_b's, w_a's,
+    A_log, dt_bias and w_out's columns). A no-op for shards 1 and other layers."""
     fuse_convs(lw)
     if net.shards == 1 or "conv" not in lw:
         return
-    order = grouped_channels(net)
+    order = stored_channels(net)
+    heads = value_head_order(net)
+    if heads is not None:
+        values = _value_channels(net, heads)
+        lw["w_z"], lw["w_out"] = take_rows(lw["w_z"], values), take_columns(lw["w_out"], values)
+        lw.update({name: take_rows(lw[name], heads) for name in ("w_b", "w_a")})
+        lw.update({name: lw[name][heads] for name in ("A_log", "dt_bias")})
     lw["conv"] = lw["conv"][order]
     if "w_qkv" in lw:
         lw["w_qkv"] = take_rows(lw["w_qkv"], order)
@@ -242,8 +284,8 @@ def delta_net_core(net: DeltaNet, qkv: jax.Array, beta: jax.Array, g: jax.Array,
     q = l2norm(mixed[..., :kd].reshape(bsz, t, net.num_k_heads, net.k_dim)) * net.k_dim ** -0.5
     k = l2norm(mixed[..., kd:2 * kd].reshape(bsz, t, net.num_k_heads, net.k_dim))
     v = mixed[..., 2 * kd:].reshape(bsz, t, net.num_v_heads, net.v_dim)
-    if r > 1:  # each key head serves r value heads (`DeltaNet.tiled_v_heads`: which ones)
-        share = (lambda x: jnp.tile(x, (1, 1, r, 1))) if net.tiled_v_heads else (lambda x: jnp.repeat(x, r, axis=2))
+    if r > 1:  # each key head serves r value heads (`DeltaNet.tiled_sharing`: which ones)
+        share = (lambda x: jnp.tile(x, (1, 1, r, 1))) if net.tiled_sharing else (lambda x: jnp.repeat(x, r, axis=2))
         q, k = share(q), share(k)
     mask = valid.reshape(valid.shape + (1,) * (g.ndim - 2))
     o, s = delta_rule(q, k, v, jnp.where(mask, g, 0.0), jnp.where(valid[..., None], beta, 0.0), state.state)

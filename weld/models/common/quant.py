@@ -641,6 +641,17 @@ def take_rows(w, index: np.ndarray):
     return QuantWeight(jnp.take(w.codes, index, axis=-2), pick(w.scales), pick(w.mins), len(index), w.k, w.fmt)
 
 
+def take_columns(w, index: np.ndarray):
+    """The columns (inputs) of a matrix [n, k] at index: an array's, or an "int8_channel"
+    QuantWeight's (a code per input, one scale per output); other formats are refused (their
+    scales span blocks of inputs)."""
+    if not isinstance(w, QuantWeight):
+        return jnp.take(w, index, axis=-1)
+    if w.fmt != "int8_channel":
+        raise ValueError(f"inputs of a {w.fmt} matrix cannot be reordered; load it as floats or int8_channel")
+    return QuantWeight(jnp.take(w.codes, index, axis=-1), w.scales, w.mins, w.n, len(index), w.fmt)
+
+
 def concat_rows(parts: list) -> "QuantWeight | jax.Array | None":
     """Matrices [n_i, k] stacked along their outputs: arrays by jnp.concatenate, QuantWeights of one
     format by their panels (re-packed when an n_i is not a multiple of 16). None when the forms
