@@ -54,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from weld import LLM
-    from weld.bench.roofline import machine_info
+    from weld.bench.roofline import machine_info, measure_bandwidth
     import os
 
     try:
@@ -97,7 +97,7 @@ def main() -> None:
                              "ratio": round(float(np.median(t)) / base, 3)} for name, t in times.items()}
     report = {"date": datetime.date.today().isoformat(), "context": args.context, "runs": args.runs,
               "model": args.model or "bundled SmolLM2-135M-Instruct Q4_1", "machine": machine_info(load),
-              "results": {str(b): r for b, r in results.items()}}
+              "bandwidth": measure_bandwidth(), "results": {str(b): r for b, r in results.items()}}
     lines = ["| batch | program | ms (median) | / decode step |", "|---:|---|---:|---:|"]
     for b, r in results.items():
         for name, x in r.items():
