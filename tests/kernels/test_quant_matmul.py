@@ -122,7 +122,7 @@ def close(y, want, rtol=2e-6):
                                    (8, 48, 33), (13, 31, 128), (33, 20, 200), (65, 24, 1040)])
 def test_matches_numpy_statement(isa, fmt, m, n, k):
     """k not a multiple of the block, n not a multiple of the panel, row counts across the kernel's
-    row tiles: up to kStreamRows (8) rows the caller quantizes the activations while the panels'
+    row tiles: up to kStreamRows (64) rows the caller quantizes the activations while the panels'
     threads start, past it they are quantized in parallel first."""
     rng = np.random.default_rng(m * 1000 + n * 10 + k)
     codes, d, mn = random_blocks(rng, n, k, fmt)
