@@ -22,19 +22,35 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 
+def shape(text: str) -> tuple[int, int]:
+    """ROWSxTOKENS, each a positive integer within the engine's limits (4,096 rows, 32,768 tokens)."""
+    try:
+        rows, tokens = (int(n) for n in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ROWSxTOKENS (e.g. 256x1)") from None
+    if not (1 <= rows <= 4096 and 1 <= tokens <= 32768):
+        raise argparse.ArgumentTypeError(f"{text!r}: rows must be 1..4096 and tokens 1..32768")
+    return rows, tokens
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("shapes", nargs="+", help="ROWSxTOKENS, e.g. 256x1 (decode) or 1x256 (a prefill chunk)")
-    ap.add_argument("--model", default="SmolLM2-135M, 30 layers")
-    ap.add_argument("--generation", default="v5e")
-    ap.add_argument("--pages", type=int, default=4096)
+    ap.add_argument("shapes", nargs="+", type=shape, help="ROWSxTOKENS, e.g. 256x1 (decode) or 1x256 (a prefill chunk)")
+    ap.add_argument("--model", default="SmolLM2-135M, 30 layers", help="one of megakernel_tpu.WIDE's names")
+    ap.add_argument("--generation", default="v5e", help="a TPU generation libtpu knows: v4, v5e, v5p, v6e")
+    ap.add_argument("--pages", type=int, default=4096, help="KV pages of 16 tokens in the cache, 1..1048576")
     args = ap.parse_args()
+    from megakernel_tpu import WIDE, family_of
+
+    if args.model not in WIDE:
+        ap.error(f"--model {args.model!r} is not one of {', '.join(map(repr, WIDE))}")
+    if not 1 <= args.pages <= 1 << 20:
+        ap.error(f"--pages {args.pages} is not in 1..1048576")
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
-    from megakernel_tpu import WIDE, family_of
 
     import weld.kernels.cpu as cpu_kernels
     from weld.models.common.cache import AttentionBatch
@@ -42,7 +58,11 @@ def main() -> None:
     from weld.models.family import WeightTarget
 
     cpu_kernels.available = lambda: False  # the program is a TPU's: no native CPU kernels in it
-    device = topologies.get_topology_desc(f"{args.generation}:2x2", "tpu").devices[0]
+    try:
+        device = topologies.get_topology_desc(f"{args.generation}:2x2", "tpu").devices[0]
+    except RuntimeError as err:  # no libtpu, or a generation it does not know
+        ap.error(f"no TPU topology {args.generation}:2x2 ({err}); run with JAX_PLATFORMS=cpu "
+                 "ALLOW_MULTIPLE_LIBTPU_LOAD=1 PYTHONPATH=.venv/libtpu (make install-test installs it)")
     one = NamedSharding(Mesh(np.array([device]), ("one",)), PartitionSpec())
     cfg = WIDE[args.model]
     family = family_of(cfg)
@@ -53,8 +73,7 @@ def main() -> None:
     place = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)  # noqa: E731
     step = jax.jit(lambda w, t, p, c, bt: family.forward(w, cfg, t, p, c, AttentionBatch(bt))[0:3:2],
                    donate_argnums=(3,))
-    for text in args.shapes:
-        rows, tokens = (int(n) for n in text.split("x"))
+    for rows, tokens in args.shapes:
         ids = jax.ShapeDtypeStruct((rows, tokens), jnp.int32, sharding=one)
         tables = jax.ShapeDtypeStruct((rows, 32 * len(spec.page_groups())), jnp.int32, sharding=one)
         start = time.perf_counter()
