@@ -29,6 +29,8 @@ def write_pages(pages: jax.Array, x: jax.Array, positions: jax.Array, block_tabl
 
     Padding (position < 0) is sent out of bounds and dropped, so it never touches a page.
     """
+    if positions.size == 0:  # no token to write (a reader of the pools, e.g. a drafter's block)
+        return pages
     num_pages, page_size = pages.shape[:2]
     safe = jnp.maximum(positions, 0)
     page = jnp.take_along_axis(block_tables, safe // page_size, axis=1)  # [b, t]
