@@ -220,8 +220,9 @@ def test_features_gathered_on_the_device_train_as_those_sent_from_the_host(monke
     settings = train.TrainConfig(steps=6, lr=3e-3, warmup=2, batch_size=3, anchors=4)
     params = dspark.init_params(CFG, seed=0, target_weights=weights)
     _, on_host = train.train(params, CFG, weights, data, settings, progress=False, log_every=1)
-    sent = []
-    monkeypatch.setattr(train, "resident_features", lambda f: sent.append(f.shape) or jax.device_put(f))
+    sent = []  # laid out as resident_features lays them: columns padded, slabs of 5 rows (the last one short)
+    monkeypatch.setattr(train, "resident_features",
+                        lambda f: sent.append(f.shape) or train.padded_on_device(f, train.LANES, rows_per_copy=5))
     _, on_device = train.train(params, CFG, weights, data, settings, progress=False, log_every=1)
     assert sent == [data.features.shape]
     assert [r["loss"] for r in on_device] == pytest.approx([r["loss"] for r in on_host], rel=1e-5)
@@ -298,3 +299,30 @@ def test_a_torn_drafter_file_is_a_clear_error(tmp_path):
         dspark.load(tmp_path)
     with pytest.raises(InvalidInputError, match="--init"):
         train.read_init(tmp_path)
+
+
+@pytest.mark.parametrize("shape,k,chunk", [((3, 5, 1000), 32, 128), ((4, 49152 // 64), 32, 8), ((2, 300), 1, 16),
+                                            ((2, 64), 8, 16)])
+def test_top_k_by_chunks_is_lax_top_k(shape, k, chunk):
+    """The teacher's top-k from the k chunks of largest maxima equals `lax.top_k`, values and
+    indices, with a last chunk cut short (1,000 = 7 x 128 + 104), one draft slot (k = 1), and
+    as many chunks as k or fewer (lax.top_k itself)."""
+    x = jnp.asarray(np.random.default_rng(sum(shape)).standard_normal(shape), jnp.float32)
+    want = jax.lax.top_k(x, k)
+    got = train.top_k_by_chunks(x, k, chunk)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_features_lie_on_the_device_padded_to_whole_lanes_and_gather_as_stored():
+    """`padded_on_device`: the array in the top-left corner, zeros to the right and below, rows
+    and columns rounded up (slabs of 4 rows, the last one short); gathered with `columns`, the
+    rows equal the host's gather of the unpadded array."""
+    features = np.random.default_rng(0).standard_normal((10, 12)).astype(np.float16)
+    placed = np.asarray(train.padded_on_device(features, 8, rows_per_copy=4))
+    assert placed.shape == (12, 16)
+    np.testing.assert_array_equal(placed[:10, :12], features)
+    assert not placed[10:].any() and not placed[:, 12:].any()
+    rows = np.asarray([[9, 0, -1], [3, 3, 7]])
+    np.testing.assert_array_equal(np.asarray(train.gather_features(jnp.asarray(placed), rows, columns=12)),
+                                  train.gather_features(features, rows))
