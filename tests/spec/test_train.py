@@ -213,13 +213,18 @@ def test_slot_weights_decay_and_training_resumes_from_its_checkpoint(tmp_path, m
 
 def test_features_gathered_on_the_device_train_as_those_sent_from_the_host(monkeypatch):
     """Where the device holds the features (an accelerator), each step gathers its rows there:
-    the same batches, so the same losses, as gathering them on the host."""
+    the same batches, so the same losses, as gathering them on the host (which sends them f16,
+    as stored)."""
     weights = random_weights(llama.weight_specs(TARGET), seed=0, scale=3.0)
     sequences = np.random.default_rng(0).integers(0, TARGET.vocab_size, (6, 24))
     data = train.build_features(llama, weights, TARGET, CFG, sequences.tolist(), [5] * 6, progress=False)
     settings = train.TrainConfig(steps=6, lr=3e-3, warmup=2, batch_size=3, anchors=4)
     params = dspark.init_params(CFG, seed=0, target_weights=weights)
+    gathered, gather = [], train.gather_features
+    monkeypatch.setattr(train, "gather_features", lambda *a, **k: gathered.append(k.get("dtype")) or gather(*a, **k))
     _, on_host = train.train(params, CFG, weights, data, settings, progress=False, log_every=1)
+    assert gathered == [np.float16] * settings.steps  # sent as stored (half the bytes of f32), one a step
+    monkeypatch.setattr(train, "gather_features", gather)
     sent = []  # laid out as resident_features lays them: columns padded, slabs of 5 rows (the last one short)
     monkeypatch.setattr(train, "resident_features",
                         lambda f: sent.append(f.shape) or train.padded_on_device(f, train.LANES, rows_per_copy=5))

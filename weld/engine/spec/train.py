@@ -28,6 +28,7 @@ where the last one stopped):
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -272,14 +273,14 @@ def sample_blocks(data: Dataset, rows: np.ndarray, num_anchors: int, k: int, rng
     return batch
 
 
-def gather_features(source: Any, feature_rows: Any, columns: int | None = None) -> Any:
-    """f32 [B, width, n * d]: source's rows feature_rows [B, width] (-1: zeros), their first
-    `columns` columns (default: all; `resident_features` pads them). numpy in, numpy out (a
-    memory map reads only those rows); a device array in, a device array out."""
+def gather_features(source: Any, feature_rows: Any, columns: int | None = None, dtype: Any = np.float32) -> Any:
+    """[B, width, n * d] of `dtype`: source's rows feature_rows [B, width] (-1: zeros), their
+    first `columns` columns (default: all; `resident_features` pads them). numpy in, numpy out
+    (a memory map reads only those rows); a device array in, a device array out."""
     xp = np if isinstance(source, np.ndarray) else jnp
     rows = xp.maximum(feature_rows, 0)
-    picked = source[rows.reshape(-1)].reshape(rows.shape + (source.shape[1],))[..., :columns].astype(xp.float32)
-    return xp.where((feature_rows >= 0)[..., None], picked, xp.float32(0))
+    picked = source[rows.reshape(-1)].reshape(rows.shape + (source.shape[1],))[..., :columns].astype(dtype)
+    return xp.where((feature_rows >= 0)[..., None], picked, xp.zeros((), dtype))
 
 
 def online_teacher(family: Any, target_weights: dict, target_cfg: Any, batch: dict, *, layers: tuple[int, ...],
@@ -363,7 +364,7 @@ def loss_and_metrics(params: dict, batch: dict, target_weights: dict, *, cfg: ds
                      train: TrainConfig) -> tuple[jax.Array, dict]:
     """The weighted loss of one batch of blocks (`sample_blocks`), and its parts. target_weights:
     `shared_weights` (with the draft vocabulary's head rows under one)."""
-    context = dspark.project_context(params, cfg, batch["features"])
+    context = dspark.project_context(params, cfg, batch["features"].astype(jnp.float32))  # f16 from the host
     kv = dspark.context_kv(params, cfg, context, batch["ctx_positions"])
     embed = target_weights["embed"]
     hidden = dspark.backbone(params, cfg, embed, kv, batch["ctx_positions"], batch["anchor_tokens"],
@@ -443,14 +444,14 @@ class Checkpoint:
     def __init__(self, directory: str | pathlib.Path):
         self.directory = pathlib.Path(directory)
 
-    def save(self, step: int, params: Any, opt_state: Any, rng: np.random.Generator, settings: dict,
+    def save(self, step: int, params: Any, opt_state: Any, order_state: dict, settings: dict,
              history: list[dict]) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         leaves = {f"{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves((params, opt_state)))}
         tmp = self.directory / "state.tmp.npz"
         np.savez(tmp, **leaves)
         os.replace(tmp, self.directory / "state.npz")
-        _write_json(self.directory / "state.json", {"step": step, "rng": rng.bit_generator.state,
+        _write_json(self.directory / "state.json", {"step": step, "rng": order_state,
                                                     "settings": settings, "history": history})
 
     def load(self, params: Any, opt_state: Any, settings: dict):
@@ -516,14 +517,26 @@ def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dat
     width = -(-int(data.lengths.max()) // 64) * 64  # one program shape for every step
     resident = None if teach is not None else resident_features(data.features)
     gather = jax.jit(gather_features, static_argnames="columns")
-    with Progress(train_cfg.steps, "Training drafter", unit="step",
-                  enabled=progress_enabled() if progress is None else progress) as bar:
+
+    def next_batch() -> tuple[dict, dict]:
+        """The next step's batch on the device, and the data order's random state after it (what
+        a checkpoint after that step saves). Made a step ahead, in a thread, while the device runs
+        the current step: on a TPU with the features on the host, gathering and sending a batch
+        (f16, 25 MB for SmolLM2 at 16 x 448) took longer than the step."""
+        rows = rng.choice(len(data), size=train_cfg.batch_size, replace=len(data) < train_cfg.batch_size)
+        batch = sample_blocks(data, rows, train_cfg.anchors, cfg.block_size, rng, place, width, features=False)
+        if teach is None and resident is None:
+            batch["features"] = gather_features(data.features, batch.pop("feature_rows"), dtype=data.features.dtype)
+        return jax.device_put(batch), rng.bit_generator.state
+
+    with concurrent.futures.ThreadPoolExecutor(1) as ahead, \
+            Progress(train_cfg.steps, "Training drafter", unit="step",
+                     enabled=progress_enabled() if progress is None else progress) as bar:
         bar.update(start)
+        upcoming = ahead.submit(next_batch) if start < train_cfg.steps else None
         for i in range(start, train_cfg.steps):
-            rows = rng.choice(len(data), size=train_cfg.batch_size, replace=len(data) < train_cfg.batch_size)
-            batch = sample_blocks(data, rows, train_cfg.anchors, cfg.block_size, rng, place, width,
-                                  features=resident is None)
-            batch = {k: jnp.asarray(v) for k, v in batch.items()}
+            batch, order_state = upcoming.result()
+            upcoming = ahead.submit(next_batch) if i + 1 < train_cfg.steps else None
             if teach is not None:
                 batch = teach(batch=batch)
             elif resident is not None:
@@ -535,7 +548,7 @@ def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dat
                 bar.set_postfix(loss=metrics["loss"], top1=metrics["top1"], len=metrics["greedy_len"])
             bar.update(1)
             if checkpoint is not None and ((i + 1) % train_cfg.save_every == 0 or i + 1 == train_cfg.steps):
-                checkpoint.save(i + 1, params, opt_state, rng, settings, history)
+                checkpoint.save(i + 1, params, opt_state, order_state, settings, history)
     return params, history
 
 
