@@ -3,6 +3,7 @@ target features it reads (the family's forward with capture_layers) against the 
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from weld.models import llama
 from weld.models.common.cache import AttentionBatch
 from weld.models.llama import cache_spec
 from weld.models.common.layers import rms_norm
+from weld.models.common import quant
 from weld.models.common.spec import random_weights
 
 TARGET = llama.Config(architecture="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
@@ -218,14 +220,19 @@ def test_checkpoint_round_trip_and_loud_failures(tmp_path):
     dspark.save(tmp_path / "d", params, DRAFT, metadata={"note": "test"})
     loaded, cfg = dspark.load(tmp_path / "d")
     assert cfg == DRAFT
-    for (a, b) in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):  # stored as f16
-        np.testing.assert_array_equal(np.asarray(a, np.float16).astype(np.float32), b)
+
+    def stored(x):  # matrices as Q8_0 blocks, vectors as f16
+        x = np.asarray(x, np.float32)
+        return quant.q8_0_values(*quant.q8_0(x)) if x.ndim == 2 else x.astype(np.float16).astype(np.float32)
+
+    for (a, b) in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(stored(a), b)
     # arrays in another memory order (as a TPU's can reach the host) are saved as they read
     fortran = jax.tree.map(lambda x: np.asfortranarray(np.asarray(x)), params)
     assert any(not x.flags.c_contiguous for x in jax.tree.leaves(fortran))
     dspark.save(tmp_path / "f", fortran, DRAFT)
     for (a, b) in zip(jax.tree.leaves(params), jax.tree.leaves(dspark.load(tmp_path / "f")[0])):
-        np.testing.assert_array_equal(np.asarray(a, np.float16).astype(np.float32), b)
+        np.testing.assert_array_equal(stored(a), b)
     small = dataclasses.replace(DRAFT, draft_vocab_size=5)
     vocab = jnp.asarray([1, 4, 9, 16, 25], jnp.int32)
     dspark.save(tmp_path / "v", {**random_weights(dspark.weight_specs(small)), "draft_vocab": vocab}, small)
@@ -244,3 +251,46 @@ def test_checkpoint_round_trip_and_loud_failures(tmp_path):
                                       num_layers=4, num_heads=2, num_kv_heads=2, head_dim=8))
     with pytest.raises(ValueError, match="target_layers"):
         dataclasses.replace(DRAFT, target_layers=(0, 3))
+
+
+def test_a_drafter_stores_its_matrices_as_the_cpu_runs_them_and_older_files_still_load(tmp_path):
+    """Version 2 keeps each matrix as Q8_0 blocks (int8 codes + f16 scales: ~1.06 bytes a
+    weight, against 2 for f16), which is what the CPU's kernels run (`quantized`): reading the file
+    back and quantizing again gives the same codes and scales, so a saved drafter drafts on the
+    CPU exactly as the one in memory did. Version 1 files (f16, the shipped drafter's) still load;
+    codes without scales, or scales of the wrong shape, are refused."""
+    from safetensors.numpy import load_file, save_file
+
+    params = random_weights(dspark.weight_specs(DRAFT), seed=8)
+    dspark.save(tmp_path / "d", params, DRAFT)
+    on_file = load_file(str(tmp_path / "d" / dspark.WEIGHTS_FILE))
+    matrices = [k for k in on_file if k + dspark.SCALES in on_file]
+    assert matrices and all(on_file[k].dtype == np.int8 for k in matrices)
+    loaded = dspark.load(tmp_path / "d")[0]
+    for a, b in zip(jax.tree.leaves(dspark.quantized(params), is_leaf=quant.is_quantized),
+                    jax.tree.leaves(dspark.quantized(loaded), is_leaf=quant.is_quantized)):
+        if quant.is_quantized(a):
+            np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+            np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
+    # version 1: every tensor f16
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    names = [k for k in on_file if not k.endswith(dspark.SCALES)]
+    flat = {dspark.path_str(path): np.asarray(dspark._leaf(params, path), np.float16)
+            for path, _ in dspark.iter_specs(dspark.weight_specs(DRAFT))}
+    assert sorted(flat) == sorted(names)
+    save_file(flat, str(v1 / dspark.WEIGHTS_FILE))
+    document = json.loads((tmp_path / "d" / "config.json").read_text())
+    (v1 / "config.json").write_text(json.dumps({**document, "version": 1}))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(dspark.load(v1)[0])):
+        np.testing.assert_array_equal(np.asarray(a, np.float16).astype(np.float32), b)
+    # a matrix's scales missing, or of another shape
+    broken = dict(on_file)
+    del broken[matrices[0] + dspark.SCALES]
+    save_file(broken, str(tmp_path / "d" / dspark.WEIGHTS_FILE))
+    with pytest.raises(ValueError, match="missing tensors"):
+        dspark.load(tmp_path / "d")
+    broken = {**on_file, matrices[0] + dspark.SCALES: on_file[matrices[0] + dspark.SCALES][:, :0]}
+    save_file(broken, str(tmp_path / "d" / dspark.WEIGHTS_FILE))
+    with pytest.raises(ValueError, match="Q8_0 blocks"):
+        dspark.load(tmp_path / "d")

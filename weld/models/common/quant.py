@@ -311,15 +311,8 @@ def quantize(w: np.ndarray, mode: str) -> QuantWeight:
                            mins, n, k, mode)
     w = np.asarray(w, np.float32)
     if mode == "int8":
-        nb = -(-k // BLOCK)
-        blocks = np.zeros((n, nb * BLOCK), np.float32)
-        blocks[:, :k] = w
-        blocks = blocks.reshape(n, nb, BLOCK)
-        d = np.abs(blocks).max(axis=-1) / 127.0
-        inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
-        codes = np.clip(np.rint(blocks * inv[..., None]), -127, 127) + 128
-        d16 = d.astype(np.float16).astype(np.float32)  # the scales are stored as f16
-        return from_codes(codes.reshape(n, nb * BLOCK)[:, :k].astype(np.uint8), d16, None, mode)
+        codes, d16 = q8_0(w)
+        return from_codes((codes.astype(np.int16) + 128).astype(np.uint8), d16.astype(np.float32), None, mode)
     per = BLOCK * group(mode)  # inputs per scale and min: 32, or 128
     ng = -(-k // per)
     groups = np.zeros((n, ng * per), np.float32)
@@ -329,6 +322,28 @@ def quantize(w: np.ndarray, mode: str) -> QuantWeight:
     d16, mn16 = _fit_int4(groups, real, _INT4_LEVELS)
     codes = _round_int4(groups, d16, mn16)
     return from_codes(codes.reshape(n, ng * per)[:, :k].astype(np.uint8), d16, mn16, mode)
+
+
+def q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0's rule on a float matrix [n, k]: (codes int8 [n, k] in [-127, 127], scales f16
+    [n, ceil(k / 32)]), w ~ code * scale of its block of 32 inputs; the codes are rounded against
+    the unrounded scale (as llama.cpp's), so quantizing `q8_0_values` again gives the same."""
+    n, k = np.shape(w)
+    nb = -(-k // BLOCK)
+    blocks = np.zeros((n, nb * BLOCK), np.float32)
+    blocks[:, :k] = w
+    blocks = blocks.reshape(n, nb, BLOCK)
+    d = np.abs(blocks).max(axis=-1) / 127.0
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+    codes = np.clip(np.rint(blocks * inv[..., None]), -127, 127).reshape(n, nb * BLOCK)[:, :k]
+    return codes.astype(np.int8), d.astype(np.float16)
+
+
+def q8_0_values(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """f32 [n, k]: the matrix `q8_0`'s codes and scales stand for."""
+    n, k = codes.shape
+    per = np.repeat(scales.astype(np.float32), BLOCK, axis=1)[:, :k]
+    return codes.astype(np.float32) * per
 
 
 def _to_f16(v: np.ndarray) -> np.ndarray:
