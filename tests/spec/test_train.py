@@ -11,6 +11,7 @@ from weld.engine.spec import dspark, train
 from weld.engine.spec.features import target_hidden_states
 from weld.models.family import output_matrix
 from weld.models import llama
+from weld.models.common import quant
 from weld.models.common.spec import random_weights
 
 TARGET = llama.Config(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
@@ -76,9 +77,15 @@ def test_self_distillation_on_greedy_text_and_the_checkpoint_reloads(tmp_path):
     dspark.save(tmp_path, trained, CFG)
     reloaded, reloaded_cfg = dspark.load(tmp_path)
     assert reloaded_cfg == CFG
-    # drafters are saved in f16: the reloaded one is the trained one rounded to f16
-    rounded = jax.tree_util.tree_map(lambda a: np.asarray(a).astype(np.float16).astype(np.float32)
-                                     if np.issubdtype(np.asarray(a).dtype, np.floating) else a, trained)
+    # drafters are saved with their matrices in Q8_0 blocks and their vectors in f16: the
+    # reloaded one is the trained one so rounded
+    def as_stored(a):
+        a = np.asarray(a)
+        if not np.issubdtype(a.dtype, np.floating):
+            return a
+        return quant.q8_0_values(*quant.q8_0(a)) if a.ndim == 2 else a.astype(np.float16).astype(np.float32)
+
+    rounded = jax.tree_util.tree_map(as_stored, trained)
     np.testing.assert_allclose(measure(reloaded)["loss"], measure(rounded)["loss"], rtol=1e-5)
     np.testing.assert_allclose(measure(reloaded)["loss"], after["loss"], rtol=2e-2)
 
@@ -285,7 +292,7 @@ def test_a_saved_drafter_is_a_starting_point_of_the_same_shape_and_vocabulary(tm
     dspark.save(tmp_path, {**params, dspark.VOCAB_TENSOR: jnp.asarray(vocab)}, cfg)
     start = train.starting_params(tmp_path, cfg, vocab)
     assert dspark.VOCAB_TENSOR not in start
-    np.testing.assert_allclose(start["fc"], np.asarray(params["fc"]).astype(np.float16), rtol=0, atol=0)
+    np.testing.assert_array_equal(start["fc"], quant.q8_0_values(*quant.q8_0(np.asarray(params["fc"]))))  # as stored
     with pytest.raises(InvalidInputError, match="block_size"):
         train.starting_params(tmp_path, dataclasses.replace(cfg, block_size=4), vocab)
     with pytest.raises(InvalidInputError, match="draft vocabulary"):
@@ -331,3 +338,73 @@ def test_features_lie_on_the_device_padded_to_whole_lanes_and_gather_as_stored()
     rows = np.asarray([[9, 0, -1], [3, 3, 7]])
     np.testing.assert_array_equal(np.asarray(train.gather_features(jnp.asarray(placed), rows, columns=12)),
                                   train.gather_features(features, rows))
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_answers_from_one_fixed_program_are_the_engines(tiny_llama_dir, tmp_path, monkeypatch, chat):
+    """`distill.generate_fixed` (what train-draft uses on an accelerator): the same greedy answers,
+    prompt ids and the stop token included, as the engine writes, chat or raw, with a last batch
+    of padding rows (5 prompts, 2 rows a call); a rerun keeps them and makes none; a prompt too
+    long for the model's positions is refused before anything runs. The tiny model never says
+    its EOS, so a token it does say stops it too (the tokenizer's EOS ids, for both paths)."""
+    from weld import LLM
+    from weld.engine.spec import distill
+    from weld.utils.errors import InvalidInputError
+
+    directory, _ = tiny_llama_dir
+    prompts = ["The quick brown fox", "Paris is the capital of", "def add(a, b):", "Once upon a time", "Numbers: 0 1 2"]
+    family, weights, cfg, _, tokenizer = train.load_target(str(directory), "float32")
+    free = distill.generate_fixed(family, weights, cfg, tokenizer, prompts, tmp_path / "free", max_new_tokens=24,
+                                  chat=chat, rows=2, progress=False)
+    said = [t for a in free for t in a.tokens[a.prompt_length + 3:]]
+    stop = max(set(said), key=said.count)  # the model's most frequent token after its first three
+    import weld.engine.llm as llm_module
+
+    load_tokenizer = llm_module.load_tokenizer
+
+    def stopping_at(loaded):
+        tokenizer = load_tokenizer(loaded)
+        tokenizer.eos_token_ids = (2, stop)
+        return tokenizer
+
+    monkeypatch.setattr(llm_module, "load_tokenizer", stopping_at)
+    family, weights, cfg, _, tokenizer = train.load_target(str(directory), "float32")
+    assert tokenizer.eos_token_ids == (2, stop)
+    llm = LLM(str(directory), max_num_seqs=4, max_model_len=256, progress=False)
+    want = distill.generate(llm, prompts, tmp_path / "engine", max_new_tokens=24, chat=chat, progress=False)
+    got = distill.generate_fixed(family, weights, cfg, tokenizer, prompts, tmp_path / "fixed", max_new_tokens=24,
+                                 chat=chat, rows=2, progress=False)
+    assert got == want
+    stopped = [a for a in got if len(a.tokens) - a.prompt_length < 24]
+    assert stopped and all(a.tokens[-1] == stop for a in stopped)
+    logged = []
+    again = distill.generate_fixed(family, weights, cfg, tokenizer, prompts, tmp_path / "fixed", max_new_tokens=24,
+                                   chat=chat, rows=2, progress=False, log=logged.append)
+    assert again == want
+    assert logged == [f"{tmp_path / 'fixed' / distill.SEQUENCES_FILE}: 5 answers already generated, 0 to go"]
+    with pytest.raises(InvalidInputError, match="exceeds the model's 256 positions"):
+        distill.generate_fixed(family, weights, cfg, tokenizer, ["word " * 300], tmp_path / "long", max_new_tokens=8,
+                               chat=chat, rows=2, progress=False)
+
+
+def test_train_draft_takes_its_answers_from_the_fixed_program_where_asked(tiny_llama_dir, tmp_path, monkeypatch):
+    """train_draft(fixed_answers=True) (the default on an accelerator) builds no engine: the
+    target's weights make the answers and then the features; sampled answers need the engine."""
+    from weld.engine.spec import distill
+    from weld.utils.errors import InvalidInputError
+
+    directory, _ = tiny_llama_dir
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown fox\nParis is the capital of\ndef add(a, b):\nOnce upon a time\n")
+    monkeypatch.setattr("weld.engine.llm.LLM.__init__", lambda *a, **k: pytest.fail("an engine was built"))
+    settings = train.TrainConfig(steps=2, batch_size=2, anchors=4, save_every=2)
+    overrides = dict(block_size=3, target_layers=(0, 1), draft_vocab_size=0)
+    summary = train.train_draft(str(directory), str(prompts), str(tmp_path / "d"), train_cfg=settings,
+                                draft_overrides=overrides, max_new_tokens=12, eval_fraction=0.25, progress=False,
+                                log=lambda *a: None, fixed_answers=True, engine_args={"max_num_seqs": 3})
+    assert summary["answers"] == 4 and summary["final"]["step"] == 1
+    assert len(distill.read_sequences(tmp_path / "d" / "data" / distill.SEQUENCES_FILE)) == 4
+    with pytest.raises(InvalidInputError, match="greedy only"):
+        train.train_draft(str(directory), str(prompts), str(tmp_path / "e"), train_cfg=settings, samples=2,
+                          draft_overrides=overrides, max_new_tokens=12, progress=False, log=lambda *a: None,
+                          fixed_answers=True)

@@ -9,6 +9,11 @@ so an interrupted run loses at most one batch. `read_sequences` reads the file b
 
 Samples: sample 0 is greedy, the others are drawn at `SAMPLED` (llama.cpp's and weld's CLI
 defaults), each with its own seed, so a prompt's answers differ.
+
+On an accelerator the greedy answers come from `generate_fixed` instead of the engine: one
+program of one shape (prefill, then a device loop of decode steps over the model's own
+`forward`), where the engine compiles a program for each batch shape it meets, 10-35 s each on a
+TPU v5e (a round of 1,024 requests made no progress there in 274 s).
 """
 
 from __future__ import annotations
@@ -152,3 +157,95 @@ def generate(llm: Any, prompts: Sequence[str], out_dir: str | pathlib.Path, *, m
             os.fsync(f.fileno())
             bar.update(len(batch))
     return [done[key] for key in sorted(done) if key[0] < len(prompts) and key[1] < samples]
+
+
+def prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+    """A prompt's token ids as `LLM.chat` (a user message) or `LLM.generate` (raw text) makes them."""
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             continue_final_message=False, tools=None)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
+def generate_fixed(family: Any, weights: dict, cfg: Any, tokenizer: Any, prompts: Sequence[str],
+                   out_dir: str | pathlib.Path, *, max_new_tokens: int, chat: bool = True, rows: int = 64,
+                   progress: bool | None = None, log=print) -> list[Answer]:
+    """`generate`'s greedy answers (sample 0 of every prompt), from one jitted program of one
+    shape: `rows` prompts at a time, each padded to the longest prompt (rounded up to 64), a
+    prefill and then a `while_loop` of decode steps on a paged cache of rows x (prompt + new)
+    tokens, until every row has stopped (EOS) or made max_new_tokens. Appended to
+    out_dir/sequences.jsonl batch by batch, as `generate` does; answers already there are kept."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from weld.models.common.cache import AttentionBatch
+
+    if rows < 1:
+        raise InvalidInputError(f"rows must be >= 1, got {rows}")
+    path = pathlib.Path(out_dir) / SEQUENCES_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _truncate_torn_line(path)
+    done = {(a.prompt_index, a.sample): a for a in read_sequences(path)}
+    todo = [i for i in range(len(prompts)) if (i, 0) not in done]
+    if done:
+        log(f"{path}: {len(done)} answers already generated, {len(todo)} to go")
+    ids = {i: prompt_ids(tokenizer, prompts[i], chat) for i in todo}
+    if not todo:
+        return [done[key] for key in sorted(done) if key[0] < len(prompts) and key[1] == 0]
+    page = 16
+    width = -(-max(len(t) for t in ids.values()) // 64) * 64
+    limit = cfg.max_position_embeddings
+    if width + max_new_tokens > limit:
+        longest = max(ids, key=lambda i: len(ids[i]))
+        raise InvalidInputError(f"prompt {longest} takes {len(ids[longest])} tokens: with {max_new_tokens} new ones "
+                                f"(padded to {width} + {max_new_tokens}) it exceeds the model's {limit} positions")
+    pages = -(-(width + max_new_tokens) // page)
+    spec = family.cache_spec(cfg)
+    eos = np.zeros(cfg.vocab_size, bool)
+    eos[[t for t in dict.fromkeys(tuple(tokenizer.eos_token_ids) + tuple(cfg.eos_token_ids)) if t < cfg.vocab_size]] = True
+
+    @jax.jit
+    def answer(weights, tokens, lengths, stops):
+        cache = spec.create(rows * pages, page, weights["final_norm"].dtype)
+        batch = AttentionBatch(spec.tables(jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages)))
+        positions = jnp.where(jnp.arange(width)[None, :] < lengths[:, None], jnp.arange(width)[None, :], -1)
+        logits, _, cache = family.forward(weights, cfg, tokens, positions, cache, batch, (lengths - 1)[:, None])
+        first = jnp.argmax(logits[:, 0].astype(jnp.float32), axis=-1).astype(jnp.int32)
+        out = jnp.zeros((rows, max_new_tokens), jnp.int32).at[:, 0].set(first)
+
+        def more(carry):
+            step, _, _, _, stopped = carry
+            return (step < max_new_tokens) & ~jnp.all(stopped)
+
+        def decode(carry):
+            step, last, cache, out, stopped = carry
+            logits, _, cache = family.forward(weights, cfg, last[:, None], (lengths + step - 1)[:, None], cache, batch,
+                                              jnp.zeros((rows, 1), jnp.int32))
+            token = jnp.argmax(logits[:, 0].astype(jnp.float32), axis=-1).astype(jnp.int32)
+            return step + 1, token, cache, out.at[:, step].set(token), stopped | stops[token]
+
+        steps, _, _, out, _ = jax.lax.while_loop(more, decode, (jnp.int32(1), first, cache, out, stops[first]))
+        return out, steps
+
+    with Progress(len(todo), "Generating answers", unit="answer", enabled=progress) as bar, \
+            open(path, "a", encoding="utf-8") as f:
+        for start in range(0, len(todo), rows):
+            chunk = todo[start:start + rows]
+            tokens = np.zeros((rows, width), np.int32)
+            lengths = np.ones(rows, np.int32)  # padding rows: one token, their answers dropped
+            for r, i in enumerate(chunk):
+                tokens[r, :len(ids[i])] = ids[i]
+                lengths[r] = len(ids[i])
+            out, steps = jax.device_get(answer(weights, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(eos)))
+            for r, i in enumerate(chunk):
+                new = [int(t) for t in out[r, :steps]]
+                end = next((j for j, t in enumerate(new) if eos[t]), None)
+                answer_ = Answer(i, 0, len(ids[i]), tuple(ids[i]) + tuple(new if end is None else new[:end + 1]))
+                done[(i, 0)] = answer_
+                f.write(answer_.to_json() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(chunk))
+    return [done[key] for key in sorted(done) if key[0] < len(prompts) and key[1] == 0]

@@ -624,29 +624,36 @@ def starting_params(directory: str | pathlib.Path, cfg: dspark.DraftConfig, voca
 
 
 def load_target(model: str | None, dtype: Any = "auto", progress: bool | None = None):
-    """(family, weights, config, source) of the target, its weights prepared as an engine's on
-    this device (packed for the CPU kernels where they run), without the engine's KV cache."""
-    from weld.engine.llm import resolve_dtype
+    """(family, weights, config, source, tokenizer) of the target, its weights prepared as an
+    engine's on this device (packed for the CPU kernels where they run), without the engine's KV
+    cache."""
+    from weld.engine.llm import load_tokenizer, resolve_dtype
     from weld.models.family import WeightTarget
     from weld.weights import load_model, resolve_model
 
     dtype = resolve_dtype(dtype)
     loaded = load_model(resolve_model(model), dtype=dtype, progress=progress)
     target = WeightTarget.on_this_host("xla", dtype)
-    return loaded.family, loaded.family.prepare_weights(loaded.weights, loaded.cfg, target), loaded.cfg, loaded.source
+    weights = loaded.family.prepare_weights(loaded.weights, loaded.cfg, target)
+    return loaded.family, weights, loaded.cfg, loaded.source, load_tokenizer(loaded)
 
 
 def train_draft(model: str | None, data_path: str | Sequence[str], out: str, *, train_cfg: TrainConfig, draft_overrides: dict,
                 max_prompts: int | None = None, max_new_tokens: int = 256, samples: int = 1, chat: bool = True,
                 eval_fraction: float = 0.05, progress: bool | None = None, log=print,
-                engine_args: dict | None = None, init: str | None = None, features: str = "stored") -> dict:
+                engine_args: dict | None = None, init: str | None = None, features: str = "stored",
+                fixed_answers: bool | None = None) -> dict:
     """`weld train-draft`: answers, features, training, report, the drafter; every stage resumes
     from what `out` already holds. Returns a summary (also saved with the drafter).
 
     features: "stored" runs the target once over every answer before training and keeps what
     it computed on disk (~3.5 KB a token for SmolLM2's three target layers); "online" runs it
     inside each training step instead (nothing stored: for answers whose features would not fit,
-    on an accelerator where the target's pass costs little beside the step)."""
+    on an accelerator where the target's pass costs little beside the step).
+
+    fixed_answers: the greedy answers from `distill.generate_fixed` (one program, engine_args'
+    max_num_seqs rows at a time) instead of the engine; None: so on an accelerator (not the CPU,
+    whose engine runs the native kernels) when every answer is greedy (samples 1)."""
     if features not in TRAIN_FEATURES:
         raise InvalidInputError(f"features must be one of {', '.join(TRAIN_FEATURES)}, got {features!r}")
     started = time.perf_counter()
@@ -659,7 +666,9 @@ def train_draft(model: str | None, data_path: str | Sequence[str], out: str, *, 
         f"up to {max_new_tokens} new tokens -> {data_dir / distill.SEQUENCES_FILE}")
     engine = {"max_model_len": None, "max_num_seqs": 64, "kv_cache_memory_gb": 1.0, **(engine_args or {})}
     answers = distill.complete_answers(data_dir, len(prompts), samples)
-    if answers is None:  # answers to generate: the engine
+    if fixed_answers is None:
+        fixed_answers = samples == 1 and jax.default_backend() != "cpu"
+    if answers is None and not fixed_answers:  # answers to generate: the engine
         from weld.engine.llm import LLM
 
         llm = LLM(model, progress=progress, **engine)
@@ -667,9 +676,18 @@ def train_draft(model: str | None, data_path: str | Sequence[str], out: str, *, 
                                    chat=chat, seed=train_cfg.seed, progress=progress, log=log)
         family, target_weights, target_cfg, source = llm.model.family, llm.model.weights, llm.cfg, llm.model.source
         del llm  # the KV cache is not needed any more
-    else:  # every answer is there: the target's weights alone
-        log(f"{data_dir / distill.SEQUENCES_FILE}: all {len(answers)} answers already generated")
-        family, target_weights, target_cfg, source = load_target(model, engine.get("dtype", "auto"), progress)
+    else:  # the target's weights alone: every answer is there, or one fixed program makes them
+        family, target_weights, target_cfg, source, tokenizer = load_target(model, engine.get("dtype", "auto"),
+                                                                            progress)
+        if answers is None:
+            if samples != 1:
+                raise InvalidInputError(f"answers from one fixed program are greedy only; --samples {samples} "
+                                        "needs the engine")
+            answers = distill.generate_fixed(family, target_weights, target_cfg, tokenizer, prompts, data_dir,
+                                             max_new_tokens=max_new_tokens, chat=chat, rows=engine["max_num_seqs"],
+                                             progress=progress, log=log)
+        else:
+            log(f"{data_dir / distill.SEQUENCES_FILE}: all {len(answers)} answers already generated")
     source = source.name
     try:
         cfg = dspark.DraftConfig.for_target(target_cfg, **draft_overrides)
