@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.engine.test_speculative import copy_prompts  # n-gram lookup drafts them, some rounds fewer than k
 from weld import LLM, SamplingParams
 from weld.engine import programs
 
@@ -50,13 +51,6 @@ def test_switch_runs_exactly_the_chosen_branch():
         assert int(aux) == i and np.asarray(x).tolist() == [10.0 ** i] * 3
 
 
-def copy_prompts(vocab: int, rng: random.Random, count: int) -> list[list[int]]:
-    """Prompts that repeat a random phrase (n-gram lookup drafts them, some rounds fewer than k)."""
-    prompts = []
-    for _ in range(count):
-        phrase = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 9))]
-        prompts.append((phrase * 6)[:rng.randrange(12, 40)])
-    return prompts
 
 
 def test_each_round_feeds_only_the_tokens_its_widest_row_sends(tiny_llama_dir):

@@ -110,6 +110,15 @@ def _truncate_torn_line(path: pathlib.Path) -> None:
             f.truncate(end)
 
 
+def _answers_so_far(out_dir: str | pathlib.Path) -> tuple[pathlib.Path, dict[tuple[int, int], Answer]]:
+    """(out_dir/sequences.jsonl, its complete answers by (prompt, sample)), the file ready to
+    append to (created, a torn last line cut off)."""
+    path = pathlib.Path(out_dir) / SEQUENCES_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _truncate_torn_line(path)
+    return path, {(a.prompt_index, a.sample): a for a in read_sequences(path)}
+
+
 def sampling_for(sample: int, seed: int, max_new_tokens: int):
     """The SamplingParams of answer `sample` (0: greedy) of a prompt, seeded by `seed`."""
     from weld.engine.sampling_params import SamplingParams
@@ -132,10 +141,7 @@ def generate(llm: Any, prompts: Sequence[str], out_dir: str | pathlib.Path, *, m
     Returns every answer, in (prompt, sample) order."""
     if samples < 1:
         raise InvalidInputError(f"samples per prompt must be >= 1, got {samples}")
-    path = pathlib.Path(out_dir) / SEQUENCES_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _truncate_torn_line(path)
-    done = {(a.prompt_index, a.sample): a for a in read_sequences(path)}
+    path, done = _answers_so_far(out_dir)
     todo = [(i, s) for i in range(len(prompts)) for s in range(samples) if (i, s) not in done]
     if done:
         log(f"{path}: {len(done)} answers already generated, {len(todo)} to go")
@@ -184,10 +190,7 @@ def generate_fixed(family: Any, weights: dict, cfg: Any, tokenizer: Any, prompts
 
     if rows < 1:
         raise InvalidInputError(f"rows must be >= 1, got {rows}")
-    path = pathlib.Path(out_dir) / SEQUENCES_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _truncate_torn_line(path)
-    done = {(a.prompt_index, a.sample): a for a in read_sequences(path)}
+    path, done = _answers_so_far(out_dir)
     todo = [i for i in range(len(prompts)) if (i, 0) not in done]
     if done:
         log(f"{path}: {len(done)} answers already generated, {len(todo)} to go")
