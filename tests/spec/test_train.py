@@ -385,6 +385,10 @@ def test_answers_from_one_fixed_program_are_the_engines(tiny_llama_dir, tmp_path
     with pytest.raises(InvalidInputError, match="exceeds the model's 256 positions"):
         distill.generate_fixed(family, weights, cfg, tokenizer, ["word " * 300], tmp_path / "long", max_new_tokens=8,
                                chat=chat, rows=2, progress=False)
+    with pytest.raises(InvalidInputError, match="use fewer rows"):  # the cache is bounded before it is made
+        distill.generate_fixed(family, weights, cfg, tokenizer, prompts, tmp_path / "wide", max_new_tokens=8,
+                               chat=chat, rows=10**8, progress=False)
+    assert distill.read_sequences(tmp_path / "wide" / distill.SEQUENCES_FILE) == []  # nothing written
 
 
 def test_train_draft_takes_its_answers_from_the_fixed_program_where_asked(tiny_llama_dir, tmp_path, monkeypatch):

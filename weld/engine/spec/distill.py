@@ -29,6 +29,9 @@ from weld.utils.errors import InvalidInputError
 from weld.utils.progress import Progress
 
 SEQUENCES_FILE = "sequences.jsonl"
+# The most cache `generate_fixed` allocates (rows x (prompt + new tokens)), and at most half the
+# device's memory where it says: --max-num-seqs is the user's, so bounded before anything is made.
+FIXED_CACHE_BYTES = 16 * 2**30
 # The sampling of samples 1, 2, ...: the CLI's defaults (sample 0 is greedy).
 SAMPLED = DEFAULT_SAMPLING
 
@@ -206,12 +209,21 @@ def generate_fixed(family: Any, weights: dict, cfg: Any, tokenizer: Any, prompts
                                 f"(padded to {width} + {max_new_tokens}) it exceeds the model's {limit} positions")
     pages = -(-(width + max_new_tokens) // page)
     spec = family.cache_spec(cfg)
+    dtype = weights["final_norm"].dtype
+    cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+        jax.eval_shape(lambda: spec.create(rows * pages, page, dtype))))
+    budget = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", FIXED_CACHE_BYTES) // 2
+    if cache_bytes > min(budget, FIXED_CACHE_BYTES):
+        raise InvalidInputError(
+            f"{rows} rows of {width} + {max_new_tokens} tokens need a {cache_bytes / 2**30:.1f} GiB cache, more than "
+            f"{min(budget, FIXED_CACHE_BYTES) / 2**30:.1f} GiB (half the device's memory, at most "
+            f"{FIXED_CACHE_BYTES // 2**30} GiB): use fewer rows (--max-num-seqs)")
     eos = np.zeros(cfg.vocab_size, bool)
     eos[[t for t in dict.fromkeys(tuple(tokenizer.eos_token_ids) + tuple(cfg.eos_token_ids)) if t < cfg.vocab_size]] = True
 
     @jax.jit
     def answer(weights, tokens, lengths, stops):
-        cache = spec.create(rows * pages, page, weights["final_norm"].dtype)
+        cache = spec.create(rows * pages, page, dtype)
         batch = AttentionBatch(spec.tables(jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages)))
         positions = jnp.where(jnp.arange(width)[None, :] < lengths[:, None], jnp.arange(width)[None, :], -1)
         logits, _, cache = family.forward(weights, cfg, tokens, positions, cache, batch, (lengths - 1)[:, None])
