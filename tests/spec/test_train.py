@@ -227,17 +227,22 @@ def test_features_gathered_on_the_device_train_as_those_sent_from_the_host(monke
     data = train.build_features(llama, weights, TARGET, CFG, sequences.tolist(), [5] * 6, progress=False)
     settings = train.TrainConfig(steps=6, lr=3e-3, warmup=2, batch_size=3, anchors=4)
     params = dspark.init_params(CFG, seed=0, target_weights=weights)
-    gathered, gather = [], train.gather_features
+    gathered, gather, resident = [], train.gather_features, train.resident_features
     monkeypatch.setattr(train, "gather_features", lambda *a, **k: gathered.append(k.get("dtype")) or gather(*a, **k))
     _, on_host = train.train(params, CFG, weights, data, settings, progress=False, log_every=1)
     assert gathered == [np.float16] * settings.steps  # sent as stored (half the bytes of f32), one a step
     monkeypatch.setattr(train, "gather_features", gather)
     sent = []  # laid out as resident_features lays them: columns padded, slabs of 5 rows (the last one short)
+    monkeypatch.setattr(train, "free_device_memory", lambda: 1 << 40)  # as an accelerator says
     monkeypatch.setattr(train, "resident_features",
-                        lambda f: sent.append(f.shape) or train.padded_on_device(f, train.LANES, rows_per_copy=5))
+                        lambda f, room: sent.append((f.shape, room)) or train.padded_on_device(f, train.LANES, rows_per_copy=5))
     _, on_device = train.train(params, CFG, weights, data, settings, progress=False, log_every=1)
-    assert sent == [data.features.shape]
+    assert [shape for shape, _ in sent] == [data.features.shape]
+    assert 0 < (1 << 40) - sent[0][1] < 1 << 30  # room: what is free less the step's own memory
     assert [r["loss"] for r in on_device] == pytest.approx([r["loss"] for r in on_host], rel=1e-5)
+    features = np.ones((10, 100), np.float16)  # 10 x 128 x 2 bytes laid out
+    assert resident(features, 2560 + train.RESIDENT_MARGIN).shape[1] == train.LANES
+    assert resident(features, 2559 + train.RESIDENT_MARGIN) is None  # the host gathers
     rows = np.asarray([[2, -1], [0, 5]])
     np.testing.assert_array_equal(np.asarray(train.gather_features(jnp.asarray(data.features), rows)),
                                   train.gather_features(data.features, rows))

@@ -309,17 +309,39 @@ def online_teacher(family: Any, target_weights: dict, target_cfg: Any, batch: di
 LANES = 128
 
 
-def resident_features(features: np.ndarray, share: float = 0.5) -> jax.Array | None:
-    """The features copied to the device once, when they take at most `share` of its memory, so
-    that each step gathers its rows there instead of sending them; None where they do not fit
-    or the device does not say how much it holds (the CPU: the host gathers). Their columns are
-    padded with zeros to a multiple of LANES (`gather_features` takes the first ones)."""
+# What the device keeps free beside the features and the training step's own memory (its
+# arguments, temporaries and outputs, as XLA's memory analysis of the compiled step gives them):
+# a step's gathered features and allocator slack.
+RESIDENT_MARGIN = 256 << 20
+
+
+def free_device_memory() -> int | None:
+    """Bytes the device has free, None where it does not say (the CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0) if stats.get("bytes_limit") else None
+
+
+def resident_features(features: np.ndarray, room: int) -> jax.Array | None:
+    """The features copied to the device once, when they fit in `room` bytes with
+    RESIDENT_MARGIN to spare, so that each step gathers its rows there instead of sending them;
+    None where they do not fit (the host gathers). Their columns are padded with zeros to a
+    multiple of LANES (`gather_features` takes the first ones)."""
     padded = features.shape[0] * -(-features.shape[1] // LANES) * LANES * features.itemsize
-    if not limit or padded > share * limit:
-        return None
-    return padded_on_device(features, LANES)
+    return padded_on_device(features, LANES) if padded + RESIDENT_MARGIN <= room else None
+
+
+def compiled_step(step: Any, *args: Any) -> tuple[Any, int | None]:
+    """`step` compiled for these arguments' shapes, and the device memory one call of it takes
+    (arguments, temporaries and outputs not written over donated arguments; None where XLA
+    does not say)."""
+    compiled = step.lower(*args).compile()
+    try:
+        memory = compiled.memory_analysis()
+        used = (memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
+                - memory.alias_size_in_bytes)
+    except Exception:  # noqa: BLE001 - a backend without the analysis
+        used = None
+    return compiled, used
 
 
 def padded_on_device(array: np.ndarray, multiple: int, rows_per_copy: int = 1 << 16) -> jax.Array:
@@ -483,7 +505,7 @@ class Checkpoint:
 def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dataset, train_cfg: TrainConfig,
           progress: bool | None = None, log_every: int = 10, checkpoint: Checkpoint | None = None,
           settings: dict | None = None, draft_vocab: np.ndarray | None = None,
-          target: tuple[Any, Any] | None = None) -> tuple[dict, list[dict]]:
+          target: tuple[Any, Any] | None = None, log: Any = None) -> tuple[dict, list[dict]]:
     """Runs train_cfg.steps optimizer steps (resuming from `checkpoint` when it holds a run of
     the same `settings`); returns the trained params and the logged metrics. draft_vocab: the
     draft vocabulary's ids (`draft_vocabulary`) when cfg has one.
@@ -515,8 +537,21 @@ def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dat
         if resumed is not None:
             start, params, opt_state, rng, history = resumed
     width = -(-int(data.lengths.max()) // 64) * 64  # one program shape for every step
-    resident = None if teach is not None else resident_features(data.features)
-    gather = jax.jit(gather_features, static_argnames="columns")
+    resident, free = None, free_device_memory()
+    if teach is None and free is not None:  # stored features: on the device if they fit beside the step
+        shapes = sample_blocks(data, np.zeros(train_cfg.batch_size, np.int64), train_cfg.anchors, cfg.block_size,
+                               np.random.default_rng(0), place, width, features=False)
+        rows = shapes.pop("feature_rows")
+        shapes = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in shapes.items()}
+        shapes["features"] = jax.ShapeDtypeStruct(rows.shape + data.features.shape[1:], data.features.dtype)
+        step, step_bytes = compiled_step(step, params, opt_state, shapes, target_weights)
+        if step_bytes is not None:
+            resident = resident_features(data.features, free - step_bytes)
+            if log is not None:
+                log(f"features: {data.features.nbytes / 1e9:.2f} GB, "
+                    f"{'on the device' if resident is not None else 'gathered on the host'} "
+                    f"({free / 1e9:.2f} GB free, the step takes {step_bytes / 1e9:.2f} GB)")
+    gather = jax.jit(gather_features, static_argnames=("columns", "dtype"))
 
     def next_batch() -> tuple[dict, dict]:
         """The next step's batch on the device, and the data order's random state after it (what
@@ -540,7 +575,8 @@ def train(params: dict, cfg: dspark.DraftConfig, target_weights: dict, data: Dat
             if teach is not None:
                 batch = teach(batch=batch)
             elif resident is not None:
-                batch["features"] = gather(resident, batch.pop("feature_rows"), columns=data.features.shape[1])
+                batch["features"] = gather(resident, batch.pop("feature_rows"), columns=data.features.shape[1],
+                                             dtype=data.features.dtype)  # as the host sends them
             params, opt_state, metrics = step(params, opt_state, batch, target_weights)
             if i % log_every == 0 or i == train_cfg.steps - 1:
                 metrics = {k: round(float(v), 4) for k, v in jax.device_get(metrics).items()}
@@ -702,6 +738,7 @@ def train_draft(model: str | None, data_path: str | Sequence[str], out: str, *, 
     else:
         data = build_features(family, target_weights, target_cfg, cfg, sequences, prompt_lengths,
                               directory=data_dir / FEATURES_DIR, progress=progress)
+        target_weights = shared_weights(target_weights)  # all the drafter reads now: the layers' memory goes back
     kept = [a for a in answers if len(a.tokens) - a.prompt_length >= cfg.block_size + 1 and a.prompt_length >= 1]
     is_eval = np.asarray([bool(held[a.prompt_index]) for a in kept])
     train_data, eval_data = data.subset(np.flatnonzero(~is_eval)), data.subset(np.flatnonzero(is_eval))
@@ -725,7 +762,7 @@ def train_draft(model: str | None, data_path: str | Sequence[str], out: str, *, 
         settings["features"] = features
     params, history = train(params, cfg, target_weights, train_data, train_cfg, progress=progress,
                             checkpoint=Checkpoint(out_dir / CHECKPOINT_DIR), settings=settings, draft_vocab=vocab,
-                            target=(family, target_cfg) if features == "online" else None)
+                            target=(family, target_cfg) if features == "online" else None, log=log)
     if vocab is not None:
         params = {**params, dspark.VOCAB_TENSOR: jnp.asarray(vocab)}
     # The held-out report measures the drafter as written, read back the way `--draft` reads it
