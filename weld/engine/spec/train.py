@@ -777,6 +777,7 @@ def train_draft(model: str | None, data_path: str | Sequence[str], out: str, *, 
     summary = dict(model=source, data=" + ".join(data), prompts=len(prompts), held_out_prompts=int(held.sum()),
                    samples_per_prompt=samples, max_new_tokens=max_new_tokens, features=features, answers=len(answers),
                    generated_tokens=generated, train_answers=len(train_data), eval_answers=len(eval_data),
+                   **({} if init is None else {"init": str(init)}),
                    train=dataclasses.asdict(train_cfg), final=history[-1] if history else {}, held_out=report,
                    seconds=round(time.perf_counter() - started, 1))
     dspark.save(out_dir, params, cfg, metadata=summary)
