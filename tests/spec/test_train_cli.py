@@ -68,3 +68,14 @@ def test_train_draft_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys
     assert main(args) == 0
     assert "all 5 answers already generated" in capsys.readouterr().err
     assert (out / "model.safetensors").read_bytes() == first
+    # --init: a second drafter from the first, on the same answers; its record names where it started
+    import shutil
+
+    again = tmp_path / "again"
+    shutil.copytree(out / "data", again / "data")
+    init_args = [*args, "--init", str(out)]
+    init_args[init_args.index("--out") + 1] = str(again)
+    assert main(init_args) == 0
+    capsys.readouterr()
+    assert json.loads((again / "config.json").read_text())["training"]["init"] == str(out)
+    assert "init" not in json.loads((out / "config.json").read_text())["training"]
