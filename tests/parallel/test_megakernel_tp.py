@@ -29,8 +29,9 @@ def _run(devices: int, configs: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("devices,configs", [
-    # the default suite: each kind of layer under expert parallelism, and a planted bug (data
-    # parallelism runs in the default suite through the engine, test_sharded_engine.py)
+    # the default suite: each kind of layer under expert parallelism, and a planted bug (through
+    # the engine, test_sharded_engine.py runs the kernel over tp x ep in the default suite and
+    # over tp x dp in the slow set)
     # (KDA stands for Gated DeltaNet's grouped channels here; Gemma 3 under TP runs in the slow set)
     # and linear-attention state slots over the data-parallel ranks
     (4, ["moe_ep", "mla_ep", "kda_ep", "gdn_dp", "moe_ep_wrong_expert"]),
