@@ -42,7 +42,7 @@ serve: install
 TEST_WORKERS ?= $(shell $(BIN)/python -c 'import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))' 2>/dev/null || echo 1)
 
 test: install-test
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not llamacpp" --durations=30 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not llamacpp" --durations=30 tests
 
 test-slow: install-test
 	$(BIN)/python -m pytest -q -m slow tests

@@ -294,25 +294,7 @@ SLOW_VARIANTS = frozenset({
 })
 
 
-# The default suite's longest files (seconds in CI's --durations, 2026-12-07), queued first so that
-# `make test`'s two workers end together: xdist's own order (files by their number of tests, which
-# `make test` turns off) put the 140 s baseline-build file, 3 tests, near the end of one worker's
-# queue. Longest first, then every other file in collection order.
-LONGEST_FILES = (
-    "tests/kernels/test_megakernel_engine.py",  # ~250 s
-    "tests/kernels/test_cpu_baseline_build.py",  # ~140 s
-    "tests/parallel/test_megakernel_tp.py",  # ~80 s
-    "tests/kernels/test_megakernel_compile.py",  # ~65 s
-    "tests/engine/test_gemma3_gguf.py",  # ~60 s
-    "tests/kernels/test_megakernel_moe.py",  # ~55 s
-    "tests/parallel/test_sharded_engine.py",  # ~45 s
-    "tests/server/test_soak.py",  # ~40 s
-)
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in SLOW_VARIANTS:
             item.add_marker(pytest.mark.slow)
-    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep their order
