@@ -40,6 +40,10 @@ def loop(step):
         return c[0], c[1], c[2]
     return run
 
+def used(logits):
+    """The logits' greedy ids summed into the loop's carry: without a use, XLA drops the LM head."""
+    return jnp.sum(jnp.argmax(logits, axis=-1))
+
 def dec(capture):
     def step(i, cache, dstate):
         tok = jnp.full((B, 1), 5, jnp.int32) + i
@@ -47,7 +51,7 @@ def dec(capture):
         logits, feats, cache = fwd(W, cfg, tok, pos, cache, batch, jnp.zeros((B, 1), jnp.int32), capture_layers=cap if capture else ())
         if capture:
             dstate = drafter.observe(DP, dstate, (tok,), (pos,), (tables,), (jnp.zeros((B,), jnp.int32),), (feats,))
-        return cache, dstate
+        return cache, dstate, used(logits)
     return step
 
 def ver(s, capture=True):
@@ -57,7 +61,7 @@ def ver(s, capture=True):
         logits, feats, cache = fwd(W, cfg, tok, pos, cache, batch, capture_layers=cap if capture else ())
         if capture:
             dstate = drafter.observe(DP, dstate, (tok,), (pos,), (tables,), (jnp.zeros((B,), jnp.int32),), (feats,))
-        return cache, dstate
+        return cache, dstate, used(logits)
     return step
 
 def prop(k, threshold):
@@ -70,7 +74,8 @@ def prop(k, threshold):
         return cache, dstate2, jnp.sum(drafts) + jnp.sum(num)  # summed into the carry: not pruned
     return step2
 
-parts = {"decode": dec(False), "decode+observe": dec(True)}
+unused = lambda step: (lambda i, cache, dstate: step(i, cache, dstate)[:2])
+parts = {"decode": dec(False), "decode+observe": dec(True), "decode, logits unused": unused(dec(False))}
 for s in (2, 4, 8):
     parts[f"verify{s}+observe"] = ver(s)
     parts[f"verify{s}"] = ver(s, False)
