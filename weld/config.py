@@ -23,7 +23,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # `weld train-draft --features`: run the target over every answer before training (its features
 # kept on disk), or inside each training step
 TRAIN_FEATURES = ("stored", "online")
-# --kv-cache-dtype (vLLM's flag): "auto" stores K/V in the model's dtype.
+# --kv-cache-dtype (vLLM's flag): "auto" stores K/V in the model's dtype (float16 on the CPU under --dtype auto).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The KV pool's memory when no size is given: at most this, and no more than max_num_seqs
 # sequences of max_model_len tokens need.
@@ -62,7 +62,8 @@ class CacheConfig:
     """The paged KV cache: page_size tokens per page (vLLM's block_size); num_pages pages, or as
     many as kv_cache_memory_gb GiB hold (counted from the model's cache spec; None: what
     max_num_seqs sequences of max_model_len tokens take, at most DEFAULT_KV_CACHE_GB);
-    kv_cache_dtype the pools' element type ("auto": the model's dtype). Both sizes are the whole
+    kv_cache_dtype the pools' element type ("auto": the model's dtype, float16 where that is "auto"
+    on the CPU, `llm.resolve_kv_dtype`). Both sizes are the whole
     cache's: data-parallel ranks share them evenly (each still holds one max_model_len sequence)."""
 
     page_size: int = 16
@@ -365,8 +366,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *,
                    help="memory for the paged KV cache, shared by the data-parallel ranks (default: what "
                         f"--max-num-seqs sequences of --max-model-len tokens take, at most {DEFAULT_KV_CACHE_GB:g})")
     g.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
-                   help="KV cache element type; float16 / bfloat16 halve a float32 cache (default: auto, "
-                        "the model's dtype)")
+                   help="KV cache element type (default: auto, the --dtype given; with --dtype auto on the "
+                        "CPU float16, half of a float32 cache, as llama.cpp keeps it)")
     g.add_argument("--block-size", type=int, default=cache.page_size, metavar="N",
                    help=f"tokens per KV page (default: {cache.page_size})")
     g.add_argument("--num-pages", type=int, default=None, metavar="N",

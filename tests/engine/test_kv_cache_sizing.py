@@ -4,6 +4,8 @@ halves a float32 pool with float16 or bfloat16 while greedy text stays the float
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -59,3 +61,19 @@ def test_a_16_bit_pool_halves_the_bytes_and_keeps_the_text(model_dir, kv_dtype):
         lp = lambda o: np.array([next(iter(d.values())).logprob for d in o.outputs[0].logprobs])  # noqa: E731
         np.testing.assert_allclose(lp(b), lp(a), atol=0.05)
         assert not np.array_equal(lp(b), lp(a))  # the 16-bit pool really was read
+
+
+def test_auto_is_float16_where_weld_chose_float32_and_the_dtype_given_otherwise(model_dir):
+    """`resolve_kv_dtype`: with dtype auto on the CPU (float32 weights, weld's choice) the pool is
+    float16, as llama.cpp keeps it; an explicit dtype is the pool's too (vLLM's 'auto')."""
+    from weld.engine.llm import resolve_kv_dtype
+
+    assert jax.default_backend() == "cpu"
+    args = dict(max_model_len=CONTEXT, page_size=PAGE, progress=False, max_num_seqs=2)
+    auto, f32 = LLM(model_dir, **args), engine(model_dir, max_num_seqs=2)
+    assert auto.engine.runner.cache.layers[0].k.dtype == np.float16
+    assert f32.engine.runner.cache.layers[0].k.dtype == np.float32
+    assert pool_bytes(auto) * 2 == pool_bytes(f32)  # the same pages, half the bytes
+    assert resolve_kv_dtype("auto", "bfloat16") == jnp.bfloat16
+    assert resolve_kv_dtype("auto", None) == jnp.float16
+    assert resolve_kv_dtype("float32", "auto") == jnp.float32  # asked for: kept

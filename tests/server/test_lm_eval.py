@@ -130,8 +130,10 @@ def check_greedy_flag(completions, hf: HFLM, torch_model):
 @pytest.fixture(scope="module")
 def tiny_server(tiny_llama_dir, tmp_path_factory):
     directory, _ = tiny_llama_dir
-    with run_server("--model", str(directory), "--max-model-len", "256", "--kv-cache-memory-gb", "0.01",
-                    "--served-model-name", "tiny", tmp_path=tmp_path_factory.mktemp("srv")) as srv:
+    # float32 asked for, so the KV cache is float32 too and the scores are HF's to 1e-3
+    with run_server("--model", str(directory), "--dtype", "float32", "--max-model-len", "256",
+                    "--kv-cache-memory-gb", "0.01", "--served-model-name", "tiny",
+                    tmp_path=tmp_path_factory.mktemp("srv")) as srv:
         yield srv
 
 
@@ -156,8 +158,8 @@ def test_smollm2_matches_hf(tmp_path_factory):
     """The bundled model, dequantized to f32 on both sides (`--quantization none`; transformers
     always dequantizes a GGUF), with its own tokenizer and chat template."""
     gguf = default_model_path()
-    with run_server("--max-model-len", "512", "--quantization", "none", "--kv-cache-memory-gb", "0.1",
-                    tmp_path=tmp_path_factory.mktemp("srv")) as srv:
+    with run_server("--dtype", "float32", "--max-model-len", "512", "--quantization", "none",
+                    "--kv-cache-memory-gb", "0.1", tmp_path=tmp_path_factory.mktemp("srv")) as srv:
         hf = HFLM(pretrained=str(gguf.parent), gguf_file=gguf.name, dtype="float32",
                   device="cpu", batch_size=1)
         run_all(srv.url, "SmolLM2-135M-Instruct", hf, STOPS)

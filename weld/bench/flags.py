@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weld's weight and KV dtype; auto is float32 on CPU (default: auto)")
     add_quantization_argument(p)
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="weld's KV cache element type (default: auto, the model's dtype)")
+                   help="weld's KV cache element type (default: auto: the --dtype given; float16 on the "
+                        "CPU with --dtype auto)")
     p.add_argument("--batch-sizes", default=None, metavar="B,B,...",
                    help=f"decode batch sizes (default: {DEFAULT_BATCH_SIZES}; {DEFAULT_SPEC_BATCH_SIZES} with "
                         "--spec or --prompts)")

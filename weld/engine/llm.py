@@ -58,6 +58,21 @@ def resolve_dtype(dtype: Any) -> Any:
     return jnp.dtype(dtype).type
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: Any) -> Any:
+    """The KV pools' element type for the model dtype asked for (`dtype`, before `resolve_dtype`).
+    'auto' is that dtype, except where weld chose it too ('auto' on the CPU, float32 for speed):
+    then float16, as llama.cpp keeps its cache, half the pool; the native attention kernel widens
+    f16 rows as it reads them at no cost measured (`benchmarks/results/kv_dtype_2026-12-07.json`).
+    An explicit --dtype float32 keeps a float32 cache, as vLLM's 'auto' would. Recurrent states
+    stay float32 whatever this says (`cache.Recurrent`)."""
+    if kv_cache_dtype != "auto":
+        return jnp.dtype(kv_cache_dtype).type
+    model_dtype = resolve_dtype(dtype)
+    if (dtype is None or dtype == "auto") and model_dtype == jnp.float32:
+        return jnp.float16
+    return model_dtype
+
+
 def enable_compilation_cache() -> None:
     """Keeps compiled programs on disk (~/.cache/weld/xla, or $WELD_CACHE_DIR; "0" disables), so
     only the first run on a machine pays for compiling a model's programs."""
@@ -129,8 +144,7 @@ class LLM:
         self.channel = distributed.initialize(config.parallel) if config.parallel.nnodes > 1 else None
         enable_compilation_cache()
         self.dtype = resolve_dtype(config.dtype)
-        kv = config.cache.kv_cache_dtype
-        self.kv_dtype = self.dtype if kv == "auto" else jnp.dtype(kv)
+        self.kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, config.dtype)
         # Over a mesh, the mesh is made from the checkpoint's config before any weight is read, so
         # that every process reads only the slices of the weights its devices hold.
         started = time.perf_counter()
