@@ -354,7 +354,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *,
     g.add_argument("--model", default=None, metavar="PATH_OR_ID",
                    help=f"GGUF file, HF directory, `weld convert` directory or hub id (default: {model_default_help})")
     g.add_argument("--dtype", default=defaults.dtype, choices=list(DTYPES),
-                   help="weight and KV-cache dtype; auto is float32 on CPU, bfloat16 on GPU/TPU (default: auto)")
+                   help="weight dtype, and the KV cache's unless --kv-cache-dtype says otherwise; auto is "
+                        "float32 on CPU (with a float16 cache), bfloat16 on GPU/TPU (default: auto)")
     add_quantization_argument(g)
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="context length (default: the model's)")

@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="PATH_OR_ID",
                    help="GGUF file, HF directory or hub id (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=list(DTYPES),
-                   help="weld's weight and KV dtype; auto is float32 on CPU (default: auto)")
+                   help="weld's weight dtype, and its KV cache's unless --kv-cache-dtype; auto is float32 "
+                        "on CPU, with a float16 cache (default: auto)")
     add_quantization_argument(p)
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="weld's KV cache element type (default: auto: the --dtype given; float16 on the "
