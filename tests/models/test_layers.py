@@ -266,3 +266,16 @@ def test_the_int4_experts_mix_picks_a_format_per_kind():
     assert quant.leaf_mode("expert", "int4") == "int4" and quant.leaf_mode("head", "int4") == "int8"
     with pytest.raises(ValueError, match="quantization must be one of"):
         quant.quantize(np.ones((2, 4), np.float32), mix)  # a mix names formats, it is not one
+
+
+def test_host_joins_match_jnp_on_the_host_and_inside_a_trace():
+    from weld.models.common import host
+
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), jnp.full((1, 3), 7.0)
+    joined = host.concatenate([a, b])
+    assert isinstance(joined, jax.Array) and joined.devices() == b.devices()
+    np.testing.assert_array_equal(joined, np.concatenate([a, np.asarray(b)]))
+    np.testing.assert_array_equal(host.stack([a[0], a[1]]), a)
+    traced = jax.jit(lambda x, y: host.concatenate([x, y], axis=0))(a, b)  # tracers: jnp's path
+    np.testing.assert_array_equal(traced, joined)
+    np.testing.assert_array_equal(jax.jit(lambda x: host.stack([x, x]))(b), np.stack([b, b]))

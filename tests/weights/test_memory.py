@@ -85,3 +85,31 @@ def test_peak_rss_of_loading_a_weld_checkpoint(tmp_path):
           f"{result['extra'] / result['loaded']:.2f}x")
     assert result["loaded"] > 90e6  # the blocks really were loaded
     assert result["extra"] < 1.4 * result["loaded"]
+
+
+# Loading and preparing the bundled GGUF (kept quantized, as `weld serve` holds it) compiles no XLA
+# program. Until 2026-12-07 it compiled 13 (`jnp.asarray` of each shape of packed codes,
+# `jnp.concatenate` of each fused projection's parts): ~0.3 s of the load, and ~20 MB an `LLM`
+# held until JAX's caches were next cleared.
+COMPILES_SCRIPT = """
+import json, logging
+import jax
+from weld.engine.llm import WeightTarget
+from weld.weights import load_model
+records = []
+handler = logging.Handler()
+handler.emit = lambda record: records.append(record.getMessage())
+logging.getLogger("jax").addHandler(handler)
+jax.config.update("jax_log_compiles", True)
+model = load_model(None, dtype="float32", progress=False)
+weights = model.family.prepare_weights(model.weights, model.cfg, WeightTarget.on_this_host("xla", "float32", True))
+jax.block_until_ready(jax.tree.leaves(weights))
+print(json.dumps([m.split(" with ")[0] for m in records if m.startswith("Compiling")]))
+"""
+
+
+def test_loading_the_default_gguf_compiles_no_program(default_gguf):
+    out = subprocess.run([sys.executable, "-c", COMPILES_SCRIPT], capture_output=True, text=True, check=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=REPO, timeout=120)
+    programs = json.loads(out.stdout.strip().splitlines()[-1])
+    assert programs == [], f"the loader compiled {len(programs)} programs: {programs}"

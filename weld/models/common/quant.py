@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from weld.models.common import host
 from weld.models.common.rounding import rounded
 
 BLOCK = 32
@@ -284,10 +285,10 @@ def from_codes(codes: np.ndarray, d: np.ndarray, mn: np.ndarray | None, fmt: str
     def panels(v: np.ndarray) -> jax.Array:  # [n, ng * sub] -> [P, ng, sub * 16]
         full = np.zeros((p * PANEL, ng * sub), np.float32)
         full[:n] = v
-        return jnp.asarray(full.reshape(p, PANEL, ng, sub).transpose(0, 2, 3, 1).reshape(p, ng, sub * PANEL)
-                           .astype(np.float16))
+        return host.asarray(full.reshape(p, PANEL, ng, sub).transpose(0, 2, 3, 1).reshape(p, ng, sub * PANEL)
+                            .astype(np.float16))
 
-    return QuantWeight(jnp.asarray(packed), panels(d), panels(mn) if mn is not None else None, n, k, fmt)
+    return QuantWeight(host.asarray(packed), panels(d), panels(mn) if mn is not None else None, n, k, fmt)
 
 
 def quantize(w: np.ndarray, mode: str) -> QuantWeight:
@@ -306,8 +307,8 @@ def quantize(w: np.ndarray, mode: str) -> QuantWeight:
         return _quantize_rows(np.asarray(w, np.float32), mode)
     if n > CHUNK_ROWS:  # by panels of rows, so the f32 temporaries stay a chunk's, not the matrix's
         parts = [quantize(w[i:i + CHUNK_ROWS], mode) for i in range(0, n, CHUNK_ROWS)]
-        mins = None if parts[0].mins is None else jnp.concatenate([q.mins for q in parts])
-        return QuantWeight(jnp.concatenate([q.codes for q in parts]), jnp.concatenate([q.scales for q in parts]),
+        mins = None if parts[0].mins is None else host.concatenate([q.mins for q in parts])
+        return QuantWeight(host.concatenate([q.codes for q in parts]), host.concatenate([q.scales for q in parts]),
                            mins, n, k, mode)
     w = np.asarray(w, np.float32)
     if mode == "int8":
@@ -420,11 +421,11 @@ def _quantize_rows(w: np.ndarray, mode: str) -> QuantWeight:
         codes = _round_int4(groups, d16, mn16).astype(np.uint8).reshape(n, g * ROW_GROUP)
         half = g * ROW_GROUP // 2
         packed = codes[:, :half] | (codes[:, half:] << 4)
-        return QuantWeight(jnp.asarray(packed), jnp.asarray(d16), jnp.asarray(mn16), n, k, mode)
+        return QuantWeight(host.asarray(packed), host.asarray(d16), host.asarray(mn16), n, k, mode)
     d = np.abs(w).max(axis=1) / np.float32(127.0)
     d = np.where(d > 0, d, np.float32(1.0)).astype(np.float32)
     codes = np.clip(np.rint(w / d[:, None]), -127, 127).astype(np.int8)
-    return QuantWeight(jnp.asarray(codes), jnp.asarray(d), None, w.shape[0], w.shape[1], mode)
+    return QuantWeight(host.asarray(codes), host.asarray(d), None, w.shape[0], w.shape[1], mode)
 
 
 def quantize_stack(w: np.ndarray, mode: str) -> QuantWeight:
@@ -487,7 +488,7 @@ class Blocks:
 
 def stack(parts: list[QuantWeight]) -> QuantWeight:
     """QuantWeights of one format and shape as one stack with a leading axis (an MoE layer's experts)."""
-    join = lambda name: None if getattr(parts[0], name) is None else jnp.stack([getattr(p, name) for p in parts])  # noqa: E731
+    join = lambda name: None if getattr(parts[0], name) is None else host.stack([getattr(p, name) for p in parts])  # noqa: E731
     return QuantWeight(join("codes"), join("scales"), join("mins"), parts[0].n, parts[0].k, parts[0].fmt)
 
 
@@ -668,26 +669,26 @@ def take_columns(w, index: np.ndarray):
 
 
 def concat_rows(parts: list) -> "QuantWeight | jax.Array | None":
-    """Matrices [n_i, k] stacked along their outputs: arrays by jnp.concatenate, QuantWeights of one
+    """Matrices [n_i, k] stacked along their outputs: arrays concatenated, QuantWeights of one
     format by their panels (re-packed when an n_i is not a multiple of 16). None when the forms
     differ (a layer whose matrices a GGUF stores in several types is left unfused)."""
     if all(not isinstance(p, QuantWeight) for p in parts):
-        return jnp.concatenate(parts, axis=-2)
+        return host.concatenate(parts, axis=-2)
     if not all(isinstance(p, QuantWeight) and p.fmt == parts[0].fmt and p.shape[:-2] + (p.k,) ==
                parts[0].shape[:-2] + (parts[0].k,) for p in parts):
         return None
     if parts[0].rows:  # per-row scales [..., n] (int8) or per-row groups [..., n, g] (int4)
         axis = -2 if parts[0].scales.ndim == parts[0].codes.ndim else -1
-        cat = lambda vs: None if vs[0] is None else jnp.concatenate(vs, axis=axis)  # noqa: E731
-        return QuantWeight(jnp.concatenate([p.codes for p in parts], axis=-2), cat([p.scales for p in parts]),
+        cat = lambda vs: None if vs[0] is None else host.concatenate(vs, axis=axis)  # noqa: E731
+        return QuantWeight(host.concatenate([p.codes for p in parts], axis=-2), cat([p.scales for p in parts]),
                            cat([p.mins for p in parts]), sum(p.n for p in parts), parts[0].k, parts[0].fmt)
     if parts[0].ndim == 3:  # expert stacks: each expert's matrices
         return stack([concat_rows([expert(p, e) for p in parts]) for e in range(parts[0].shape[0])])
     if all(p.n % PANEL == 0 for p in parts):
-        mins = None if parts[0].mins is None else jnp.concatenate([p.mins for p in parts])
-        return QuantWeight(jnp.concatenate([p.codes for p in parts]), jnp.concatenate([p.scales for p in parts]),
+        mins = None if parts[0].mins is None else host.concatenate([p.mins for p in parts])
+        return QuantWeight(host.concatenate([p.codes for p in parts]), host.concatenate([p.scales for p in parts]),
                            mins, sum(p.n for p in parts), parts[0].k, parts[0].fmt)
-    host = [to_blocks(p) for p in parts]
+    blocks = [to_blocks(p) for p in parts]
     cat = lambda vs: None if vs[0] is None else np.concatenate(vs)  # noqa: E731
-    return Blocks(cat([h.codes for h in host]), cat([h.d for h in host]), cat([h.mn for h in host]),
+    return Blocks(cat([b.codes for b in blocks]), cat([b.d for b in blocks]), cat([b.mn for b in blocks]),
                   parts[0].fmt).packed()
