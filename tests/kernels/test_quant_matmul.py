@@ -142,6 +142,26 @@ def test_matches_numpy_statement(isa, fmt, m, n, k):
 
 
 @needs_kernels
+@pytest.mark.parametrize("chunks", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("m,n", [(1, 16), (1, 1000), (3, 530), (8, 4100), (64, 200)])
+def test_every_panel_once_however_the_runs_are_claimed(chunks, m, n):
+    """Few-row calls split the panels into one run per thread, claimed in `chunks` pieces, a
+    thread done with its own taking the back of another's: a panel missed leaves its outputs
+    unwritten, one taken twice by threads whose pieces overlap races on them. More chunks than a
+    run has panels, and runs of one panel, included."""
+    rng = np.random.default_rng(m * 7 + n)
+    k = 96
+    codes, d, mn = random_blocks(rng, n, k, "q4_1")
+    w = quant.from_codes(codes, d, mn, "q4_1")
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = reference(x, codes, d, mn, "q4_1", digits=1)
+    for _ in range(3):  # the claims race differently each call
+        y = np.asarray(cpu_kernels.quant_matmul(jnp.asarray(x), w.codes, w.scales, w.mins, w.n, w.bits, w.offset,
+                                                digits=1, chunks=chunks))
+        close(y, want)
+
+
+@needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS)
 def test_extreme_codes_zero_blocks_and_scales(isa, fmt):

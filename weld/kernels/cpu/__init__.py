@@ -58,6 +58,10 @@ _TARGETS = {"weld_paged_attention": "WeldPagedAttention", "weld_packed_matmul": 
             "weld_stream_put": "WeldStreamPut"}
 # The quantized matmul's instruction-set paths (its `isa` attribute), fastest last.
 ISAS = ("scalar", "avx2", "avx512vnni")
+# The quantized matmul's few-row calls: each thread's run of panels is claimed in this many pieces,
+# so a helper that wakes late has its run's back taken by the others (`benchmarks/quant_matmul.py
+# --chunks 1,8` compares it with whole runs in one process).
+STREAM_CHUNKS = 8
 # KV pool element types the paged attention kernel reads (widened to f32 as it reads them).
 KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
@@ -354,14 +358,16 @@ def quant_isa() -> str:
 
 def quant_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Array | None, n: int, bits: int,
                  offset: float, isa: str | None = None, digits: int = 1, sub: int = 1,
-                 lut: np.ndarray | None = None, group: int = 1) -> jax.Array:
+                 lut: np.ndarray | None = None, group: int = 1, chunks: int = STREAM_CHUNKS) -> jax.Array:
     """x [m, k] f32 @ W.T for W [n, k] quantized in blocks of 32 (quant_matmul.cc;
     weld.models.common.layers.QuantWeight): codes u8 [P, nb, 512 | 256], scales and mins f16
     [P, ng, 16 sub] (sub 2: a scale per 16 inputs; group: blocks per scale, a power of two, and
     ng = ceil(nb / group); mins None: w = d (c - offset)); lut: 16 int8
     values that 4-bit codes index (c = 128 + lut[code], offset 128), or None. isa: one of ISAS
     (None: `quant_isa()`). digits: int8 digits per activation (2: the rounding residual quantized
-    again and multiplied too). Returns y [m, n] f32."""
+    again and multiplied too). chunks: the pieces each thread's run of panels is claimed in when
+    few rows stream the weights (a thread done with its own run takes the back of another's; 1:
+    whole runs). Returns y [m, n] f32."""
     isa = quant_isa() if isa is None else isa
     if isa not in supported_isas():
         raise InvalidInputError(f"the quantized matmul's {isa} path does not run on this CPU "
@@ -372,4 +378,4 @@ def quant_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, mins: jax.Ar
     table = jnp.zeros((0,), jnp.int8) if lut is None else jnp.asarray(np.asarray(lut, np.int8))
     return call(x.astype(jnp.float32), codes, scales, no_mins if mins is None else mins, table, bits=np.int64(bits),
                 offset=np.float32(offset), isa=np.int64(ISAS.index(isa)), digits=np.int64(digits),
-                sub=np.int64(sub), group=np.int64(group))
+                sub=np.int64(sub), group=np.int64(group), chunks=np.int64(chunks))

@@ -525,7 +525,8 @@ void panel_rows(const Activations& a, const Panel& p, int bits, int sub, float o
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
                            ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> mins, ffi::Buffer<ffi::S8> lut,
                            ffi::ResultBuffer<ffi::F32> y,
-                           int64_t bits, float offset, int64_t isa, int64_t digits, int64_t sub, int64_t group) {
+                           int64_t bits, float offset, int64_t isa, int64_t digits, int64_t sub, int64_t group,
+                           int64_t chunks) {
   auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(), md = mins.dimensions();
   auto yd = y->dimensions();
   if (xd.size() != 2 || cd.size() != 3 || sd.size() != 3 || yd.size() != 2) {
@@ -546,7 +547,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
       (group > 1 && sub != 1) || cd[2] != bytes || sd[0] != num_panels || sd[1] != ng || sd[2] != kPanel * sub ||
       nb * kBlock < k || (nb - 1) * kBlock >= k || yd[0] != m || n > num_panels * kPanel ||
       n <= (num_panels - 1) * kPanel || (has_mins && (md[1] != ng || md[2] != kPanel * sub)) || isa < 0 || isa > kVnni ||
-      (digits != 1 && digits != 2)) {
+      (digits != 1 && digits != 2) || chunks < 1) {
     return ffi::Error::InvalidArgument("weld_quant_matmul: inconsistent shapes or attributes");
   }
   Activations acts(m, nb), second(digits == 2 ? m : 0, nb, true);
@@ -568,7 +569,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   };
   // A few rows (decode, verification, batches up to kStreamRows: the calls that stream the
   // weights) are quantized by the caller while the pool's helpers wake for the panels
-  // (parallel_for_after); many (prefill) in parallel first.
+  // (parallel_streams_after); many (prefill) in parallel first.
   const bool few = m <= kStreamRows;
   if (!few) weld::parallel_for(pool, m, std::max<int64_t>(1, 4096 / std::max<int64_t>(k, 1)), quantize);
   const uint8_t* cp = codes.typed_data();
@@ -577,11 +578,14 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const int8_t* lp = has_lut ? lut.typed_data() : nullptr;
   float* yp = y->typed_data();
   const Activations *ap = &acts, *ap2 = q2;
-  // Few rows: each thread streams one contiguous run of panels, which the hardware prefetchers
-  // follow (chunks handed out in turn would break every thread's streams at each chunk); bound by
-  // memory at one row, by the products at 16, both gain. More rows: chunks of ~64 blocks, for balance.
+  // Few rows: each thread streams its own contiguous run of panels, which the hardware prefetchers
+  // follow (chunks handed out in turn would break every thread's streams at each chunk), and
+  // takes the back of another's run when done with its own (weld::parallel_streams_after); bound
+  // by memory at one row, by the products at 16, both gain. Each run is claimed in `chunks`
+  // pieces (1: a thread's whole run at once, as before 2026-12-07). More rows: chunks of ~64
+  // blocks, for balance.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t grain = m <= kStreamRows ? (num_panels + threads - 1) / threads
+  const int64_t grain = m <= kStreamRows ? std::max<int64_t>(1, (num_panels + chunks * threads - 1) / (chunks * threads))
                                          : std::max<int64_t>(1, 64 / std::max<int64_t>(nb, 1));
   auto panels = [=](int64_t begin, int64_t end) {
     for (int64_t pi = begin; pi < end; ++pi) {
@@ -594,7 +598,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     }
   };
   if (few) {
-    weld::parallel_for_after(pool, num_panels, grain, [&] { quantize(0, m); }, panels);
+    weld::parallel_streams_after(pool, num_panels, grain, [&] { quantize(0, m); }, panels);
   } else {
     weld::parallel_for(pool, num_panels, grain, panels);
   }
@@ -636,4 +640,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WeldQuantMatmul, QuantMatmulImpl,
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("digits")
                                   .Attr<int64_t>("sub")
-                                  .Attr<int64_t>("group"));
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("chunks"));
