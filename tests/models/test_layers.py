@@ -274,6 +274,11 @@ def test_host_joins_match_jnp_on_the_host_and_inside_a_trace():
     a, b = np.arange(6, dtype=np.float32).reshape(2, 3), jnp.full((1, 3), 7.0)
     joined = host.concatenate([a, b])
     assert isinstance(joined, jax.Array) and joined.devices() == b.devices()
+    # committed as jnp's result would be: a jit call's program is looked up by it
+    assert joined.committed is jnp.concatenate([a, b]).committed is False
+    pinned = jax.device_put(b, jax.devices()[0])
+    assert host.concatenate([a, pinned]).committed and host.stack([pinned, pinned]).committed
+    assert host.asarray(a).committed is jnp.asarray(a).committed
     np.testing.assert_array_equal(joined, np.concatenate([a, np.asarray(b)]))
     np.testing.assert_array_equal(host.stack([a[0], a[1]]), a)
     traced = jax.jit(lambda x, y: host.concatenate([x, y], axis=0))(a, b)  # tracers: jnp's path

@@ -17,9 +17,13 @@ _TRACER = getattr(jax.core, "Tracer", ())  # public in JAX 0.10; () matches noth
 
 
 def _device(xs) -> "jax.Device | None | bool":
-    """The one CPU device the JAX arrays among xs live on (None when all are numpy), or False
-    when the parts must be joined by jnp (traced, on an accelerator, sharded or scattered)."""
-    device = None
+    """Where the numpy join goes: the one CPU device committed JAX arrays among xs live on, None
+    (the default device, uncommitted, as jnp's result would be) when none is committed, or False
+    when the parts must be joined by jnp (traced, on an accelerator, sharded or scattered). A
+    committed result where jnp's is not changes the key a later jit call looks its program up by:
+    the engine's programs were traced and compiled again after `weld serve` dropped the tracing
+    caches (tests/engine/test_llm_tiny.py)."""
+    device, committed = None, False
     for x in xs:
         if isinstance(x, np.ndarray):
             continue
@@ -31,12 +35,13 @@ def _device(xs) -> "jax.Device | None | bool":
         (d,) = devices
         if d.platform != "cpu" or (device is not None and d != device):
             return False
-        device = d
-    return device
+        device, committed = d, committed or bool(getattr(x, "committed", True))
+    return device if committed else None
 
 
 def asarray(x: np.ndarray | jax.Array) -> jax.Array:
-    """x as a JAX array on the default device; a numpy array by a transfer, not a program."""
+    """x as a JAX array on the default device (uncommitted, as jnp.asarray's); a numpy array by a
+    transfer, not a program."""
     return jax.device_put(x) if isinstance(x, np.ndarray) else jnp.asarray(x)
 
 
