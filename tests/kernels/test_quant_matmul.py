@@ -161,6 +161,56 @@ def test_every_panel_once_however_the_runs_are_claimed(chunks, m, n):
         close(y, want)
 
 
+# Calls of the quantized matmul from several threads at once, each checked against its own
+# result computed alone first (a call's outputs are the same bits whichever threads did its
+# panels); exits 3 if a call never finishes (a lost item hangs its caller) rather than hang.
+RACE = """
+import os, threading, time
+import jax, jax.numpy as jnp, numpy as np
+from weld.kernels import cpu
+from weld.models.common import quant
+rng = np.random.default_rng(11)
+cases = []
+for m, n, k in [(1, 1000, 96), (3, 530, 200), (2, 2000, 64), (8, 300, 128)]:
+    w = quant.quantize(rng.standard_normal((n, k), np.float32), "int4")
+    f = jax.jit(lambda x, w=w: cpu.quant_matmul(x, w.codes, w.scales, w.mins, w.n, w.bits, w.offset, digits=1))
+    cases.append([f, jnp.asarray(rng.standard_normal((m, k), np.float32)), None])
+bad = []
+def alone():
+    for case in cases:
+        case[2] = np.asarray(case[0](case[1]))
+def worker(f, x, want):
+    for _ in range(40):
+        if not np.array_equal(np.asarray(f(x)), want):
+            bad.append(x.shape)
+def within(threads, seconds):
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + seconds
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        print("a call never finished", flush=True)
+        os._exit(3)
+within([threading.Thread(target=alone, daemon=True)], 120)  # compiles, then one call at a time
+within([threading.Thread(target=worker, args=case, daemon=True) for case in cases], 60)
+print("wrong outputs" if bad else "ok", bad, flush=True)
+os._exit(1 if bad else 0)
+"""
+
+
+@needs_kernels
+def test_calls_from_many_threads_at_once():
+    """Calls made at once from several threads share XLA's pool: each caller must get every one
+    of its panels done (by itself if no helper comes in time), with no output written by another
+    call's items. Run in a subprocess: a lost item would hang the calling thread for good."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", RACE], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+
+
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS)

@@ -326,6 +326,10 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Activations& a, c
           }
         }
       } else {
+        // 4-bit codes (0..15) times int8 codes (|x| <= 127): a pair sum is within 3,810 and the
+        // 8 a sub-block adds per lane within 30,480, exact in 16 bits (5 and 6 bits overflow)
+        __m256i acc16[MR][2];
+        for (int i = 0; i < MR; ++i) acc16[i][0] = acc16[i][1] = _mm256_setzero_si256();
         for (int g = 0; g < 4; ++g) {
           for (int h = 0; h < 2; ++h) {
             const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + g * 64 + h * 32));
@@ -349,11 +353,22 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Activations& a, c
               }
               continue;
             }
+            if constexpr (BITS == 4 && !LUT) {  // pair sums added in 16 bits, widened once after the groups
+              for (int i = 0; i < MR; ++i) {
+                if (SUB == 1 || s == 0) acc16[i][h] = _mm256_add_epi16(acc16[i][h], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[i][g])));
+                if (SUB == 1 || s == 1) acc16[i][h] = _mm256_add_epi16(acc16[i][h], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[i][g + 4])));
+              }
+              continue;
+            }
             for (int i = 0; i < MR; ++i) {
               if (SUB == 1 || s == 0) acc[i][h] = _mm256_add_epi32(acc[i][h], dot4_avx2(lo, _mm256_set1_epi32(x4[i][g])));
               if (SUB == 1 || s == 1) acc[i][h] = _mm256_add_epi32(acc[i][h], dot4_avx2(hi, _mm256_set1_epi32(x4[i][g + 4])));
             }
           }
+        }
+        if constexpr (BITS == 4 && !LUT) {
+          for (int i = 0; i < MR; ++i)
+            for (int h = 0; h < 2; ++h) acc[i][h] = _mm256_madd_epi16(acc16[i][h], _mm256_set1_epi16(1));
         }
       }
       for (int h = 0; h < 2; ++h) {
