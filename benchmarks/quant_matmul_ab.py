@@ -71,9 +71,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--out")
     args = ap.parse_args()
-    rows = [int(r) for r in args.rows.split(",")]
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows takes row counts separated by commas, got {args.rows!r}")
     if not 1 <= args.rounds <= 200 or any(not 1 <= r <= 256 for r in rows):
         ap.error("--rounds must be in [1, 200] and --rows in [1, 256]")
+    formats = args.formats.split(",")
+    if any(f not in ("int4", "int8") for f in formats):
+        ap.error(f"--formats takes int4 and int8, got {args.formats!r}")
+    if subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.base}^{{commit}}"], cwd=ROOT,
+                      capture_output=True).returncode != 0:
+        ap.error(f"--base {args.base!r} is not a commit of this repository")
     if not cpu_kernels.available():
         ap.error(f"the CPU kernels are unavailable: {cpu_kernels._state.get('error')}")
     load_start = os.getloadavg()
@@ -90,7 +99,7 @@ def main() -> None:
                 build(SRC, Path(tmp) / "tree.so", targets["tree"])]
         rng = np.random.default_rng(0)
         result = {"base": args.base, "isa": cpu_kernels.quant_isa(), "rounds": args.rounds, "cases": {}}
-        for fmt in args.formats.split(","):
+        for fmt in formats:
             one = {k: quant.quantize(rng.standard_normal(s, np.float32) * 0.05, fmt) for k, s in SHAPES.items()}
             copy = lambda a: None if a is None else jnp.array(a, copy=True)  # noqa: E731
             cases = {"30 layers": [quant.QuantWeight(copy(w.codes), copy(w.scales), copy(w.mins), w.n, w.k, w.fmt)
